@@ -1,0 +1,160 @@
+"""`GSPOConfig`: `trl.GRPOConfig` with the GSPO paper's defaults, the `sequence_token` level, and validation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
+
+logger = logging.getLogger(__name__)
+
+#: Loss types whose surrogate is the two-sided clipped ratio (their epsilons must lie in (0, 1)).
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+#: Loss types that sum tokens over the batch, so a per-sequence weight gets multiplied by the sequence length.
+TOKEN_SUM_LOSS_TYPES = ("dapo", "bnpo", "dr_grpo", "cispo")
+#: Loss types TRL implements without a clipped ratio; GSPOTrainer runs TRL's own code for them, unchanged.
+TRL_NATIVE_LOSS_TYPES = ("sapo", "vespo")
+KNOWN_LOSS_TYPES = CLIPPED_LOSS_TYPES + ("cispo",) + TRL_NATIVE_LOSS_TYPES
+#: Mini-batch updates per rollout batch in the paper's setting.
+PAPER_MINI_BATCHES_PER_ROLLOUT = 4
+
+
+@dataclass
+class GSPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`GSPOTrainer`]: every [`trl.GRPOConfig`] field, with the GSPO paper's defaults.
+
+    Defaults that differ from `trl.GRPOConfig` (paper, arXiv 2507.18071, Sec. 5):
+    - `importance_sampling_level="sequence"` (GSPO) instead of `"token"` (GRPO).
+    - `epsilon=3e-4`, `epsilon_high=4e-4` instead of `0.2`: sequence ratios are geometric means, so they stay
+      within ~1e-3 of 1; a 0.2 range would never clip.
+    - `loss_type="grpo"` (mean over each sequence's tokens, then over sequences) instead of `"dapo"` (token sum,
+      which weights each sequence by its length and is not GSPO's objective).
+    - `steps_per_generation`: when neither it nor `generation_batch_size` is set, it defaults to
+      `4 * gradient_accumulation_steps`, i.e. four optimizer steps (mini-batches) per rollout batch, as in the paper.
+      With one update per rollout batch every ratio is exactly 1 and GSPO reduces to GRPO.
+    - `beta=0.0` (no KL term), as in `trl.GRPOConfig`.
+
+    Parameters:
+        importance_sampling_level (`str`, *optional*, defaults to `"sequence"`):
+            `"token"`: GRPO's per-token ratio (upstream TRL behaviour). `"sequence"`: GSPO's length-normalised
+            sequence ratio `s_i`. `"sequence_token"`: GSPO-token, `sg[s_i] * pi/sg[pi]` per token, which accepts
+            per-token advantages and equals GSPO when every token carries its sequence's advantage.
+        allow_token_sum_with_sequence_level (`bool`, *optional*, defaults to `False`):
+            Opt in to a token-sum `loss_type` (`dapo`, `bnpo`, `dr_grpo`, `cispo`) with a sequence-level ratio.
+            Such a loss weights each sequence by its length, which is not GSPO's objective, so it is an error
+            unless set.
+        max_log_ratio (`float` or `None`, *optional*, defaults to `20.0`):
+            Bound on |log importance weight| applied before `exp`. Inside the bound it changes nothing; outside it
+            keeps the ratio finite (fp32 `exp` overflows past ~88). `None` disables the clamp.
+    """
+
+    importance_sampling_level: str = field(
+        default="sequence",
+        metadata={
+            "help": "Where the importance ratio lives. 'sequence' (GSPO, default): one length-normalised ratio per "
+            "completion, stable on long answers and MoE models. 'sequence_token' (GSPO-token): the same value per "
+            "token but token-wise gradients, for per-token advantages. 'token': GRPO's per-token ratio.",
+            "choices": list(LOG_WEIGHT_FUNCTIONS),
+        },
+    )
+    epsilon: float = field(
+        default=3e-4,
+        metadata={"help": "Lower clip range: ratios below 1 - epsilon stop pushing down. Paper's GSPO value: 3e-4."},
+    )
+    epsilon_high: float | None = field(
+        default=4e-4,
+        metadata={
+            "help": "Upper clip range: ratios above 1 + epsilon_high stop pushing up. Paper's GSPO value: 4e-4. "
+            "For loss_type='cispo' this is CISPO's cap on the ratio instead."
+        },
+    )
+    loss_type: str = field(
+        default="grpo",
+        metadata={
+            "help": "How token losses are aggregated. 'grpo' (default): mean per sequence, then over sequences, "
+            "which is GSPO's objective. Token-sum types ('dapo', 'bnpo', 'dr_grpo', 'cispo') weight sequences by "
+            "length and need allow_token_sum_with_sequence_level with a sequence level. 'luspo' needs 'sequence'; "
+            "'sapo' and 'vespo' run TRL's own loss code and need 'token' or 'sequence' ('vespo': 'token').",
+            "choices": list(KNOWN_LOSS_TYPES),
+        },
+    )
+    allow_token_sum_with_sequence_level: bool = field(
+        default=False,
+        metadata={
+            "help": "Accept a token-sum loss_type with a sequence-level ratio. Off by default because it weights "
+            "each sequence by its length, which silently turns GSPO into a different objective."
+        },
+    )
+    max_log_ratio: float | None = field(
+        default=DEFAULT_MAX_LOG_RATIO,
+        metadata={
+            "help": "Clamp |log importance weight| to this bound before exp so a drifting policy or a corrupted "
+            "log-prob cannot overflow the ratio to inf. Far outside any clip range, so normal steps are unchanged."
+        },
+    )
+
+    def __post_init__(self):
+        if self.steps_per_generation is None and self.generation_batch_size is None:
+            self.steps_per_generation = PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
+        super().__post_init__()
+        self._validate()
+
+    def _validate(self):
+        level, loss_type = self.importance_sampling_level, self.loss_type
+        if level not in LOG_WEIGHT_FUNCTIONS:
+            raise ValueError(
+                f"importance_sampling_level={level!r} is not supported; allowed: {', '.join(LOG_WEIGHT_FUNCTIONS)}."
+            )
+        if loss_type not in KNOWN_LOSS_TYPES:
+            raise ValueError(f"loss_type={loss_type!r} is not supported; allowed: {', '.join(KNOWN_LOSS_TYPES)}.")
+        if loss_type in CLIPPED_LOSS_TYPES:
+            for name in ("epsilon", "epsilon_high"):
+                value = getattr(self, name)
+                if value is not None and not 0.0 < value < 1.0:
+                    raise ValueError(
+                        f"{name}={value!r} is out of range: the clip range [1 - epsilon, 1 + epsilon_high] needs "
+                        f"0 < {name} < 1 (GSPO paper: epsilon=3e-4, epsilon_high=4e-4; GRPO: 0.2 / 0.28)."
+                    )
+        elif loss_type == "cispo" and self.epsilon_high is not None and self.epsilon_high <= 0:
+            raise ValueError(f"epsilon_high={self.epsilon_high!r} is CISPO's ratio cap and must be > 0 (e.g. 5.0).")
+        if self.delta is not None and self.delta <= 1 + (self.epsilon_high or self.epsilon):
+            raise ValueError(
+                f"delta={self.delta!r} must be greater than 1 + epsilon_high; a smaller cap would clip ratios "
+                "inside the trust region."
+            )
+        if self.max_log_ratio is not None and self.max_log_ratio <= 0:
+            raise ValueError(f"max_log_ratio={self.max_log_ratio!r} must be > 0, or None to disable the clamp.")
+        if level in SEQUENCE_LEVELS and loss_type in TOKEN_SUM_LOSS_TYPES and not self.allow_token_sum_with_sequence_level:
+            raise ValueError(
+                f"loss_type={loss_type!r} sums token losses, so with importance_sampling_level={level!r} every "
+                "sequence is weighted by its length, which is not GSPO's objective. Use loss_type='grpo' (the paper's "
+                "per-sequence mean), or set allow_token_sum_with_sequence_level=True to accept it knowingly."
+            )
+        if loss_type == "luspo" and level != "sequence":
+            raise ValueError(
+                f"loss_type='luspo' is a length-weighted variant of GSPO and needs importance_sampling_level='sequence', "
+                f"got {level!r}."
+            )
+        if loss_type == "vespo" and level != "token":
+            raise ValueError(
+                f"loss_type='vespo' computes its own sequence-level weights and ignores importance_sampling_level; set "
+                f"importance_sampling_level='token' (got {level!r})."
+            )
+        if loss_type == "sapo" and level == "sequence_token":
+            raise ValueError(
+                "loss_type='sapo' runs TRL's own loss code, which has no 'sequence_token' level; use 'token' or "
+                "'sequence'."
+            )
+        on_policy = self.num_iterations == 1 and self.steps_per_generation <= self.gradient_accumulation_steps
+        if on_policy and level != "token":
+            logger.warning(
+                "steps_per_generation (%s) <= gradient_accumulation_steps (%s) with num_iterations=1: every update is "
+                "on-policy, all importance ratios are exactly 1 and GSPO reduces to GRPO. The paper trains 4 "
+                "mini-batches per rollout batch (steps_per_generation = 4 * gradient_accumulation_steps).",
+                self.steps_per_generation,
+                self.gradient_accumulation_steps,
+            )

@@ -1,0 +1,154 @@
+"""GSPO / GSPO-token / GRPO policy-loss math as small pure tensor functions.
+
+Shapes: ``B`` sequences, ``T`` completion positions. ``mask`` is ``(B, T)`` with 1 for tokens that count
+(completion tokens that are not padding and not tool output). Log-probabilities are ``(B, T)``. Nothing here
+knows about trainers, accelerators or configs, so every function can be checked against the paper
+(Zheng et al., 2025, arXiv 2507.18071) line by line and unit-tested on random tensors.
+
+Notation used in the docstrings: ``lp = log pi_theta(y_t | x, y_<t)``, ``old = log pi_old(y_t | ...)``,
+``|y_i| = sum_t mask[i, t]``, ``sg[.]`` = stop-gradient (``.detach()``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+#: Default bound on |log importance weight| before ``exp``. ``exp(20) ~ 4.9e8`` is far outside any clip range,
+#: so the clamp never changes a value that the clipped objective could use, yet keeps ``exp`` finite (fp32
+#: overflows at ~88.7) when a policy drifts wildly or a log-prob is corrupted.
+DEFAULT_MAX_LOG_RATIO = 20.0
+
+
+def masked_sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over each row's valid tokens, ``(B, T) -> (B,)``.
+
+    A row with no valid token (empty completion, everything masked) gives 0 rather than 0/0: the divisor is
+    clamped to 1, as the paper's ``1/|y_i|`` has no meaning for ``|y_i| = 0``.
+    """
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
+def token_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GRPO / PPO token-level log importance weight, ``(B, T)``.
+
+        log w_i,t = lp_i,t - old_i,t
+
+    ``mask`` is unused (kept so every level has the same signature); padding is removed at aggregation.
+    """
+    return logps - old_logps
+
+
+def sequence_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO sequence-level log importance weight, ``(B, 1)`` (paper, Eq. 7).
+
+        log s_i = (1/|y_i|) * sum_t mask_i,t * (lp_i,t - old_i,t)
+
+    i.e. ``s_i = (pi_theta(y_i|x) / pi_old(y_i|x)) ** (1/|y_i|)``, a length-normalised (geometric-mean)
+    sequence likelihood ratio. Its gradient spreads ``1/|y_i|`` evenly over the sequence's valid tokens.
+    """
+    return masked_sequence_mean(logps - old_logps, mask).unsqueeze(-1)
+
+
+def sequence_token_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO-token log importance weight, ``(B, T)`` (paper, Eq. 13).
+
+        s_i,t = sg[s_i] * pi_theta(y_i,t) / sg[pi_theta(y_i,t)]
+        log s_i,t = sg[log s_i] + lp_i,t - sg[lp_i,t]
+
+    Numerically ``s_i,t == s_i`` for every t (the last two terms cancel to exactly 0.0), so clipping decisions
+    match GSPO's; but the gradient of token t is ``s_i * grad lp_i,t``, which lets each token carry its own
+    advantage. With ``A_i,t == A_i`` the objective, clip decisions and gradient equal GSPO's.
+    """
+    seq = sequence_log_weights(logps, old_logps, mask).detach()
+    return seq + (logps - logps.detach())
+
+
+#: Registry: ``importance_sampling_level`` -> function computing the log importance weight.
+LOG_WEIGHT_FUNCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "token": token_log_weights,
+    "sequence": sequence_log_weights,
+    "sequence_token": sequence_token_log_weights,
+}
+
+#: Levels whose weight is one value per sequence (numerically), so token-sum losses mis-weight them.
+SEQUENCE_LEVELS = ("sequence", "sequence_token")
+
+
+def importance_ratio(log_weights: torch.Tensor, max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO) -> torch.Tensor:
+    """``exp`` of the log importance weight, with ``log w`` clamped to ``[-max_log_ratio, max_log_ratio]`` first.
+
+    Inside the bound the clamp is the identity (value and gradient), so it never changes a normal step; outside
+    it the ratio saturates (gradient 0) instead of overflowing to ``inf``. ``None`` disables the clamp.
+    """
+    if max_log_ratio is not None:
+        log_weights = log_weights.clamp(min=-max_log_ratio, max=max_log_ratio)
+    return torch.exp(log_weights)
+
+
+def clipped_surrogate_loss(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
+) -> torch.Tensor:
+    """Negated two-sided PPO clipped surrogate (paper, Eq. 5 for GSPO; Eq. 2 for GRPO).
+
+        loss = -min( r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A )
+
+    ``r`` is ``(B, 1)`` (one ratio per sequence) or ``(B, T)``; ``A`` is ``(B, 1)`` or ``(B, T)``; the result
+    broadcasts. ``delta`` (INTELLECT-2's two-sided variant) additionally caps the unclipped ratio from above.
+    Where the clip is active the loss is constant in ``r``, so the sample contributes no gradient.
+    """
+    clipped = ratio.clamp(min=1 - epsilon_low, max=1 + epsilon_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
+    return -torch.min(ratio * advantages, clipped * advantages)
+
+
+def cispo_loss(ratio: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor, epsilon_max: float) -> torch.Tensor:
+    """MiniMax-M1's CISPO: the importance weight is capped and detached, the gradient flows through ``logps``.
+
+        loss = -sg[min(r, epsilon_max)] * A * lp
+    """
+    return -ratio.clamp(max=epsilon_max).detach() * advantages * logps
+
+
+def clip_indicators(
+    ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the clipped side of the min is active (the sample gives no gradient), as float masks.
+
+    Low: ``r < 1 - epsilon_low`` with ``A < 0``; high: ``r > 1 + epsilon_high`` with ``A > 0``. Shapes broadcast
+    like :func:`clipped_surrogate_loss`.
+    """
+    low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
+    return low, high
+
+
+def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence aggregation (``loss_type="grpo"``, the GSPO paper's): mean over each sequence's valid tokens,
+    then mean over sequences. Each sequence weighs the same whatever its length.
+
+        L = (1/B) * sum_i (1/|y_i|) * sum_t mask_i,t * loss_i,t
+
+    A ``(B, 1)`` ``per_token_loss`` (one value per sequence) is broadcast over the sequence's tokens first.
+    """
+    return masked_sequence_mean(per_token_loss.expand_as(mask), mask).mean()
+
+
+def token_sum_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, normalizer: torch.Tensor | float) -> torch.Tensor:
+    """Token-sum aggregation (``dapo``, ``bnpo``, ``dr_grpo``, ``cispo``): ``sum_i,t mask * loss / normalizer``.
+
+    Each sequence weighs in proportion to its length: not GSPO's objective when the weight is per sequence.
+    """
+    return (per_token_loss * mask).sum() / normalizer
+
+
+def sequence_sum_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """LUSPO aggregation: sum over each sequence's valid tokens, mean over sequences (length-weighted GSPO)."""
+    return (per_token_loss * mask).sum(-1).mean()

@@ -1,0 +1,91 @@
+"""Tiny Qwen3 / Qwen3-MoE models and a word-level tokenizer built in code, for offline tests, the demo and
+benchmarks. Nothing here downloads anything: configs come from `transformers`, the tokenizer from `tokenizers`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
+
+SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+#: Enough words for arithmetic / copy tasks and chat-formatted prompts.
+WORDS = [str(d) for d in range(10)] + [
+    "+", "-", "=", "?", ":", ".", ",", "answer", "what", "is", "add", "copy", "repeat", "count", "the", "sum",
+    "of", "and", "a", "b", "c", "d", "yes", "no", "user", "assistant", "system", "think", "</think>", "<think>",
+    "turn", "tool", "result", "next",
+]  # fmt: skip
+
+# Qwen-style ChatML template in Jinja, so conversational datasets and TRL's chat handling work unchanged.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def build_tokenizer(extra_words: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer with pad/eos tokens and a chat template."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + WORDS + list(extra_words or []))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(vocab_size: int, moe: bool = False, hidden_size: int = 64, num_layers: int = 2, **overrides):
+    """Config of a tiny Qwen3 (or Qwen3-MoE: 4 experts, top-2, router aux loss on)."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+    )
+    if moe:
+        # output_router_logits stays False in the saved config: transformers' generate() crashes computing the
+        # aux loss on left-padded batches; TRL asks for router logits itself in its log-prob forward.
+        moe_kwargs = dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden_size,
+            decoder_sparse_step=1,
+            router_aux_loss_coef=0.01,
+            output_router_logits=False,
+        )
+        return Qwen3MoeConfig(**{**common, **moe_kwargs, **overrides})
+    return Qwen3Config(**{**common, **overrides})
+
+
+def build_tiny_model(tokenizer, moe: bool = False, seed: int = 0, **config_overrides):
+    """A randomly initialised tiny causal LM matching `tokenizer`'s vocabulary (fp32)."""
+    torch.manual_seed(seed)
+    config = tiny_config(len(tokenizer), moe=moe, **config_overrides)
+    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def save_tiny_model(path: str | os.PathLike, moe: bool = False, seed: int = 0, **config_overrides) -> str:
+    """Build and save a tiny model + tokenizer to `path`; loadable with `from_pretrained(path)`."""
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, moe=moe, seed=seed, **config_overrides)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

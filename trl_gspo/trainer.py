@@ -1,0 +1,230 @@
+"""`GSPOTrainer`: `trl.GRPOTrainer` whose policy loss goes through two hooks.
+
+TRL 1.16 computes the whole loss in one method, `GRPOTrainer._compute_loss`, with the importance ratio and the
+clipped objective written inline. This subclass owns that one method and nothing else: generation, rewards,
+advantages, old/ref log-probs, vLLM, PEFT, optimisation and logging stay TRL's. The loss is rebuilt as a short
+pipeline that calls TRL's own helpers for the forward pass and masks, and two hooks for what GSPO changes:
+
+    importance_log_weights(logps, old_logps, mask)   # token / sequence / sequence_token (losses.py)
+    policy_loss(ratio, advantages, logps)            # clipped surrogate (or CISPO)
+
+plus `token_advantages(inputs)`, the place to supply per-token advantages for GSPO-token. Everything between
+(KL term, entropy mask and bonus, vLLM importance-sampling correction, off-policy mask, aggregation and
+gradient-accumulation normalisation, MoE aux loss, metrics) follows TRL's semantics; `tests/test_parity.py`
+checks loss and gradients against stock `GRPOTrainer` so drift is caught when the TRL pin moves.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl import GRPOTrainer
+
+from . import losses
+from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
+
+# Optional multimodal inputs TRL forwards to the model when present in a batch.
+_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+class GSPOTrainer(GRPOTrainer):
+    """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
+
+    Drop-in for `trl.GRPOTrainer`: same constructor, `args` must be a [`GSPOConfig`] (its defaults are the
+    paper's). To train GSPO-token with per-token advantages, subclass and override [`token_advantages`].
+    """
+
+    def __init__(self, model, reward_funcs=None, args: GSPOConfig | None = None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = GSPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GSPO")
+        elif not isinstance(args, GSPOConfig):
+            raise TypeError(
+                f"GSPOTrainer needs args=GSPOConfig(...), got {type(args).__name__}. A plain GRPOConfig carries "
+                "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
+            )
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    def token_advantages(self, inputs: dict) -> torch.Tensor:
+        """Advantages used by the loss: `(B,)` (one per completion, TRL's default) or `(B, T)` (one per token).
+
+        Override to give each token its own advantage, e.g. a different advantage per turn of a multi-turn
+        completion; `inputs` holds `completion_ids`, `completion_mask` and TRL's `(B,)` `advantages`. Per-token
+        advantages need `importance_sampling_level="sequence_token"` (or `"token"`): `"sequence"` has one ratio
+        per sequence and would silently average them, so it raises.
+        """
+        return inputs["advantages"]
+
+    def importance_log_weights(self, logps, old_logps, mask) -> torch.Tensor:
+        """Hook 1: log importance weight, `(B, 1)` or `(B, T)`, for the configured level (see `losses.py`)."""
+        return losses.LOG_WEIGHT_FUNCTIONS[self.importance_sampling_level](logps, old_logps, mask)
+
+    def policy_loss(self, ratio, advantages, logps) -> torch.Tensor:
+        """Hook 2: per-token (or per-sequence) policy loss from the ratio: the two-sided clipped surrogate, or CISPO."""
+        if self.loss_type == "cispo":
+            return losses.cispo_loss(ratio, advantages, logps, self.epsilon_high)
+        return losses.clipped_surrogate_loss(ratio, advantages, self.epsilon_low, self.epsilon_high, self.args.delta)
+
+    # --------------------------------------------------------------------------------------------- the loss
+    def _compute_loss(self, model, inputs):
+        if self.loss_type in TRL_NATIVE_LOSS_TYPES:  # SAPO/VESPO have no clipped ratio to hook: TRL's code as is
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        completion_ids = inputs["completion_ids"]
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+
+        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model,
+            torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in _FORWARD_KEYS},
+        )
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+
+        advantages = self._checked_advantages(inputs, mask)
+        # Without off-policy mini-batches TRL skips the old-policy forward: pi_old == sg[pi_theta].
+        old_logps = inputs.get("old_per_token_logps")
+        old_logps = logps.detach() if old_logps is None else old_logps
+
+        ratio = losses.importance_ratio(self.importance_log_weights(logps, old_logps, mask), self.args.max_log_ratio)
+        per_token_loss = self.policy_loss(ratio, advantages, logps)
+
+        if self.off_policy_mask_threshold is not None:
+            sampling_logps = inputs.get("sampling_per_token_logps", old_logps)
+            per_token_loss = per_token_loss * self.get_off_policy_mask(
+                advantages, logps, sampling_logps, mask, self.off_policy_mask_threshold
+            )
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        per_token_kl = None
+        if self.beta != 0.0:
+            ref_logps = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # k3 estimator
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * ratio
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+
+        loss, policy_loss = self._aggregate(per_token_loss, mask, inputs, mode)
+        if self._entropy_bonus_enabled:
+            loss = loss - self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+
+        self._log_loss_metrics(mode, ratio, advantages, mask, entropies, per_token_kl)
+        return loss
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _checked_advantages(self, inputs, mask) -> torch.Tensor:
+        advantages = self.token_advantages(inputs)
+        if advantages.dim() == 1:
+            return advantages.unsqueeze(1)
+        if advantages.dim() != 2 or advantages.size(0) != mask.size(0) or advantages.size(1) not in (1, mask.size(1)):
+            raise ValueError(
+                f"token_advantages must return shape (B,) or (B, T) = ({mask.size(0)}, {mask.size(1)}), got "
+                f"{tuple(advantages.shape)}."
+            )
+        if advantages.size(1) > 1 and self.importance_sampling_level == "sequence":
+            raise ValueError(
+                "Per-token advantages of shape (B, T) need importance_sampling_level='sequence_token' (GSPO-token) "
+                "or 'token': with 'sequence' there is one ratio per completion and the token advantages would be "
+                "silently averaged."
+            )
+        return advantages
+
+    def _accumulation(self, mode: str) -> float:
+        """Divisor that makes accumulated micro-batch gradients average (TRL turns HF's own scaling off)."""
+        return self.current_gradient_accumulation_steps if mode == "train" else 1.0
+
+    def _aggregate(self, per_token_loss, mask, inputs, mode) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reduce the per-token loss as `loss_type` says; returns (loss to backpropagate, unscaled policy loss)."""
+        if self.loss_type == "grpo":
+            loss = losses.sequence_mean_loss(per_token_loss, mask)
+        elif self.loss_type == "luspo":
+            loss = losses.sequence_sum_loss(per_token_loss, mask)
+        elif self.loss_type == "bnpo":
+            loss = losses.token_sum_loss(per_token_loss, mask, mask.sum().clamp(min=1.0))
+        elif self.loss_type == "dr_grpo":
+            loss = losses.token_sum_loss(per_token_loss, mask, per_token_loss.size(0) * self.max_completion_length)
+        else:  # dapo, cispo: normalised by the active tokens of the whole accumulated generation batch
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            loss = losses.token_sum_loss(per_token_loss, mask, normalizer)
+            return loss, loss.detach()
+        return loss / self._accumulation(mode), loss.detach()
+
+    def _entropy_bonus(self, entropies, effective_mask, mode) -> torch.Tensor:
+        """`coef * mean entropy` to subtract from the loss, with TRL's adaptive coefficient controller."""
+        entropy = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / self._accumulation(mode)
+        coef = self.entropy_coef
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            coef = 0.0  # the controller only pays the bonus while entropy is at or below its target
+        if self.use_adaptive_entropy and mode == "train":
+            stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
+            self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            if self.accelerator.sync_gradients:  # last micro-batch of the optimizer step: update the coefficient
+                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                self._last_world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
+                step = self.args.entropy_coef_delta
+                if self._last_world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return coef * entropy
+
+    def _log_loss_metrics(self, mode, ratio, advantages, mask, entropies, per_token_kl):
+        """TRL's loss metrics (same names), reduced across processes in one collective."""
+        metrics = self._metrics[mode]
+        mask = mask.float()
+
+        def sum_and_count(x):  # per-sequence tensors (B, 1) count sequences, per-token ones count valid tokens
+            if x.size(1) == 1:
+                return x.sum(), torch.tensor(float(x.size(0)), device=x.device)
+            x = x.expand_as(mask)
+            return (x * mask).sum(), mask.sum()
+
+        names, stats = ["entropy"], [*sum_and_count(entropies)]
+        if per_token_kl is not None:
+            names.append("kl")
+            stats += sum_and_count(per_token_kl)
+        if self.loss_type == "cispo":
+            names.append("cispo_clip_ratio")
+            stats += sum_and_count(((ratio > self.epsilon_high) & (advantages > 0)).float())
+            low = high = None
+        else:
+            low, high = losses.clip_indicators(ratio, advantages, self.epsilon_low, self.epsilon_high)
+            names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+            for x in (low, high, torch.maximum(low, high)):
+                stats += sum_and_count(x)
+        totals = self.accelerator.reduce(torch.stack(stats).detach(), reduction="sum").tolist()
+        for i, name in enumerate(names):
+            metrics[name].append(totals[2 * i] / max(totals[2 * i + 1], 1.0))
+        if low is not None:
+            low_per_seq = losses.masked_sequence_mean(low.expand_as(mask), mask) if low.size(1) > 1 else low[:, 0]
+            high_per_seq = losses.masked_sequence_mean(high.expand_as(mask), mask) if high.size(1) > 1 else high[:, 0]
+            gathered = self.accelerator.gather(torch.stack([low_per_seq, high_per_seq]).detach())
+            metrics["clip_ratio/low_min"].append(gathered[0].min().item())
+            metrics["clip_ratio/high_max"].append(gathered[1].max().item())
