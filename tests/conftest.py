@@ -1,0 +1,35 @@
+import os
+
+# Tiny models on 2 CPU cores: one thread keeps timings stable and avoids oversubscription with 2 processes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from trl_gspo.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny dense Qwen3 + tokenizer saved once per session, loadable with from_pretrained."""
+    from trl_gspo.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    from trl_gspo.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), moe=True)
