@@ -50,6 +50,10 @@ class GSPOConfig(GRPOConfig):
         max_log_ratio (`float` or `None`, *optional*, defaults to `20.0`):
             Bound on |log importance weight| applied before `exp`. Inside the bound it changes nothing; outside it
             keeps the ratio finite (fp32 `exp` overflows past ~88). `None` disables the clamp.
+        token_advantages_fn (`str` or `None`, *optional*, defaults to `None`):
+            Dotted import path of a function `fn(inputs) -> (B, T)` advantages, called by
+            `GSPOTrainer.token_advantages` (e.g. `"trl_gspo.token_advantages.discounted_turn_advantages"`). Lets a
+            recipe use per-token advantages without subclassing. Needs `"sequence_token"` or `"token"`.
     """
 
     importance_sampling_level: str = field(
@@ -97,7 +101,21 @@ class GSPOConfig(GRPOConfig):
         },
     )
 
+    token_advantages_fn: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dotted path of a function fn(inputs) -> (B, T) per-token advantages (e.g. "
+            "'trl_gspo.token_advantages.discounted_turn_advantages'), for GSPO-token on multi-turn or shaped "
+            "rewards. Needs importance_sampling_level 'sequence_token' (or 'token')."
+        },
+    )
+
     def __post_init__(self):
+        if self.num_generations is not None and self.num_generations < 2:  # TRL's own message omits the field name
+            raise ValueError(
+                f"num_generations={self.num_generations!r} must be at least 2: advantages are rewards normalised "
+                "within each prompt's group of completions."
+            )
         if self.steps_per_generation is None and self.generation_batch_size is None:
             self.steps_per_generation = PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
         super().__post_init__()
@@ -148,6 +166,12 @@ class GSPOConfig(GRPOConfig):
             raise ValueError(
                 "loss_type='sapo' runs TRL's own loss code, which has no 'sequence_token' level; use 'token' or "
                 "'sequence'."
+            )
+        if self.token_advantages_fn is not None and level == "sequence":
+            raise ValueError(
+                f"token_advantages_fn={self.token_advantages_fn!r} gives per-token advantages, but "
+                "importance_sampling_level='sequence' has one ratio per completion and would average them; use "
+                "'sequence_token' (GSPO-token) or 'token'."
             )
         on_policy = self.num_iterations == 1 and self.steps_per_generation <= self.gradient_accumulation_steps
         if on_policy and level != "token":

@@ -21,6 +21,7 @@ from trl import GRPOTrainer
 
 from . import losses
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
+from .utils import resolve_callable
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
 _FORWARD_KEYS = (
@@ -54,6 +55,9 @@ class GSPOTrainer(GRPOTrainer):
                 "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
+        self._token_advantages_fn = None
+        if args.token_advantages_fn is not None:
+            self._token_advantages_fn = resolve_callable(args.token_advantages_fn, "token_advantages_fn")
 
     # ------------------------------------------------------------------------------------------------ hooks
     def token_advantages(self, inputs: dict) -> torch.Tensor:
@@ -62,8 +66,11 @@ class GSPOTrainer(GRPOTrainer):
         Override to give each token its own advantage, e.g. a different advantage per turn of a multi-turn
         completion; `inputs` holds `completion_ids`, `completion_mask` and TRL's `(B,)` `advantages`. Per-token
         advantages need `importance_sampling_level="sequence_token"` (or `"token"`): `"sequence"` has one ratio
-        per sequence and would silently average them, so it raises.
+        per sequence and would silently average them, so it raises. By default: the function named by
+        `args.token_advantages_fn` applied to `inputs` if set, else TRL's advantages.
         """
+        if self._token_advantages_fn is not None:
+            return self._token_advantages_fn(inputs)
         return inputs["advantages"]
 
     def importance_log_weights(self, logps, old_logps, mask) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""End to end on CPU, offline: a few optimizer steps of each variant on tiny Qwen3 / Qwen3-MoE / LoRA models.
+
+`steps_per_generation` defaults to 4 mini-batches per rollout, so from the second mini-batch on the old
+log-probs are real and the ratios move away from 1: that is where the variants differ.
+"""
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo.tiny import build_tiny_model
+
+PROMPTS = ["add 1 2 =", "copy a b c :", "count 1 2 3 :", "what is 4 + 5 ?"]
+
+
+def length_reward(completions, **kwargs):
+    """Rewards short completions that contain a digit: varied enough that groups have non-zero advantages."""
+    return [float(any(ch.isdigit() for ch in c)) + 1.0 / (1 + len(c.split())) for c in completions]
+
+
+def train(model, tokenizer, tmp_path, max_steps=4, peft_config=None, trainer_cls=GSPOTrainer, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=1e-3,  # large enough that a tiny model's ratios leave the 3e-4 clip range
+        logging_steps=1,
+        max_steps=max_steps,
+        seed=0,
+    )
+    args = GSPOConfig(**{**settings, **overrides})
+    trainer = trainer_cls(
+        model,
+        length_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, changed, logs
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+def test_each_variant_trains_with_off_policy_minibatches(level, tokenizer, tmp_path):
+    model = build_tiny_model(tokenizer, seed=0)
+    trainer, changed, logs = train(model, tokenizer, tmp_path, importance_sampling_level=level)
+    assert trainer.args.steps_per_generation == 4
+    assert len(logs) == 4 and all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logs)
+    assert len(changed) == len(dict(trainer.model.named_parameters()))  # every weight moved
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert all(key in entry for entry in logs)
+    # Mini-batch 1 of each rollout is on-policy (ratio exactly 1: nothing clips); later ones are off-policy.
+    assert logs[0]["clip_ratio/region_mean"] == 0.0
+    assert max(entry["clip_ratio/region_mean"] for entry in logs[1:]) > 0.0
+
+
+def test_lora_trains_only_the_adapter(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    model = build_tiny_model(tokenizer, seed=0)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer, changed, logs = train(model, tokenizer, tmp_path, peft_config=peft_config)
+    assert changed and all("lora_" in name for name in changed)
+    assert any("lora_B" in name for name in changed)
+    assert max(entry["clip_ratio/region_mean"] for entry in logs[1:]) > 0.0
+
+
+def test_moe_trains_with_router_aux_loss(tiny_moe_dir, tokenizer, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
+    trainer, changed, logs = train(model, tokenizer, tmp_path)
+    assert trainer.aux_loss_enabled
+    assert all(entry["aux_loss"] > 0 for entry in logs)
+    assert any(".mlp.gate." in name for name in changed)  # routers are trained
+    assert any(".experts." in name for name in changed)
+
+
+def test_gspo_token_equals_gspo_end_to_end_and_differs_with_token_advantages(tokenizer, tmp_path):
+    """One rollout batch, four mini-batch updates, same seed: GSPO-token with the sequence advantage on every
+    token (here through the documented multi-turn hook, single-turn completions) ends at GSPO's weights; with
+    advantages that vary along the completion it does not."""
+
+    class LaterTokensCountMore(GSPOTrainer):
+        def token_advantages(self, inputs):
+            ramp = torch.linspace(0.0, 2.0, inputs["completion_mask"].size(1))
+            return inputs["advantages"][:, None] * ramp
+
+    def final_weights(**overrides):
+        trainer, _, _ = train(build_tiny_model(tokenizer, seed=0), tokenizer, tmp_path, **overrides)
+        return {n: p.detach() for n, p in trainer.model.named_parameters()}
+
+    gspo = final_weights(importance_sampling_level="sequence")
+    gspo_token = final_weights(
+        importance_sampling_level="sequence_token",
+        token_advantages_fn="trl_gspo.token_advantages.discounted_turn_advantages",
+    )
+    ramped = final_weights(importance_sampling_level="sequence_token", trainer_cls=LaterTokensCountMore)
+    for name in gspo:
+        torch.testing.assert_close(gspo_token[name], gspo[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.allclose(ramped[n], gspo[n], rtol=1e-4, atol=1e-6) for n in gspo)
+
+
+def test_sequence_level_rejects_per_token_advantages_at_run_time(tokenizer, tmp_path):
+    class PerTokenTrainer(GSPOTrainer):
+        def token_advantages(self, inputs):
+            return inputs["advantages"][:, None].expand_as(inputs["completion_mask"]).float()
+
+    model = build_tiny_model(tokenizer, seed=0)
+    with pytest.raises(ValueError, match="Per-token advantages of shape \\(B, T\\) need"):
+        train(model, tokenizer, tmp_path, max_steps=1, trainer_cls=PerTokenTrainer)

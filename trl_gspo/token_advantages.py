@@ -1,0 +1,41 @@
+"""Per-token advantages for GSPO-token (`importance_sampling_level="sequence_token"`).
+
+A function here takes the loss's `inputs` batch (TRL's keys: `advantages` `(B,)`, `completion_ids`,
+`completion_mask`, and `tool_mask` for multi-turn tool use) and returns `(B, T)` advantages. Plug one in with
+`GSPOConfig(token_advantages_fn="module.function")`, or subclass `GSPOTrainer` and override `token_advantages`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def model_turn_index(tool_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the model turn each completion token belongs to, `(B, T)` long.
+
+    In TRL's multi-turn rollouts the completion interleaves model turns (tool_mask 1) with tool results
+    (tool_mask 0); a new model turn starts wherever the mask goes from 0 back to 1.
+    """
+    starts = torch.zeros_like(tool_mask, dtype=torch.long)
+    starts[:, 1:] = ((tool_mask[:, 1:] == 1) & (tool_mask[:, :-1] == 0)).long()
+    return starts.cumsum(dim=1)
+
+
+def discounted_turn_advantages(inputs: dict, gamma: float = 0.5) -> torch.Tensor:
+    """Give each model turn the outcome advantage discounted by how many turns precede the final one.
+
+        A_i,t = A_i * gamma ** (last_turn_i - turn_i(t))
+
+    The final answer turn, closest to the verified outcome, gets the full advantage; earlier exploratory turns
+    (tool calls whose usefulness the reward only judges indirectly) get geometrically less credit. A single-turn
+    completion gets `A_i` on every token, where GSPO-token equals GSPO exactly.
+    """
+    advantages = inputs["advantages"]
+    tool_mask = inputs.get("tool_mask")
+    if tool_mask is None:
+        tool_mask = torch.ones_like(inputs["completion_mask"])
+    turn = model_turn_index(tool_mask * inputs["completion_mask"] + (1 - inputs["completion_mask"]))
+    valid = inputs["completion_mask"].bool()
+    last_turn = torch.where(valid, turn, torch.zeros_like(turn)).amax(dim=1, keepdim=True)
+    discount = gamma ** (last_turn - turn).clamp(min=0).to(advantages.dtype)
+    return advantages[:, None] * discount
