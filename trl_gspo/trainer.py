@@ -45,7 +45,7 @@ class GSPOTrainer(GRPOTrainer):
     paper's). To train GSPO-token with per-token advantages, subclass and override [`token_advantages`].
     """
 
-    def __init__(self, model, reward_funcs=None, args: GSPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: GSPOConfig | None = None, *positional, **kwargs):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = GSPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GSPO")
@@ -54,7 +54,7 @@ class GSPOTrainer(GRPOTrainer):
                 f"GSPOTrainer needs args=GSPOConfig(...), got {type(args).__name__}. A plain GRPOConfig carries "
                 "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
             )
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        super().__init__(model, reward_funcs, args, *positional, **kwargs)
         self._token_advantages_fn = None
         if args.token_advantages_fn is not None:
             self._token_advantages_fn = resolve_callable(args.token_advantages_fn, "token_advantages_fn")
