@@ -97,7 +97,7 @@ def _worker(out, *extra):
 def test_sigterm_saves_checkpoint_and_resume_matches_straight_run(straight_run, tmp_path):
     _, final = straight_run
     out = tmp_path / "run"
-    proc = _worker(out, "--step_delay", "1.0")
+    proc = _worker(out, "--step_delay", "0.5")
     lines = []
     for line in proc.stdout:  # wait for a real training step, then preempt the process
         lines.append(line)
@@ -114,3 +114,22 @@ def test_sigterm_saves_checkpoint_and_resume_matches_straight_run(straight_run, 
     assert resume.returncode == 0, resume_log
     assert f"STEP {int(saved.rsplit('-', 1)[1]) + 1}" in resume_log  # it continued, not restarted
     _assert_same_weights(torch.load(tmp_path / "w.pt", weights_only=True), final)
+
+
+def test_sigint_saves_checkpoint_then_raises_keyboardinterrupt(tmp_path):
+    import signal as signal_module
+
+    from transformers import TrainerCallback
+
+    class CtrlC(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # Ctrl-C during step 2
+                signal_module.raise_signal(signal_module.SIGINT)
+
+    before = signal_module.getsignal(signal_module.SIGINT)
+    trainer = make_trainer(tmp_path, max_steps=N)
+    trainer.add_callback(CtrlC())
+    with pytest.raises(KeyboardInterrupt, match=r"Stopped by SIGINT after step 2; checkpoint saved to .*checkpoint-2"):
+        trainer.train()
+    assert checkpointing.last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert signal_module.getsignal(signal_module.SIGINT) is before  # handlers restored

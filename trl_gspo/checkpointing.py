@@ -65,7 +65,10 @@ def checkpoint_problem(checkpoint: str) -> str | None:
     if not os.path.isdir(checkpoint):
         return "it does not exist"
     if not os.path.exists(marker):
-        return f"it has no {COMPLETE_MARKER} (the run stopped while writing it, or it was not written by GSPOTrainer)"
+        return (
+            f"it has no {COMPLETE_MARKER}: the run stopped while writing it, or another trainer wrote it (if you know "
+            "it is complete, mark it with trl_gspo.checkpointing.mark_complete(path))"
+        )
     with open(marker) as f:
         files = json.load(f)["files"]
     for name, size in files.items():
@@ -138,7 +141,7 @@ class SignalCheckpoint(TrainerCallback):
 
     def _handle(self, signum, frame):
         if self.received is not None:  # second signal: stop waiting for the checkpoint
-            self._restore()
+            self.restore_handlers()
             signal.raise_signal(signum)
             return
         self.received = signum
@@ -148,7 +151,7 @@ class SignalCheckpoint(TrainerCallback):
             signal.Signals(signum).name,
         )
 
-    def _restore(self):
+    def restore_handlers(self):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
@@ -173,7 +176,7 @@ class SignalCheckpoint(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if not self._stopping:
             return
-        self._restore()
+        self.restore_handlers()
         signum = self.received or signal.SIGTERM  # another rank got the signal
         message = (
             f"Stopped by {signal.Signals(signum).name} after step {state.global_step}; checkpoint saved to "
@@ -185,4 +188,4 @@ class SignalCheckpoint(TrainerCallback):
         raise SystemExit(128 + signum)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._restore()
+        self.restore_handlers()

@@ -63,8 +63,9 @@ class GSPOTrainer(GRPOTrainer):
         self._guard_reward_funcs()
         self._nonfinite = NonFiniteGuard(self, args.max_consecutive_nonfinite)
         self.add_callback(self._nonfinite)
-        if args.checkpoint_on_signal:
-            self.add_callback(checkpointing.SignalCheckpoint(self))
+        self._signal_checkpoint = checkpointing.SignalCheckpoint(self) if args.checkpoint_on_signal else None
+        if self._signal_checkpoint is not None:
+            self.add_callback(self._signal_checkpoint)
 
     # ------------------------------------------------------------------------------------------------ hooks
     def token_advantages(self, inputs: dict) -> torch.Tensor:
@@ -184,7 +185,11 @@ class GSPOTrainer(GRPOTrainer):
             )
             if state is not None:
                 self._step, self._buffered_inputs = state
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:  # also when training raised: give the process its own signal handlers back
+            if self._signal_checkpoint is not None:
+                self._signal_checkpoint.restore_handlers()
 
     # ------------------------------------------------------------------------------------------- internals
     def _checked_advantages(self, inputs, mask) -> torch.Tensor:
