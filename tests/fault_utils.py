@@ -67,7 +67,7 @@ def main():
     trainer = make_trainer(cli.output_dir, max_steps=cli.max_steps, save_strategy="no")
     trainer.add_callback(Progress())
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
-    if cli.weights_out:
+    if cli.weights_out and trainer.accelerator.is_main_process:
         torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, cli.weights_out)
     print("DONE", flush=True)
 

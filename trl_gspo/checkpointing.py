@@ -123,8 +123,19 @@ def load_rollout_state(checkpoint: str, process_index: int, device) -> tuple[int
     path = rollout_state_file(checkpoint, process_index)
     if not os.path.exists(path):
         return None
-    state = torch.load(path, map_location=device, weights_only=True)
-    return state["step"], state["buffered_inputs"]
+    # Load on CPU, then move: a distributed CPU run tags storages "cpu:0", which map_location cannot restore.
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return state["step"], _to_device(state["buffered_inputs"], device)
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {key: _to_device(value, device) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(value, device) for value in obj)
+    return obj
 
 
 # ----------------------------------------------------------------------------------------- signal checkpoint
