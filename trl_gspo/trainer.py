@@ -183,8 +183,11 @@ class GSPOTrainer(GRPOTrainer):
             state = checkpointing.load_rollout_state(
                 resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
             )
-            if state is not None:
+            if state is not None and (state[1] is None or len(state[1]) == self.args.steps_per_generation):
                 self._step, self._buffered_inputs = state
+            elif state is not None:  # batch settings changed since the save: TRL regenerates, as stock TRL does
+                checkpointing.logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.",
+                                             resume_from_checkpoint, self.args.steps_per_generation)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:  # also when training raised: give the process its own signal handlers back
