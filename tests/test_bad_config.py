@@ -63,7 +63,7 @@ def test_per_token_advantages_with_sequence_level_raise(trainer):
     with pytest.raises(ValueError, match=r"Per-token advantages of shape \(B, T\) need "
                        r"importance_sampling_level='sequence_token'.*or 'token'"):
         trainer._checked_advantages({"advantages": torch.zeros(2, 5)}, mask)
-    with pytest.raises(ValueError, match=r"token_advantages must return shape \(B,\) or \(B, T\) = \(2, 5\), got \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"must return shape \(B,\) or \(B, T\) = \(2, 5\), got \(2, 4\)"):
         trainer._checked_advantages({"advantages": torch.zeros(2, 4)}, mask)
     trainer.importance_sampling_level = "sequence_token"
     try:

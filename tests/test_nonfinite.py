@@ -14,7 +14,7 @@ from trl_gspo.nonfinite import NonFiniteTrainingError
 
 class NaNLogpsTrainer(GSPOTrainer):
     """Poisons log-probs on the micro-steps listed in `nan_steps` (counted from 0): the current policy's (in the
-    autograd graph, like an overflow in the forward pass) or, with `poison_old`, the old policy's (a corrupted input)."""
+    autograd graph, like an overflow in the forward pass) or, with `poison_old`, the old policy's (bad input)."""
 
     nan_steps = ()
     poison_old = False
@@ -109,7 +109,8 @@ def test_nonfinite_gradient_with_finite_loss_skips_step(tmp_path):
     recorder = WeightRecorder()
     trainer.add_callback(recorder)
     param = next(trainer.model.parameters())
-    param.register_hook(lambda g: g * float("nan") if trainer._step == 1 else g)  # 2nd step (_step counts finished ones)
+    # _step counts finished micro-steps, so 1 is the second step's backward
+    param.register_hook(lambda g: g * float("nan") if trainer._step == 1 else g)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "nonfinite/microbatches" in h]
     assert [h["nonfinite/microbatches"] for h in logs] == [0.0, 0.0, 0.0]

@@ -63,7 +63,8 @@ class NonFiniteGuard(TrainerCallback):
         # DeepSpeed keeps gradients in its own buffers (p.grad is None) and runs its own overflow check.
         grad_bad = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float() if grads else torch.zeros(())
         dropped = self._dropped if self._dropped is not None else torch.zeros((), dtype=torch.int64)
-        stats = torch.stack([dropped.float().to(device), grad_bad.to(device), torch.tensor(float(self._seen), device=device)])
+        seen = torch.tensor(float(self._seen), device=device)
+        stats = torch.stack([dropped.float().to(device), grad_bad.to(device), seen])
         if trainer.accelerator.num_processes > 1:
             stats = trainer.accelerator.reduce(stats, reduction="sum")
         dropped, grad_bad, seen = stats.tolist()  # the one sync per optimizer step
