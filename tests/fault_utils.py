@@ -58,7 +58,7 @@ def main():
 
     class Progress(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            print(f"STEP {state.global_step}", flush=True)
+            print(f"STEP {state.global_step} RANK {trainer.accelerator.process_index} PID {os.getpid()}", flush=True)
             if cli.step_delay:
                 import time
 

@@ -133,3 +133,36 @@ def test_sigint_saves_checkpoint_then_raises_keyboardinterrupt(tmp_path):
         trainer.train()
     assert checkpointing.last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
     assert signal_module.getsignal(signal_module.SIGINT) is before  # handlers restored
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
+    """2 processes (gloo): SIGTERM to rank 1 only. Both ranks must stop after the same step and save one complete
+    checkpoint together (no deadlock, both rollout states), and a 2-process resume must finish the run."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
+              "--output_dir", str(out), "--max_steps", str(N)]
+    proc = subprocess.Popen([*launch, "--step_delay", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("STEP 2 RANK 1 PID"):
+            os.kill(int(line.split()[-1]), signal.SIGTERM)
+    proc.wait(timeout=180)
+    log = "".join(lines)
+    assert "Stopped by SIGTERM" in log, log
+    saved = checkpointing.last_complete_checkpoint(str(out))
+    assert saved is not None, log
+    step = int(saved.rsplit("-", 1)[1])
+    checkpoints = sorted(name for name in os.listdir(out) if name.startswith("checkpoint-"))
+    assert 2 <= step < N and checkpoints == [f"checkpoint-{step}"], (checkpoints, log[-3000:])
+    assert {f"gspo_rollout_state_rank{r}.pt" for r in (0, 1)} <= set(os.listdir(saved))
+
+    resume = subprocess.run([*launch, "--resume"], capture_output=True, text=True, env=env, timeout=180)
+    resumed_log = resume.stdout + resume.stderr
+    # Ranks sometimes abort at interpreter exit after finishing (see FINDINGS.md): judge by what they printed.
+    assert resumed_log.count("DONE") == 2, resumed_log
+    assert resumed_log.count(f"STEP {step + 1} RANK") == 2 and f"STEP {step} RANK" not in resumed_log, resumed_log
