@@ -82,6 +82,9 @@ def test_incomplete_checkpoint_is_never_resumed(straight_run, tmp_path):
         checkpointing.resolve_resume_checkpoint(str(tmp_path / "checkpoint-3"), str(tmp_path))
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
         checkpointing.resolve_resume_checkpoint(True, str(tmp_path))
+    with pytest.raises(ValueError, match="resume_from_checkpoint=True but .* holds no complete checkpoint"):
+        checkpointing.resolve_resume_checkpoint("true", str(tmp_path))  # as a CLI flag / YAML value arrives
+    assert checkpointing.resolve_resume_checkpoint("false", str(tmp_path)) is None
 
 
 def _worker(out, *extra):

@@ -95,7 +95,14 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
 
 
 def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
-    """Turn `train(resume_from_checkpoint=...)` into a complete checkpoint folder, or raise saying why not."""
+    """Turn `train(resume_from_checkpoint=...)` into a complete checkpoint folder, or raise saying why not.
+
+    `True` (or the strings "true"/"last", as a `--resume_from_checkpoint` flag or YAML key arrives) means the newest
+    complete checkpoint of `output_dir`; any other string is a checkpoint path."""
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.strip().lower() in ("true", "last"):
+        resume_from_checkpoint = True
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.strip().lower() in ("", "false", "none"):
+        resume_from_checkpoint = None
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if resume_from_checkpoint is True:
