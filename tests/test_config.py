@@ -34,9 +34,9 @@ def test_paper_defaults(tmp_path):
         (dict(loss_type="vespo"), ["vespo", "importance_sampling_level='token'"]),
         (dict(loss_type="sapo", importance_sampling_level="sequence_token"), ["sapo", "sequence_token"]),
         (dict(delta=1.0001), ["delta=1.0001", "1 + epsilon_high"]),
-        (dict(max_log_ratio=0.0), ["max_log_ratio=0.0", "> 0"]),
+        (dict(max_log_ratio=0.0), ["max_log_ratio=0.0", "0 < max_log_ratio"]),
         (dict(token_advantages_fn="x.y"), ["token_advantages_fn='x.y'", "sequence_token"]),
-        (dict(num_generations=1), ["num_generations", "at least 2"]),
+        (dict(num_generations=1), ["num_generations=1", ">= 2"]),
     ],
 )
 def test_bad_config_raises_a_clear_error(tmp_path, kwargs, fragments):

@@ -20,6 +20,8 @@ TRL_NATIVE_LOSS_TYPES = ("sapo", "vespo")
 KNOWN_LOSS_TYPES = CLIPPED_LOSS_TYPES + ("cispo",) + TRL_NATIVE_LOSS_TYPES
 #: Mini-batch updates per rollout batch in the paper's setting.
 PAPER_MINI_BATCHES_PER_ROLLOUT = 4
+#: Largest allowed `max_log_ratio`: exp(88.7) overflows float32 (and bfloat16, which has the same exponent range).
+MAX_FINITE_LOG_RATIO = 88.0
 
 
 @dataclass
@@ -54,6 +56,19 @@ class GSPOConfig(GRPOConfig):
             Dotted import path of a function `fn(inputs) -> (B, T)` advantages, called by
             `GSPOTrainer.token_advantages` (e.g. `"trl_gspo.token_advantages.discounted_turn_advantages"`). Lets a
             recipe use per-token advantages without subclassing. Needs `"sequence_token"` or `"token"`.
+        max_consecutive_nonfinite (`int`, *optional*, defaults to `10`):
+            Non-finite guard: a micro-batch whose importance ratio or loss is NaN/inf contributes no gradient, and an
+            optimizer step whose gradient is NaN/inf (or whose every micro-batch was dropped) is skipped. After this
+            many consecutive optimizer steps with such an event, training saves a checkpoint and raises
+            `NonFiniteTrainingError`. Counted in the logged metrics `nonfinite/microbatches` and
+            `nonfinite/skipped_steps`.
+        nonfinite_reward (`str`, *optional*, defaults to `"error"`):
+            What to do when a reward function returns NaN or +-inf for a sample. `"error"`: raise, naming the reward
+            function, the sample and the value. `"none"`: treat the value like `None` ("not applicable", TRL's
+            convention), log a warning and count it in the metric `rewards/<name>/nonfinite`.
+        checkpoint_on_signal (`bool`, *optional*, defaults to `True`):
+            On SIGTERM or SIGINT during `train()`, finish the current optimizer step, save a checkpoint, then exit
+            (SIGTERM: `SystemExit(143)`; SIGINT: `KeyboardInterrupt`). Resume with `resume_from_checkpoint`.
     """
 
     importance_sampling_level: str = field(
@@ -100,6 +115,31 @@ class GSPOConfig(GRPOConfig):
             "log-prob cannot overflow the ratio to inf. Far outside any clip range, so normal steps are unchanged."
         },
     )
+    max_consecutive_nonfinite: int = field(
+        default=10,
+        metadata={
+            "help": "Micro-batches with a NaN/inf ratio or loss contribute nothing and optimizer steps with a NaN/inf "
+            "gradient are skipped, so weights never receive a NaN; after this many consecutive affected optimizer "
+            "steps the run is broken, not unlucky: save a checkpoint and stop with an error."
+        },
+    )
+    nonfinite_reward: str = field(
+        default="error",
+        metadata={
+            "help": "A NaN/inf reward is a bug in the reward function, so it is an error by default ('error'). 'none' "
+            "treats it like None (not applicable, TRL's convention: no reward signal from that function for that "
+            "sample), with a warning and the metric rewards/<name>/nonfinite.",
+            "choices": ["error", "none"],
+        },
+    )
+    checkpoint_on_signal: bool = field(
+        default=True,
+        metadata={
+            "help": "Save a checkpoint when SIGTERM/SIGINT arrives (preemption, Ctrl-C) at the end of the current "
+            "optimizer step, then exit, so a preempted run loses at most one step. Resume with "
+            "resume_from_checkpoint."
+        },
+    )
 
     token_advantages_fn: str | None = field(
         default=None,
@@ -111,15 +151,23 @@ class GSPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        if self.num_generations is not None and self.num_generations < 2:  # TRL's own message omits the field name
-            raise ValueError(
-                f"num_generations={self.num_generations!r} must be at least 2: advantages are rewards normalised "
-                "within each prompt's group of completions."
-            )
+        self._validate_counts()  # before TRL's __post_init__, which divides by some of these
         if self.steps_per_generation is None and self.generation_batch_size is None:
             self.steps_per_generation = PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
         super().__post_init__()
         self._validate()
+
+    def _validate_counts(self):
+        """Integer fields TRL divides by or loops over: a bad value would surface as a ZeroDivisionError or a
+        TypeError inside TRL, or as a run that silently never generates."""
+        minimums = {"num_generations": 2, "num_iterations": 1, "steps_per_generation": 1, "generation_batch_size": 1}
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if value is None and name in ("steps_per_generation", "generation_batch_size"):
+                continue  # derived by __post_init__
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                why = " (GRPO/GSPO advantages compare completions within a group)" if name == "num_generations" else ""
+                raise ValueError(f"{name}={value!r} is not allowed: it must be an integer >= {minimum}{why}.")
 
     def _validate(self):
         level, loss_type = self.importance_sampling_level, self.loss_type
@@ -137,15 +185,31 @@ class GSPOConfig(GRPOConfig):
                         f"{name}={value!r} is out of range: the clip range [1 - epsilon, 1 + epsilon_high] needs "
                         f"0 < {name} < 1 (GSPO paper: epsilon=3e-4, epsilon_high=4e-4; GRPO: 0.2 / 0.28)."
                     )
-        elif loss_type == "cispo" and self.epsilon_high is not None and self.epsilon_high <= 0:
+        elif loss_type == "cispo" and self.epsilon_high is not None and not self.epsilon_high > 0:
             raise ValueError(f"epsilon_high={self.epsilon_high!r} is CISPO's ratio cap and must be > 0 (e.g. 5.0).")
         if self.delta is not None and self.delta <= 1 + (self.epsilon_high or self.epsilon):
             raise ValueError(
                 f"delta={self.delta!r} must be greater than 1 + epsilon_high; a smaller cap would clip ratios "
                 "inside the trust region."
             )
-        if self.max_log_ratio is not None and self.max_log_ratio <= 0:
-            raise ValueError(f"max_log_ratio={self.max_log_ratio!r} must be > 0, or None to disable the clamp.")
+        if self.max_log_ratio is not None and not 0 < self.max_log_ratio <= MAX_FINITE_LOG_RATIO:
+            raise ValueError(
+                f"max_log_ratio={self.max_log_ratio!r} is out of range: it must satisfy 0 < max_log_ratio <= "
+                f"{MAX_FINITE_LOG_RATIO} (beyond that exp overflows in fp32/bf16), or be None to disable the clamp."
+            )
+        if isinstance(self.max_consecutive_nonfinite, bool) or not isinstance(self.max_consecutive_nonfinite, int) or (
+            self.max_consecutive_nonfinite < 1
+        ):
+            raise ValueError(
+                f"max_consecutive_nonfinite={self.max_consecutive_nonfinite!r} must be an integer >= 1 (consecutive "
+                "optimizer steps with a NaN/inf before training stops)."
+            )
+        if self.nonfinite_reward not in ("error", "none"):
+            raise ValueError(f"nonfinite_reward={self.nonfinite_reward!r} is not supported; allowed: error, none.")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature!r} must be > 0 (sampling divides the logits by it).")
+        if self.beta < 0:
+            raise ValueError(f"beta={self.beta!r} must be >= 0 (KL penalty coefficient; 0 disables it, the default).")
         if level in SEQUENCE_LEVELS and loss_type in TOKEN_SUM_LOSS_TYPES and not self.allow_token_sum_with_sequence_level:
             raise ValueError(
                 f"loss_type={loss_type!r} sums token losses, so with importance_sampling_level={level!r} every "

@@ -16,11 +16,17 @@ checks loss and gradients against stock `GRPOTrainer` so drift is caught when th
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+from torch import nn
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from . import losses
+from . import checkpointing, losses, rewards_guard
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
+from .nonfinite import NonFiniteGuard
 from .utils import resolve_callable
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
@@ -58,6 +64,12 @@ class GSPOTrainer(GRPOTrainer):
         self._token_advantages_fn = None
         if args.token_advantages_fn is not None:
             self._token_advantages_fn = resolve_callable(args.token_advantages_fn, "token_advantages_fn")
+        self._guard_reward_funcs()
+        self._nonfinite = NonFiniteGuard(self, args.max_consecutive_nonfinite)
+        self.add_callback(self._nonfinite)
+        self._signal_checkpoint = checkpointing.SignalCheckpoint(self) if args.checkpoint_on_signal else None
+        if self._signal_checkpoint is not None:
+            self.add_callback(self._signal_checkpoint)
 
     # ------------------------------------------------------------------------------------------------ hooks
     def token_advantages(self, inputs: dict) -> torch.Tensor:
@@ -138,7 +150,56 @@ class GSPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         self._log_loss_metrics(mode, ratio, advantages, mask, entropies, per_token_kl)
+        if mode == "train":  # a NaN/inf ratio or loss: this micro-batch contributes nothing (see nonfinite.py)
+            loss = self._nonfinite.guard_loss(loss, ratio, logps)
         return loss
+
+    # ------------------------------------------------------------------- faults: rewards, checkpoints, resume
+    def _guard_reward_funcs(self):
+        """Wrap reward callables so raising, malformed or non-finite rewards fail clearly (see rewards_guard.py)."""
+        policy = self.args.nonfinite_reward
+        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
+            if not isinstance(func, nn.Module) and not getattr(func, "__gspo_guarded__", False):
+                count = functools.partial(self._count_nonfinite_rewards, name) if policy == "none" else None
+                self.reward_funcs[i] = rewards_guard.guard_reward_function(func, name, policy, count)
+
+    def _count_nonfinite_rewards(self, name: str, count: int):
+        self._metrics["train" if self.model.training else "eval"][f"rewards/{name}/nonfinite"].append(count)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rewards_guard.check_reward_matrix(rewards_per_func, self.reward_funcs, self.reward_func_names)
+        return rewards_per_func
+
+    def _save_checkpoint(self, model, trial):
+        """HF's checkpoint plus TRL's rollout buffer, with a completion marker written last (see checkpointing.py)."""
+        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            checkpointing.mark_incomplete(path)
+        super()._save_checkpoint(model, trial)
+        os.makedirs(path, exist_ok=True)
+        checkpointing.save_rollout_state(path, self.accelerator.process_index, self._step, self._buffered_inputs)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            checkpointing.mark_complete(path)
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """`Trainer.train`, resuming only from complete checkpoints and restoring TRL's rollout buffer."""
+        resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if resume_from_checkpoint is not None:
+            state = checkpointing.load_rollout_state(
+                resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
+            )
+            if state is not None and (state[1] is None or len(state[1]) == self.args.steps_per_generation):
+                self._step, self._buffered_inputs = state
+            elif state is not None:  # batch settings changed since the save: TRL regenerates, as stock TRL does
+                checkpointing.logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.",
+                                             resume_from_checkpoint, self.args.steps_per_generation)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:  # also when training raised: give the process its own signal handlers back
+            if self._signal_checkpoint is not None:
+                self._signal_checkpoint.restore_handlers()
 
     # ------------------------------------------------------------------------------------------- internals
     def _checked_advantages(self, inputs, mask) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""Bad configuration fails at GSPOConfig construction (before any model is loaded) with a message naming the field,
+the value and what is allowed."""
+
+import pytest
+import torch
+
+from trl_gspo import GSPOConfig
+
+
+def _config(**kwargs):
+    return GSPOConfig(output_dir="unused", use_cpu=True, report_to=[], per_device_train_batch_size=4, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"importance_sampling_level": "seq"},
+     r"importance_sampling_level='seq' is not supported; allowed: token, sequence, sequence_token"),
+    ({"loss_type": "ppo"}, r"loss_type='ppo' is not supported; allowed: grpo, bnpo, dr_grpo, dapo, luspo, cispo"),
+    ({"epsilon": -0.1}, r"epsilon=-0.1 is out of range: .*needs 0 < epsilon < 1"),
+    ({"epsilon_high": 1.5}, r"epsilon_high=1.5 is out of range: .*needs 0 < epsilon_high < 1"),
+    ({"epsilon": float("nan")}, r"epsilon=nan is out of range"),
+    ({"loss_type": "cispo", "epsilon_high": float("nan"), "allow_token_sum_with_sequence_level": True},
+     r"epsilon_high=nan is CISPO's ratio cap and must be > 0"),
+    ({"loss_type": "dapo"}, r"loss_type='dapo' sums token losses, so with importance_sampling_level='sequence'.*"
+     r"Use loss_type='grpo'.*allow_token_sum_with_sequence_level=True"),
+    ({"loss_type": "bnpo", "importance_sampling_level": "sequence_token"},
+     r"loss_type='bnpo' sums token losses, so with importance_sampling_level='sequence_token'"),
+    ({"num_generations": 1}, r"num_generations=1 is not allowed: it must be an integer >= 2"),
+    ({"num_generations": 0}, r"num_generations=0 is not allowed: it must be an integer >= 2"),
+    ({"num_generations": None}, r"num_generations=None is not allowed"),
+    ({"num_generations": 2.5}, r"num_generations=2.5 is not allowed"),
+    ({"num_iterations": 0}, r"num_iterations=0 is not allowed: it must be an integer >= 1"),
+    ({"steps_per_generation": 0}, r"steps_per_generation=0 is not allowed: it must be an integer >= 1"),
+    ({"max_log_ratio": 0.0}, r"max_log_ratio=0.0 is out of range: it must satisfy 0 < max_log_ratio <= 88.0"),
+    ({"max_log_ratio": float("nan")}, r"max_log_ratio=nan is out of range"),
+    ({"max_log_ratio": float("inf")}, r"max_log_ratio=inf is out of range.*or be None to disable the clamp"),
+    ({"max_log_ratio": 100.0}, r"max_log_ratio=100.0 is out of range.*exp overflows"),
+    ({"max_consecutive_nonfinite": 0}, r"max_consecutive_nonfinite=0 must be an integer >= 1"),
+    ({"nonfinite_reward": "ignore"}, r"nonfinite_reward='ignore' is not supported; allowed: error, none"),
+    ({"temperature": 0.0}, r"temperature=0.0 must be > 0"),
+    ({"beta": -0.1}, r"beta=-0.1 must be >= 0"),
+    ({"delta": 1.0001, "epsilon_high": 0.2}, r"delta=1.0001 must be greater than 1 \+ epsilon_high"),
+])
+def test_bad_config_is_rejected_with_field_value_and_allowed(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _config(**kwargs)
+
+
+def test_good_configs_still_build():
+    assert _config().importance_sampling_level == "sequence"
+    assert _config(max_log_ratio=None, nonfinite_reward="none", max_consecutive_nonfinite=1).max_log_ratio is None
+    assert _config(loss_type="dapo", allow_token_sum_with_sequence_level=True).loss_type == "dapo"
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from fault_utils import make_trainer
+
+    return make_trainer(tmp_path_factory.mktemp("adv"))
+
+
+def test_per_token_advantages_with_sequence_level_raise(trainer):
+    mask = torch.ones(2, 5)
+    with pytest.raises(ValueError, match=r"Per-token advantages of shape \(B, T\) need "
+                       r"importance_sampling_level='sequence_token'.*or 'token'"):
+        trainer._checked_advantages({"advantages": torch.zeros(2, 5)}, mask)
+    with pytest.raises(ValueError, match=r"must return shape \(B,\) or \(B, T\) = \(2, 5\), got \(2, 4\)"):
+        trainer._checked_advantages({"advantages": torch.zeros(2, 4)}, mask)
+    trainer.importance_sampling_level = "sequence_token"
+    try:
+        assert trainer._checked_advantages({"advantages": torch.zeros(2, 5)}, mask).shape == (2, 5)
+    finally:
+        trainer.importance_sampling_level = "sequence"
+
+
+def test_trainer_rejects_plain_grpo_config(tiny_model_dir):
+    from trl import GRPOConfig
+
+    from trl_gspo import GSPOTrainer
+
+    with pytest.raises(TypeError, match=r"GSPOTrainer needs args=GSPOConfig\(...\), got GRPOConfig"):
+        GSPOTrainer(tiny_model_dir, lambda **kw: None, args=GRPOConfig("unused", use_cpu=True, report_to=[]))

@@ -1,0 +1,209 @@
+"""Checkpoints that are either complete or ignored, exact resume mid-rollout, and a checkpoint on SIGTERM/SIGINT.
+
+- Completion marker: `GSPOTrainer._save_checkpoint` deletes `checkpoint-N/gspo_checkpoint_complete.json` before HF
+  writes the folder and writes it last (atomically: temp file, fsync, rename), listing every file and its size.
+  `resolve_resume_checkpoint` only accepts a folder whose marker exists and whose files still match it, so a crash
+  mid-save (or a truncated copy) is never resumed from: `resume_from_checkpoint=True` takes the newest complete one.
+- Rollout state: TRL generates one rollout batch every `steps_per_generation` micro-steps and keeps it in memory, so
+  a checkpoint taken mid-rollout would resume with a freshly generated (different) batch. Each process also saves its
+  micro-step counter and the buffered rollout (`gspo_rollout_state_rank{i}.pt`, tensors only, loaded with
+  `weights_only=True`), and resume restores them: together with HF's saved RNG states and TRL's seeded sampler, a
+  resumed run reproduces the uninterrupted one.
+- `SignalCheckpoint`: on SIGTERM/SIGINT, finish the current optimizer step, save a checkpoint, then exit with
+  `SystemExit(143)` (SIGTERM) or `KeyboardInterrupt` (SIGINT). A second signal while waiting exits immediately.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import threading
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = "gspo_checkpoint_complete.json"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def rollout_state_file(checkpoint: str, process_index: int) -> str:
+    return os.path.join(checkpoint, f"gspo_rollout_state_rank{process_index}.pt")
+
+
+# ------------------------------------------------------------------------------------------- completion marker
+def mark_incomplete(checkpoint: str) -> None:
+    """Called before (re)writing a checkpoint folder, so a crash while writing leaves it unmarked."""
+    marker = os.path.join(checkpoint, COMPLETE_MARKER)
+    if os.path.exists(marker):
+        os.remove(marker)
+
+
+def mark_complete(checkpoint: str) -> None:
+    """Record every file of the finished checkpoint with its size, atomically."""
+    files = {}
+    for root, _, names in os.walk(checkpoint):
+        for name in names:
+            path = os.path.join(root, name)
+            if name != COMPLETE_MARKER and not name.endswith(".tmp"):
+                files[os.path.relpath(path, checkpoint)] = os.path.getsize(path)
+    tmp = os.path.join(checkpoint, COMPLETE_MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f, indent=0, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(checkpoint, COMPLETE_MARKER))
+
+
+def checkpoint_problem(checkpoint: str) -> str | None:
+    """Why `checkpoint` cannot be resumed from, or None if it is complete."""
+    marker = os.path.join(checkpoint, COMPLETE_MARKER)
+    if not os.path.isdir(checkpoint):
+        return "it does not exist"
+    if not os.path.exists(marker):
+        return (
+            f"it has no {COMPLETE_MARKER}: the run stopped while writing it, or another trainer wrote it (if you know "
+            "it is complete, mark it with trl_gspo.checkpointing.mark_complete(path))"
+        )
+    with open(marker) as f:
+        files = json.load(f)["files"]
+    for name, size in files.items():
+        path = os.path.join(checkpoint, name)
+        if not os.path.exists(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path)} bytes, {size} were written"
+    return None
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest `checkpoint-N` folder of `output_dir` that is complete (see `checkpoint_problem`)."""
+    if not os.path.isdir(output_dir):
+        return None
+    found = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT_RE.match(name))]
+    for _, name in sorted(found, reverse=True):
+        path = os.path.join(output_dir, name)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        logger.warning("Skipping checkpoint %s for resume: %s.", path, problem)
+    return None
+
+
+def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """Turn `train(resume_from_checkpoint=...)` into a complete checkpoint folder, or raise saying why not.
+
+    `True` (or the strings "true"/"last", as a `--resume_from_checkpoint` flag or YAML key arrives) means the newest
+    complete checkpoint of `output_dir`; any other string is a checkpoint path."""
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.strip().lower() in ("true", "last"):
+        resume_from_checkpoint = True
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.strip().lower() in ("", "false", "none"):
+        resume_from_checkpoint = None
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        path = last_complete_checkpoint(output_dir)
+        if path is None:
+            raise ValueError(
+                f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint-N folder "
+                f"(complete = has {COMPLETE_MARKER} and every file it lists)."
+            )
+        return path
+    problem = checkpoint_problem(str(resume_from_checkpoint))
+    if problem is not None:
+        latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(str(resume_from_checkpoint))))
+        hint = f" The newest complete checkpoint next to it is {latest}." if latest else ""
+        raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} cannot be resumed: {problem}.{hint}")
+    return str(resume_from_checkpoint)
+
+
+# ---------------------------------------------------------------------------------------------- rollout state
+def save_rollout_state(checkpoint: str, process_index: int, step: int, buffered_inputs) -> None:
+    torch.save({"step": step, "buffered_inputs": buffered_inputs}, rollout_state_file(checkpoint, process_index))
+
+
+def load_rollout_state(checkpoint: str, process_index: int, device) -> tuple[int, list | None] | None:
+    path = rollout_state_file(checkpoint, process_index)
+    if not os.path.exists(path):
+        return None
+    # Load on CPU, then move: a distributed CPU run tags storages "cpu:0", which map_location cannot restore.
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return state["step"], _to_device(state["buffered_inputs"], device)
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {key: _to_device(value, device) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(value, device) for value in obj)
+    return obj
+
+
+# ----------------------------------------------------------------------------------------- signal checkpoint
+class SignalCheckpoint(TrainerCallback):
+    """Save a checkpoint at the end of the optimizer step during which SIGTERM/SIGINT arrived, then exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.received: int | None = None
+        self._stopping = False
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None:  # second signal: stop waiting for the checkpoint
+            self.restore_handlers()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+        logger.warning(
+            "Received %s: saving a checkpoint at the end of the current optimizer step, then exiting. "
+            "Send it again to exit immediately.",
+            signal.Signals(signum).name,
+        )
+
+    def restore_handlers(self):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.received, self._stopping = None, False
+        if threading.current_thread() is threading.main_thread():  # Python only delivers signals there
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        stop = self.received is not None
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes > 1:  # every rank must stop at the same step to save together
+            stop = accelerator.reduce(torch.tensor(float(stop), device=accelerator.device), reduction="sum").item() > 0
+        if stop:
+            self._stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if not self._stopping:
+            return
+        self.restore_handlers()
+        signum = self.received or signal.SIGTERM  # another rank got the signal
+        message = (
+            f"Stopped by {signal.Signals(signum).name} after step {state.global_step}; checkpoint saved to "
+            f"{args.output_dir}/checkpoint-{state.global_step}. Resume with resume_from_checkpoint=True."
+        )
+        logger.warning(message)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt(message)
+        raise SystemExit(128 + signum)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.restore_handlers()
