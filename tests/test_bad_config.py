@@ -39,6 +39,13 @@ def _config(**kwargs):
     ({"temperature": 0.0}, r"temperature=0.0 must be > 0"),
     ({"beta": -0.1}, r"beta=-0.1 must be >= 0"),
     ({"delta": 1.0001, "epsilon_high": 0.2}, r"delta=1.0001 must be greater than 1 \+ epsilon_high"),
+    ({"epsilon": 0.0}, r"epsilon=0.0 is out of range: .*needs 0 < epsilon < 1"),
+    ({"loss_type": "dr_grpo"}, r"loss_type='dr_grpo' sums token losses"),
+    ({"loss_type": "cispo", "epsilon_high": 5.0}, r"loss_type='cispo' sums token losses"),
+    ({"loss_type": "luspo", "importance_sampling_level": "token"}, r"luspo.*needs importance_sampling_level='sequence'"),
+    ({"loss_type": "vespo"}, r"vespo.*set importance_sampling_level='token' \(got 'sequence'\)"),
+    ({"loss_type": "sapo", "importance_sampling_level": "sequence_token"}, r"sapo.*no 'sequence_token' level"),
+    ({"token_advantages_fn": "x.y"}, r"token_advantages_fn='x.y' gives per-token advantages.*'sequence_token'"),
 ])
 def test_bad_config_is_rejected_with_field_value_and_allowed(kwargs, match):
     with pytest.raises(ValueError, match=match):
