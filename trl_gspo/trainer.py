@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
-from . import losses
+from . import losses, metrics
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
+from .routing import RouterRecorder
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
 _FORWARD_KEYS = (
@@ -54,6 +55,7 @@ class GSPOTrainer(GRPOTrainer):
                 "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
+        self._init_diagnostics()
 
     # ------------------------------------------------------------------------------------------------ hooks
     def token_advantages(self, inputs: dict) -> torch.Tensor:
@@ -131,6 +133,7 @@ class GSPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         self._log_loss_metrics(mode, ratio, advantages, mask, entropies, per_token_kl)
+        self._record_diagnostics(mode, inputs, logps, old_logps, ratio, advantages, mask)
         return loss
 
     # ------------------------------------------------------------------------------------------- internals
@@ -228,3 +231,75 @@ class GSPOTrainer(GRPOTrainer):
             gathered = self.accelerator.gather(torch.stack([low_per_seq, high_per_seq]).detach())
             metrics["clip_ratio/low_min"].append(gathered[0].min().item())
             metrics["clip_ratio/high_max"].append(gathered[1].max().item())
+
+    # ------------------------------------------------------------------------------------------ diagnostics
+    # What GSPO does, measured (metrics.py): accumulated as device tensors per micro-batch, reduced across processes
+    # once per logging step in `log`, then handed to TRL's `_metrics` so every logger sees them.
+    def _init_diagnostics(self):
+        self._diagnostics = {"train": metrics.MetricWindow(), "eval": metrics.MetricWindow()}
+        # MoE: hooks on the routers keep top-k expert ids during two forwards TRL already runs (old log-probs at
+        # generation, and the loss forward); `_routing_role` says which one is running.
+        self._router_recorder = RouterRecorder.for_model(self.model)
+        self._routing_role, self._router_topk = None, {}
+
+    def _record_diagnostics(self, mode, inputs, logps, old_logps, ratio, advantages, mask):
+        window = self._diagnostics[mode]
+        lr, valid = metrics.token_log_ratios(logps, old_logps, mask)
+        window.add_values("seq_ratio", metrics.sequence_log_ratio(lr, valid), valid.sum(-1) > 0)
+        ratio = ratio.detach()
+        if self.loss_type == "cispo":  # CISPO truncates the weight from above only
+            high = ((ratio > self.epsilon_high) & (advantages > 0)).float()
+            low = torch.zeros_like(high)
+        else:
+            low, high = losses.clip_indicators(ratio, advantages, self.epsilon_low, self.epsilon_high)
+        window.add_means(metrics.clip_fraction_stats(low, high, mask))
+        window.add_means(metrics.dispersion_stats(lr, valid, self.max_completion_length))
+        for name, x in (("logps", logps), ("old_logps", old_logps), ("advantages", advantages)):
+            window.add_sums(f"nonfinite/{name}", metrics.count_nonfinite(x, mask if x.dim() == 2 and x.size(1) > 1 else None))
+        current = self._router_topk.pop("current", None)
+        if current is not None:
+            num_experts = self._router_recorder.num_experts
+            window.add_counts(
+                "moe/expert_load",
+                metrics.expert_load(current, mask, num_experts),
+                lambda load: {"moe/expert_load_cv": metrics.expert_load_cv(load)},
+            )
+            old = inputs.get("old_router_topk")
+            if old is not None:
+                window.add_means(metrics.routing_shift_stats(old, current, mask))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        for name, value in self._diagnostics[mode].flush(self.accelerator, {"seq_ratio": torch.exp}).items():
+            self._metrics[mode][name].append(value)
+        super().log(logs, start_time)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._routing_role = "current"
+        self._router_topk.pop("current", None)
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self._routing_role = None
+
+    def _generate_and_score_completions(self, inputs):
+        self._routing_role = "old"
+        self._router_topk.pop("old", None)
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._routing_role = None
+        old_topk = self._router_topk.pop("old", None)
+        # Only the old-policy forward counts (it runs first); without it the ratio is 1 and routing cannot have moved.
+        if old_topk is not None and "old_per_token_logps" in output:
+            output["old_router_topk"] = old_topk
+        return output
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        role, recorder = self._routing_role, self._router_recorder
+        if recorder is None or role is None or role in self._router_topk:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        with recorder.recording():
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        self._router_topk[role] = recorder.completion_topk(input_ids, logits_to_keep)
+        return out
