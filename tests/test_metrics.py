@@ -205,3 +205,45 @@ def test_moe_metrics_only_for_moe_and_routing_moves_after_updates(tokenizer, tmp
     assert rows[0]["moe/routing_shift"] == 0  # same weights as at rollout time: identical routing
     assert any(row["moe/routing_shift"] > 0 for row in rows[1:])  # after an update some top-k sets changed
     assert all(row["moe/expert_load_cv"] > 0 for row in rows)
+
+
+DISTRIBUTED_SCRIPT = '''
+import json, torch
+from accelerate import Accelerator
+from trl_gspo.metrics import MetricWindow
+acc = Accelerator(cpu=True)
+r = acc.process_index
+w = MetricWindow()
+w.add_means({"m": torch.tensor([float(r + 1), 2.0 + r])})       # rank 0: 1/2, rank 1: 2/3 -> pooled 3/5
+if r == 1:
+    w.add_sums("nonfinite/only_rank1", torch.tensor(4))          # a name rank 0 never saw: must not hang
+w.add_values("v", torch.arange(3 * r + 1, dtype=torch.float32))  # rank 0: [0], rank 1: [0, 1, 2, 3]
+w.add_counts("c", torch.tensor([[1.0 + r, 0.0]]), lambda t: {"c0": t[0, 0].item()})
+out = w.flush(acc)
+if acc.is_main_process:
+    print("RESULT", json.dumps(out))
+'''
+
+
+def test_window_reduces_across_two_processes(tmp_path):
+    """Two gloo ranks with uneven names and value counts: pooled means, sums, counts and quantiles are global."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "dist.py"
+    script.write_text(DISTRIBUTED_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = json.loads(line[len("RESULT ") :])
+    assert out["m"] == pytest.approx(3 / 5)
+    assert out["nonfinite/only_rank1"] == 4
+    assert out["c0"] == 3
+    values = torch.tensor([0.0, 0.0, 1.0, 2.0, 3.0])
+    assert out["v/mean"] == pytest.approx(values.mean().item()) and out["v/max"] == 3
+    assert out["v/p95"] == pytest.approx(torch.quantile(values, 0.95).item())
