@@ -40,6 +40,8 @@ VARIANTS = {
 }
 CLIP_KEY = "clip_fraction/token/total"
 SHIFT_KEY = "moe/routing_shift"
+#: Where a band whose lowest seed is 0 ends on the log-scale clip plot (below the axis' bottom).
+LOG_FLOOR = 1e-5
 BUCKET_RE = re.compile(r"^logratio_by_len/(\d+)-(\d+)/(\w+)$")
 
 
@@ -131,17 +133,27 @@ def plot(results: dict, output_dir: str) -> list[str]:
     colors = dict(zip(VARIANTS, ("tab:red", "tab:blue", "tab:green")))
     written = []
 
-    def band(ax, rows, key, variant, log=False, label=None):
-        steps = _by_step(rows, key)
-        if log:  # zeros (on-policy mini-batches, nothing clipped) have no place on a log axis
-            steps = {s: [v for v in vs if v > 0] for s, vs in steps.items()}
-            steps = {s: vs for s, vs in steps.items() if vs}
-        if not steps:
+    def band(ax, runs, key, variant, log=False, label=None, off_policy=False):
+        """Mean over seeds of each seed's block average (blocks of `block` steps), band = min..max over seeds.
+        `off_policy` drops each rollout's first mini-batch, where the policy still equals the rollout policy."""
+        per_seed = []
+        for run in runs:
+            blocks = defaultdict(list)
+            rows = [r for r in run["rows"] if r.get("seq_ratio/std")] if off_policy else run["rows"]
+            for step, values in _by_step(rows, key).items():
+                blocks[(step - 1) // block].extend(values)
+            per_seed.append({b: statistics.fmean(v) for b, v in blocks.items()})
+        xs = sorted({b for seed in per_seed for b in seed})
+        values = [[seed[b] for seed in per_seed if b in seed] for b in xs]
+        if log:  # a block where nothing clipped in any seed has no place on a log axis; a zero seed runs off the bottom
+            keep = [i for i, v in enumerate(values) if statistics.fmean(v) > 0]
+            xs, values = [xs[i] for i in keep], [values[i] for i in keep]
+        if not xs:
             return
-        xs = list(steps)
-        mean = [statistics.fmean(v) for v in steps.values()]
-        ax.plot(xs, mean, color=colors.get(variant), label=label or variant, lw=1.2)
-        ax.fill_between(xs, [min(v) for v in steps.values()], [max(v) for v in steps.values()], color=colors.get(variant), alpha=0.2)
+        steps = [b * block + (block + 1) / 2 for b in xs]
+        lower = [min(v) if min(v) > 0 or not log else LOG_FLOOR for v in values]
+        ax.plot(steps, [statistics.fmean(v) for v in values], color=colors.get(variant), label=label or variant, lw=1.2)
+        ax.fill_between(steps, lower, [max(v) for v in values], color=colors.get(variant), alpha=0.2)
 
     def save(fig, name):
         path = os.path.join(output_dir, name)
@@ -154,13 +166,16 @@ def plot(results: dict, output_dir: str) -> list[str]:
     base = "dense" if "dense" in models else models[0]
     rows_of = {key: [row for run in runs for row in run["rows"]] for key, runs in results.items()}
     nseeds = max(len(runs) for runs in results.values())
+    block = max(1, max(len(run["rows"]) for runs in results.values() for run in runs) // 40)
+    smoothed = f"{block}-step averages, " if block > 1 else ""
 
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         for variant in VARIANTS:
             if (model, variant) in rows_of:
-                band(ax, rows_of[(model, variant)], "reward", variant)
-        ax.set(xlabel="optimizer step", ylabel="train reward", title=f"reward ({model}; mean, band = min..max of {nseeds} seeds)")
+                band(ax, results[(model, variant)], "reward", variant)
+        ax.set(xlabel="optimizer step", ylabel="train reward",
+               title=f"reward ({model}; {smoothed}mean, band = min..max of {nseeds} seeds)")  # fmt: skip
         ax.grid(alpha=0.3)
         ax.legend()
     save(fig, "reward.png")
@@ -171,9 +186,12 @@ def plot(results: dict, output_dir: str) -> list[str]:
             if (model, variant) in rows_of:
                 rows = rows_of[(model, variant)]
                 mean = _mean(r.get(CLIP_KEY) for r in rows)
-                band(ax, rows, CLIP_KEY, variant, log=True, label=f"{variant} (mean {mean:.2g})" if mean is not None else variant)
+                label = f"{variant} (mean {mean:.2g})" if mean is not None else variant
+                band(ax, results[(model, variant)], CLIP_KEY, variant, log=True, label=label)
         ax.set_yscale("log")
-        ax.set(xlabel="optimizer step", ylabel="fraction of tokens clipped", title=f"clip fraction ({model}; zeros not drawn)")
+        ax.set_ylim(bottom=10 * LOG_FLOOR)
+        ax.set(xlabel="optimizer step", ylabel="fraction of tokens clipped",
+               title=f"clip fraction ({model}; {smoothed}{nseeds} seeds)")  # fmt: skip
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     save(fig, "clip_fraction.png")
@@ -187,6 +205,7 @@ def plot(results: dict, output_dir: str) -> list[str]:
             if (base, variant) not in rows_of:
                 continue
             curve = dispersion_by_length(rows_of[(base, variant)]).get(stat, {})
+            curve = {b: v for b, v in curve.items() if v > 0}  # length-1 responses have no within-sequence spread
             if curve:
                 ax.plot([math.sqrt(lo * hi) for lo, hi in curve], list(curve.values()), "o-", color=colors[variant], label=variant)
         ax.set_xscale("log", base=2)
@@ -200,10 +219,10 @@ def plot(results: dict, output_dir: str) -> list[str]:
     moe_rows = {v: rows_of[("moe", v)] for v in VARIANTS if ("moe", v) in rows_of}
     if moe_rows:
         fig, ax = plt.subplots(figsize=(6, 3.6))
-        for variant, rows in moe_rows.items():
-            band(ax, rows, SHIFT_KEY, variant)
-        ax.set(xlabel="optimizer step", ylabel="routings changed",
-               title="MoE routing shift vs rollout policy\n(fraction of token x layer top-k sets; 0 = first mini-batch)")  # fmt: skip
+        for variant in moe_rows:
+            band(ax, results[("moe", variant)], SHIFT_KEY, variant, off_policy=True)
+        ax.set(xlabel="optimizer step", ylabel="token x layer top-k sets changed",
+               title=f"MoE routing shift since the rollout (mini-batches 2-4)\n{smoothed}{nseeds} seeds")  # fmt: skip
         ax.grid(alpha=0.3)
         ax.legend()
         save(fig, "routing_shift.png")

@@ -182,8 +182,12 @@ def routing_shift_stats(old_topk: torch.Tensor, new_topk: torch.Tensor, mask: to
 
 def expert_load(topk: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert, ``(L, E)``, counting each valid completion token once per chosen expert."""
-    one_hot = torch.nn.functional.one_hot(topk.long(), num_experts).double()  # (B, T, L, k, E)
-    return (one_hot.sum(3) * mask.double()[..., None, None]).sum((0, 1))
+    layers, k = topk.size(2), topk.size(3)
+    # flat (layer, expert) bin per choice; a scatter, not a one-hot, keeps memory at O(B T L k) on large MoEs
+    bins = topk.long() + torch.arange(layers, device=topk.device).view(1, 1, layers, 1) * num_experts
+    weights = mask.to(torch.float64)[..., None, None].expand(-1, -1, layers, k)
+    load = torch.zeros(layers * num_experts, dtype=torch.float64, device=topk.device)
+    return load.scatter_add_(0, bins.flatten(), weights.flatten()).view(layers, num_experts)
 
 
 def expert_load_cv(load: torch.Tensor) -> float:
