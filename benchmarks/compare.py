@@ -281,7 +281,7 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo)")
     parser.add_argument("--max-steps", type=int, default=200)
-    parser.add_argument("--max-completion-length", type=int, default=16,
+    parser.add_argument("--max-completion-length", type=int, default=8,
                         help="longer than the demo's answer so response lengths vary (the length plot needs it)")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--eval-prompts", type=int, default=200)

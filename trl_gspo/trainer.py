@@ -243,6 +243,7 @@ class GSPOTrainer(GRPOTrainer):
         self._routing_role, self._router_topk = None, {}
 
     def _record_diagnostics(self, mode, inputs, logps, old_logps, ratio, advantages, mask):
+        """Add this micro-batch's diagnostics (metrics.METRIC_NAMES) to the logging window, without a sync."""
         window = self._diagnostics[mode]
         lr, valid = metrics.token_log_ratios(logps, old_logps, mask)
         window.add_values("seq_ratio", metrics.sequence_log_ratio(lr, valid), valid.sum(-1) > 0)
@@ -255,7 +256,7 @@ class GSPOTrainer(GRPOTrainer):
         window.add_means(metrics.clip_fraction_stats(low, high, mask))
         window.add_means(metrics.dispersion_stats(lr, valid, self.max_completion_length))
         for name, x in (("logps", logps), ("old_logps", old_logps), ("advantages", advantages)):
-            window.add_sums(f"nonfinite/{name}", metrics.count_nonfinite(x, mask if x.dim() == 2 and x.size(1) > 1 else None))
+            window.add_sums(f"nonfinite/{name}", metrics.count_nonfinite(x, mask if x.shape == mask.shape else None))
         current = self._router_topk.pop("current", None)
         if current is not None:
             num_experts = self._router_recorder.num_experts
