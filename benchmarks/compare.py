@@ -39,6 +39,7 @@ VARIANTS = {
     "GSPO-token": dict(importance_sampling_level="sequence_token", epsilon=3e-4, epsilon_high=4e-4),
 }
 CLIP_KEY = "clip_fraction/token/total"
+UPDATES_KEY = "updates_since_rollout"
 SHIFT_KEY = "moe/routing_shift"
 #: Where a band whose lowest seed is 0 ends on the log-scale clip plot (below the axis' bottom).
 LOG_FLOOR = 1e-5
@@ -67,6 +68,9 @@ def train_one(task, variant: str, seed: int, moe: bool, output_dir: str, num_pro
     if eval_prompts and hasattr(task, "evaluate"):
         held_out = task.evaluate(trainer.model, tokenizer, task.make_demo_dataset(eval_prompts, seed=seed, split="test"))
     rows = [dict(row) for row in trainer.state.log_history if "step" in row and "train_runtime" not in row]
+    spg, ga = trainer.args.steps_per_generation * trainer.args.num_iterations, trainer.args.gradient_accumulation_steps
+    for row in rows:  # 0: the rollout's first mini-batch, trained on-policy (ratio 1); n: n optimizer steps later
+        row[UPDATES_KEY] = ((row["step"] - 1) * ga % spg) // ga
     return rows, held_out
 
 
@@ -85,12 +89,21 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
+def by_updates_since_rollout(runs, key) -> dict:
+    """{n: mean of `key` over mini-batches trained n optimizer steps after their rollout} (n = 0 is on-policy)."""
+    acc = defaultdict(list)
+    for row in (row for run in runs for row in run["rows"]):
+        if isinstance(row.get(key), (int, float)):
+            acc[row[UPDATES_KEY]].append(row[key])
+    return {n: statistics.fmean(v) for n, v in sorted(acc.items())}
+
+
 def summarize(results: dict) -> dict:
     """Per (model, variant): metric means over all logged steps and seeds, plus rewards."""
     summary = {}
     for (model, variant), runs in results.items():
         rows = [row for run in runs for row in run["rows"]]
-        on_policy_free = [row for row in rows if row.get("seq_ratio/std", 0) > 0]  # skip mini-batches with ratio == 1
+        on_policy_free = [row for row in rows if row[UPDATES_KEY] > 0]  # skip each rollout's on-policy mini-batch
         reward_steps = _by_step(rows, "reward")
         last = list(reward_steps)[-max(1, len(reward_steps) // 10):]  # last 10% of generation steps
         summary[f"{model}/{variant}"] = {
@@ -103,6 +116,8 @@ def summarize(results: dict) -> dict:
             "seq_logratio_abs_mean": _mean(r.get("ratio_dispersion/seq_logratio_abs") for r in on_policy_free),
             "routing_shift_mean_off_policy": _mean(r.get(SHIFT_KEY) for r in on_policy_free),
             "expert_change_mean_off_policy": _mean(r.get("moe/expert_change") for r in on_policy_free),
+            "clip_fraction_token_by_updates_since_rollout": by_updates_since_rollout(runs, CLIP_KEY),
+            "routing_shift_by_updates_since_rollout": by_updates_since_rollout(runs, SHIFT_KEY),
             "train_reward_first": _mean(next(iter(reward_steps.values()), [])),
             "train_reward_last10pct": _mean([v for s in last for v in reward_steps[s]]),
             "held_out_reward": _mean(run["held_out"] for run in runs),
@@ -115,7 +130,7 @@ def dispersion_by_length(rows) -> dict:
     """{stat: {(lo, hi): mean over logged off-policy steps}} from the `logratio_by_len/...` metrics."""
     acc = defaultdict(lambda: defaultdict(list))
     for row in rows:
-        if not row.get("seq_ratio/std"):
+        if not row[UPDATES_KEY]:
             continue  # on-policy mini-batch: every log-ratio is 0
         for key, value in row.items():
             m = BUCKET_RE.match(key)
@@ -139,7 +154,7 @@ def plot(results: dict, output_dir: str) -> list[str]:
         per_seed = []
         for run in runs:
             blocks = defaultdict(list)
-            rows = [r for r in run["rows"] if r.get("seq_ratio/std")] if off_policy else run["rows"]
+            rows = [r for r in run["rows"] if r[UPDATES_KEY]] if off_policy else run["rows"]
             for step, values in _by_step(rows, key).items():
                 blocks[(step - 1) // block].extend(values)
             per_seed.append({b: statistics.fmean(v) for b, v in blocks.items()})
