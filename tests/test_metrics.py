@@ -136,6 +136,29 @@ def test_window_pools_sums_and_counts_not_means_of_means():
     assert not window and window.flush() == {}  # flushed windows start empty
 
 
+def test_per_microbatch_path_never_reads_a_value_back():
+    """Everything done per micro-batch runs on the `meta` device, where any host read (`.item()`, `bool()`,
+    boolean indexing, data-dependent shapes) raises: so the hot path cannot force a device sync."""
+    with pytest.raises(Exception):
+        torch.ones(2, device="meta").sum().item()  # the guard works: a read-back fails here
+    B, T, L, k, E = 4, 6, 2, 2, 4
+    meta = dict(device="meta")
+    logps, old, mask = torch.randn(B, T, **meta), torch.randn(B, T, **meta), torch.ones(B, T, **meta)
+    window = metrics.MetricWindow()
+    lr, valid = metrics.token_log_ratios(logps, old, mask)
+    window.add_values("seq_ratio", metrics.sequence_log_ratio(lr, valid), valid.sum(-1) > 0)
+    from trl_gspo import losses
+
+    for ratio, adv in ((torch.randn(B, 1, **meta), torch.randn(B, 1, **meta)), (torch.randn(B, T, **meta), torch.randn(B, 1, **meta))):
+        window.add_means(metrics.clip_fraction_stats(*losses.clip_indicators(ratio, adv, 0.2, 0.2), mask))
+        window.add_means(metrics.dispersion_stats(lr, valid, T))
+        window.add_sums("nonfinite/logps", metrics.count_nonfinite(logps, mask))
+        topk = torch.randint(0, E, (B, T, L, k), **meta)
+        window.add_means(metrics.routing_shift_stats(topk, topk, mask))
+        window.add_counts("moe/expert_load", metrics.expert_load(topk, mask, E), lambda load: {})
+    assert window
+
+
 def test_router_recorder_matches_the_models_own_routing(tokenizer):
     model = build_tiny_model(tokenizer, moe=True, seed=0)
     assert len(find_routers(model)) == model.config.num_hidden_layers

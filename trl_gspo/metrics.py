@@ -143,7 +143,7 @@ def dispersion_stats(lr: torch.Tensor, valid: torch.Tensor, max_length: int) -> 
     # bucket index floor(log2 n), computed without a sync; empty sequences and lengths past the last bucket drop out
     index = torch.floor(torch.log2(n.clamp(min=1.0))).long().clamp(max=len(buckets) - 1)
     in_range = nonempty * (n <= buckets[-1][1]).float()
-    one_hot = torch.nn.functional.one_hot(index, len(buckets)).to(torch.float64) * in_range[:, None].double()
+    one_hot = (index[:, None] == torch.arange(len(buckets), device=index.device)).double() * in_range[:, None].double()
     seq_counts, tok_counts = one_hot.sum(0), (one_hot * n[:, None].double()).sum(0)
     for key, values in per_seq.items():
         sums = (one_hot * values[:, None].double()).sum(0)
