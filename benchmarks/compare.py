@@ -9,6 +9,7 @@ sequence ratio, clip 3e-4 / 4e-4). Everything else (loss_type="grpo", beta=0, 4 
 learning rate) is the task's config. Writes to `--output-dir`:
 
     metrics.csv / metrics.json   one row per (model, variant, seed, logged step): every metric TRL logged
+    runs.json                    per run: held-out reward and wall time (with metrics.json, enough for --replot)
     summary.json                 per (model, variant): means over steps and seeds, final and held-out reward
     reward.png                   training reward vs step (mean over seeds, band = min..max)
     clip_fraction.png            token-level clip fraction vs step, log scale
@@ -118,6 +119,7 @@ def summarize(results: dict) -> dict:
             "expert_change_mean_off_policy": _mean(r.get("moe/expert_change") for r in on_policy_free),
             "clip_fraction_token_by_updates_since_rollout": by_updates_since_rollout(runs, CLIP_KEY),
             "routing_shift_by_updates_since_rollout": by_updates_since_rollout(runs, SHIFT_KEY),
+            "expert_change_by_updates_since_rollout": by_updates_since_rollout(runs, "moe/expert_change"),
             "train_reward_first": _mean(next(iter(reward_steps.values()), [])),
             "train_reward_last10pct": _mean([v for s in last for v in reward_steps[s]]),
             "held_out_reward": _mean(run["held_out"] for run in runs),
@@ -190,7 +192,7 @@ def plot(results: dict, output_dir: str) -> list[str]:
             if (model, variant) in rows_of:
                 band(ax, results[(model, variant)], "reward", variant)
         ax.set(xlabel="optimizer step", ylabel="train reward",
-               title=f"reward ({model}; {smoothed}mean, band = min..max of {nseeds} seeds)")  # fmt: skip
+               title=f"training reward ({model})\n{smoothed}mean, band = min..max of {nseeds} seeds")  # fmt: skip
         ax.grid(alpha=0.3)
         ax.legend()
     save(fig, "reward.png")
@@ -206,7 +208,7 @@ def plot(results: dict, output_dir: str) -> list[str]:
         ax.set_yscale("log")
         ax.set_ylim(bottom=10 * LOG_FLOOR)
         ax.set(xlabel="optimizer step", ylabel="fraction of tokens clipped",
-               title=f"clip fraction ({model}; {smoothed}{nseeds} seeds)")  # fmt: skip
+               title=f"token clip fraction ({model})\n{smoothed}mean, band = min..max of {nseeds} seeds")  # fmt: skip
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     save(fig, "clip_fraction.png")
@@ -281,11 +283,34 @@ def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=tuple(VARIANT
             log(f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {seconds:.0f}s, mean token clip fraction "
                 f"{clip if clip is None else f'{clip:.4g}'}, held-out reward {held_out if held_out is None else f'{held_out:.3f}'}")  # fmt: skip
     write_data(results, output_dir)
+    runs = [{"model": m, "variant": v, "seed": run["seed"], "held_out": run["held_out"], "seconds": run["seconds"]}
+            for (m, v), group in results.items() for run in group]  # fmt: skip
+    with open(os.path.join(output_dir, "runs.json"), "w") as f:
+        json.dump({"overrides": overrides, "runs": runs}, f, indent=2)
+    return report(results, output_dir, overrides)
+
+
+def report(results: dict, output_dir: str, overrides: dict) -> dict:
+    """summary.json and the plots from the per-run results."""
     summary = summarize(results)
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump({"variants": VARIANTS, "overrides": overrides, "results": summary}, f, indent=2)
     plot(results, output_dir)
     return summary
+
+
+def replot(output_dir: str) -> dict:
+    """Rebuild summary.json and the plots from a finished comparison's metrics.json and runs.json (no training)."""
+    with open(os.path.join(output_dir, "runs.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(output_dir, "metrics.json")) as f:
+        flat = json.load(f)
+    results = defaultdict(list)
+    for run in meta["runs"]:
+        rows = [{k: v for k, v in row.items() if k not in ("model", "variant", "seed")} for row in flat
+                if (row["model"], row["variant"], row["seed"]) == (run["model"], run["variant"], run["seed"])]  # fmt: skip
+        results[(run["model"], run["variant"])].append({**run, "rows": rows})
+    return report(results, output_dir, meta["overrides"])
 
 
 def main(argv=None):
@@ -301,7 +326,11 @@ def main(argv=None):
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--tiny", action="store_true", help="smallest batches, for a smoke test")
+    parser.add_argument("--replot", action="store_true", help="redo summary and plots of --output-dir, no training")
     args = parser.parse_args(argv)
+    if args.replot:
+        print(json.dumps(replot(args.output_dir), indent=2))
+        return
     overrides = {"max_completion_length": args.max_completion_length}
     if args.tiny:
         overrides.update(per_device_train_batch_size=4, num_generations=4)

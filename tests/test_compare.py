@@ -47,6 +47,14 @@ def test_compare_runs_end_to_end_and_writes_plots_and_data(tmp_path):
     assert set(summary) == {f"{m}/{v}" for m, v, _ in expected}
     assert summary["dense/GSPO"]["clip_fraction_token_mean"] is not None
     assert summary["moe/GSPO"]["routing_shift_mean_off_policy"] is not None
+    assert summary["moe/GSPO"]["routing_shift_by_updates_since_rollout"]["0"] == 0  # on-policy mini-batch: no shift
+
+    # --replot rebuilds the summary and plots from the saved data alone
+    for name in ("summary.json", "reward.png", "routing_shift.png"):
+        (out / name).unlink()
+    compare.main(["--output-dir", str(out), "--replot"])
+    assert (out / "routing_shift.png").stat().st_size > 5000
+    assert json.loads((out / "summary.json").read_text())["results"] == summary
 
 
 def test_compare_rejects_unknown_variant(tmp_path):
