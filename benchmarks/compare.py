@@ -55,19 +55,21 @@ def load_task(spec: str | None):
     return getattr(mod, attr) if attr else mod
 
 
-def train_one(task, variant: str, seed: int, moe: bool, output_dir: str, num_prompts: int, eval_prompts: int, overrides: dict):
+def train_one(task, variant: str, seed: int, moe: bool, output_dir: str, num_prompts: int, eval_prompts: int,
+              overrides: dict):  # fmt: skip
     """Train one (variant, seed, model) run; returns (rows of logged metrics, held-out reward or None)."""
     from trl_gspo import GSPOTrainer
 
     args = task.demo_config(output_dir, seed=seed, report_to="none", save_strategy="no", logging_steps=1,
                             **{**overrides, **VARIANTS[variant]})  # fmt: skip
     model, tokenizer = task.build_demo_model(seed=seed, moe=moe)
-    trainer = GSPOTrainer(model, task.demo_reward, args=args, train_dataset=task.make_demo_dataset(num_prompts, seed=seed),
-                          processing_class=tokenizer)  # fmt: skip
+    dataset = task.make_demo_dataset(num_prompts, seed=seed)
+    trainer = GSPOTrainer(model, task.demo_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     held_out = None
     if eval_prompts and hasattr(task, "evaluate"):
-        held_out = task.evaluate(trainer.model, tokenizer, task.make_demo_dataset(eval_prompts, seed=seed, split="test"))
+        held_out_set = task.make_demo_dataset(eval_prompts, seed=seed, split="test")
+        held_out = task.evaluate(trainer.model, tokenizer, held_out_set)
     rows = [dict(row) for row in trainer.state.log_history if "step" in row and "train_runtime" not in row]
     spg, ga = trainer.args.steps_per_generation * trainer.args.num_iterations, trainer.args.gradient_accumulation_steps
     for row in rows:  # 0: the rollout's first mini-batch, trained on-policy (ratio 1); n: n optimizer steps later
@@ -224,7 +226,8 @@ def plot(results: dict, output_dir: str) -> list[str]:
             curve = dispersion_by_length(rows_of[(base, variant)]).get(stat, {})
             curve = {b: v for b, v in curve.items() if v > 0}  # length-1 responses have no within-sequence spread
             if curve:
-                ax.plot([math.sqrt(lo * hi) for lo, hi in curve], list(curve.values()), "o-", color=colors[variant], label=variant)
+                xs = [math.sqrt(lo * hi) for lo, hi in curve]  # geometric bucket centre on the log2 axis
+                ax.plot(xs, list(curve.values()), "o-", color=colors[variant], label=variant)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set(xlabel="response length (tokens, bucket)", title=title)
@@ -275,13 +278,16 @@ def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=tuple(VARIANT
     for model, seed in plan:
         for variant in variants:
             start = time.perf_counter()
-            rows, held_out = train_one(task, variant, seed, model == "moe", os.path.join(output_dir, "runs", f"{model}-{variant}-{seed}"),
-                                       num_prompts, eval_prompts, overrides)  # fmt: skip
+            run_dir = os.path.join(output_dir, "runs", f"{model}-{variant}-{seed}")
+            moe = model == "moe"
+            rows, held_out = train_one(task, variant, seed, moe, run_dir, num_prompts, eval_prompts, overrides)
             seconds = time.perf_counter() - start
             results[(model, variant)].append({"seed": seed, "rows": rows, "held_out": held_out, "seconds": seconds})
             clip = _mean(r.get(CLIP_KEY) for r in rows)
+            clip = "n/a" if clip is None else f"{clip:.4g}"
+            held = "n/a" if held_out is None else f"{held_out:.3f}"
             log(f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {seconds:.0f}s, mean token clip fraction "
-                f"{clip if clip is None else f'{clip:.4g}'}, held-out reward {held_out if held_out is None else f'{held_out:.3f}'}")  # fmt: skip
+                f"{clip}, held-out reward {held}")
     write_data(results, output_dir)
     runs = [{"model": m, "variant": v, "seed": run["seed"], "held_out": run["held_out"], "seconds": run["seconds"]}
             for (m, v), group in results.items() for run in group]  # fmt: skip
@@ -307,8 +313,9 @@ def replot(output_dir: str) -> dict:
         flat = json.load(f)
     results = defaultdict(list)
     for run in meta["runs"]:
+        key = (run["model"], run["variant"], run["seed"])
         rows = [{k: v for k, v in row.items() if k not in ("model", "variant", "seed")} for row in flat
-                if (row["model"], row["variant"], row["seed"]) == (run["model"], run["variant"], run["seed"])]  # fmt: skip
+                if (row["model"], row["variant"], row["seed"]) == key]  # fmt: skip
         results[(run["model"], run["variant"])].append({**run, "rows": rows})
     return report(results, output_dir, meta["overrides"])
 
@@ -317,12 +324,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", default="outputs/compare")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--moe-seeds", type=int, nargs="*", default=None, help="seeds for the MoE model (default: --seeds; none: skip)")
+    parser.add_argument("--moe-seeds", type=int, nargs="*", default=None,
+                        help="seeds for the MoE model (default: --seeds; the flag alone: no MoE runs)")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo)")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--max-completion-length", type=int, default=8,
-                        help="longer than the demo's answer so response lengths vary (the length plot needs it)")  # fmt: skip
+                        help="longer than the demo's answer so response lengths vary (for the length plot)")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--tiny", action="store_true", help="smallest batches, for a smoke test")

@@ -41,7 +41,7 @@ def test_compare_runs_end_to_end_and_writes_plots_and_data(tmp_path):
     assert all(r["clip_fraction/token/total"] != "" for r in rows)
     assert all(r["moe/routing_shift"] != "" for r in rows if r["model"] == "moe")
     assert all(r["moe/routing_shift"] == "" for r in rows if r["model"] == "dense")
-    assert json.loads((out / "metrics.json").read_text()) and len(json.loads((out / "metrics.json").read_text())) == len(rows)
+    assert len(json.loads((out / "metrics.json").read_text())) == len(rows)
 
     summary = json.loads((out / "summary.json").read_text())["results"]
     assert set(summary) == {f"{m}/{v}" for m, v, _ in expected}

@@ -149,7 +149,8 @@ def test_per_microbatch_path_never_reads_a_value_back():
     window.add_values("seq_ratio", metrics.sequence_log_ratio(lr, valid), valid.sum(-1) > 0)
     from trl_gspo import losses
 
-    for ratio, adv in ((torch.randn(B, 1, **meta), torch.randn(B, 1, **meta)), (torch.randn(B, T, **meta), torch.randn(B, 1, **meta))):
+    adv = torch.randn(B, 1, **meta)
+    for ratio in (torch.randn(B, 1, **meta), torch.randn(B, T, **meta)):  # sequence-level and token-level ratios
         window.add_means(metrics.clip_fraction_stats(*losses.clip_indicators(ratio, adv, 0.2, 0.2), mask))
         window.add_means(metrics.dispersion_stats(lr, valid, T))
         window.add_sums("nonfinite/logps", metrics.count_nonfinite(logps, mask))

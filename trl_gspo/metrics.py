@@ -45,8 +45,8 @@ METRIC_NAMES = {
     "with lo <= |y_i| <= hi tokens (power-of-two buckets)",
     "nonfinite/{logps,old_logps,advantages}": "number of non-finite values seen in the window (summed, not averaged); "
     "they are left out of every other diagnostic",
-    "moe/routing_shift": "MoE: fraction of (completion token, MoE layer) pairs whose top-k expert set under the current "
-    "policy differs from the old policy's (no routing replay)",
+    "moe/routing_shift": "MoE: fraction of (completion token, MoE layer) pairs whose top-k expert set under the "
+    "current policy differs from the old policy's (no routing replay)",
     "moe/routing_shift_any_layer": "MoE: fraction of completion tokens routed differently in at least one layer",
     "moe/expert_change": "MoE: fraction of activated experts replaced, 1 - |old & new| / k, per token and layer",
     "moe/expert_load_cv": "MoE: coefficient of variation (std / mean) of completion tokens per expert, per layer, "

@@ -51,7 +51,7 @@ class RouterRecorder:
         self.top_k, self.num_experts, self.num_layers = top_k, num_experts, len(routers)
         self._captured: list[list[torch.Tensor]] | None = None
         self._id_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
-        self._handles = [module.register_forward_hook(self._hook(i, index)) for i, (module, index) in enumerate(routers)]
+        self._handles = [module.register_forward_hook(self._hook(i, idx)) for i, (module, idx) in enumerate(routers)]
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> RouterRecorder | None:
@@ -94,7 +94,8 @@ class RouterRecorder:
         for parts in captured:
             ids = torch.cat(parts)
             if ids.size(0) != batch * seq:  # e.g. a router that drops padding tokens: shapes no longer line up
-                logger.warning("Router saw %d tokens for a %dx%d batch; MoE routing metrics skipped.", ids.size(0), batch, seq)
+                logger.warning("Router saw %d tokens for a %dx%d batch; MoE routing metrics skipped.", len(ids), batch,
+                               seq)  # fmt: skip
                 return None
             layers.append(ids.view(batch, seq, self.top_k)[:, -logits_to_keep:])
         return torch.stack(layers, dim=2)

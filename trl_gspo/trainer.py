@@ -298,9 +298,10 @@ class GSPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         role, recorder = self._routing_role, self._router_recorder
+        forward = super()._get_per_token_logps_and_entropies
         if recorder is None or role is None or role in self._router_topk:
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            return forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         with recorder.recording():
-            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            out = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         self._router_topk[role] = recorder.completion_topk(input_ids, logits_to_keep)
         return out
