@@ -275,3 +275,31 @@ def test_window_reduces_across_two_processes(tmp_path):
     values = torch.tensor([0.0, 0.0, 1.0, 2.0, 3.0])
     assert out["v/mean"] == pytest.approx(values.mean().item()) and out["v/max"] == 3
     assert out["v/p95"] == pytest.approx(torch.quantile(values, 0.95).item())
+
+
+def test_routing_shift_uses_the_old_policy_forward_not_the_reference(tokenizer, tmp_path):
+    """PEFT with beta > 0: TRL scores the reference by running the policy model with its adapter off, so two
+    forwards of the same modules run at rollout time. Only the pi_old one may feed the routing shift: at the first
+    mini-batch of every rollout the policy still equals pi_old, so the shift must be exactly 0 even once the adapter
+    has moved away from the reference."""
+    from peft import LoraConfig
+
+    model = build_tiny_model(tokenizer, moe=True, seed=0)
+    args = GSPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=5e-2,
+        max_steps=8, logging_steps=1, beta=0.04,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": ["copy 1 2 :", "add 3 4 =", "copy a b :", "count 5 6"] * 4})
+
+    def reward(completions, **kwargs):
+        return [float(len(c.split()) % 3) for c in completions]
+
+    trainer = GSPOTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate"]))  # fmt: skip
+    trainer.train()
+    rows = [row for row in trainer.state.log_history if "moe/routing_shift" in row]
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert rows[0]["moe/routing_shift"] == 0 and rows[4]["moe/routing_shift"] == 0  # rollout starts: on-policy
+    assert rows[4]["kl"] > 0  # the adapter has moved away from the reference by the second rollout
+    assert any(row["moe/routing_shift"] > 0 for row in rows[5:])

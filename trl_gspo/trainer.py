@@ -132,8 +132,8 @@ class GSPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        self._log_loss_metrics(mode, ratio, advantages, mask, entropies, per_token_kl)
         self._record_diagnostics(mode, inputs, logps, old_logps, ratio, advantages, mask)
+        self._log_loss_metrics(mode, ratio, advantages, mask, entropies, per_token_kl)
         return loss
 
     # ------------------------------------------------------------------------------------------- internals
@@ -238,9 +238,9 @@ class GSPOTrainer(GRPOTrainer):
     def _init_diagnostics(self):
         self._diagnostics = {"train": metrics.MetricWindow(), "eval": metrics.MetricWindow()}
         # MoE: hooks on the routers keep top-k expert ids during two forwards TRL already runs (old log-probs at
-        # generation, and the loss forward); `_routing_role` says which one is running.
+        # generation, and the loss forward); see `compute_loss` below.
         self._router_recorder = RouterRecorder.for_model(self.model)
-        self._routing_role, self._router_topk = None, {}
+        self._routing_records = None
 
     def _record_diagnostics(self, mode, inputs, logps, old_logps, ratio, advantages, mask):
         """Add this micro-batch's diagnostics (metrics.METRIC_NAMES) to the logging window, without a sync."""
@@ -257,7 +257,7 @@ class GSPOTrainer(GRPOTrainer):
         window.add_means(metrics.dispersion_stats(lr, valid, self.max_completion_length))
         for name, x in (("logps", logps), ("old_logps", old_logps), ("advantages", advantages)):
             window.add_sums(f"nonfinite/{name}", metrics.count_nonfinite(x, mask if x.shape == mask.shape else None))
-        current = self._router_topk.pop("current", None)
+        current = self._routing_of(self._routing_records, logps)
         if current is not None:
             num_experts = self._router_recorder.num_experts
             window.add_counts(
@@ -275,33 +275,37 @@ class GSPOTrainer(GRPOTrainer):
             self._metrics[mode][name].append(value)
         super().log(logs, start_time)
 
+    # MoE routing: while `_routing_records` is a list, every log-prob forward appends (its log-probs, the completion
+    # tokens' top-k experts). The log-probs tensor identifies the forward: the one whose log-probs became pi_old's
+    # (not a reference-model forward, nor a skipped one), and the loss's own forward.
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self._routing_role = "current"
-        self._router_topk.pop("current", None)
+        self._routing_records = [] if self._router_recorder is not None else None
         try:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
-            self._routing_role = None
+            self._routing_records = None
 
     def _generate_and_score_completions(self, inputs):
-        self._routing_role = "old"
-        self._router_topk.pop("old", None)
+        self._routing_records = [] if self._router_recorder is not None else None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
-            self._routing_role = None
-        old_topk = self._router_topk.pop("old", None)
-        # Only the old-policy forward counts (it runs first); without it the ratio is 1 and routing cannot have moved.
-        if old_topk is not None and "old_per_token_logps" in output:
-            output["old_router_topk"] = old_topk
+            records, self._routing_records = self._routing_records, None
+        topk = self._routing_of(records, output.get("old_per_token_logps"))
+        if topk is not None:
+            output["old_router_topk"] = topk  # split and shuffled with the rollout batch, like every tensor in it
         return output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        role, recorder = self._routing_role, self._router_recorder
         forward = super()._get_per_token_logps_and_entropies
-        if recorder is None or role is None or role in self._router_topk:
+        if self._routing_records is None:
             return forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        with recorder.recording():
+        with self._router_recorder.recording():
             out = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        self._router_topk[role] = recorder.completion_topk(input_ids, logits_to_keep)
+        self._routing_records.append((out[0], self._router_recorder.completion_topk(input_ids, logits_to_keep)))
         return out
+
+    @staticmethod
+    def _routing_of(records, logps):
+        """Top-k experts recorded by the forward that returned exactly this `logps` tensor, else None."""
+        return next((topk for out, topk in records or () if logps is not None and out is logps), None)
