@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
-from . import losses, metrics
+from . import losses
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
-from .routing import RouterRecorder
+from .diagnostics import TrainingDiagnostics
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
 _FORWARD_KEYS = (
@@ -38,7 +38,7 @@ _FORWARD_KEYS = (
 )
 
 
-class GSPOTrainer(GRPOTrainer):
+class GSPOTrainer(TrainingDiagnostics, GRPOTrainer):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 
     Drop-in for `trl.GRPOTrainer`: same constructor, `args` must be a [`GSPOConfig`] (its defaults are the
@@ -55,7 +55,6 @@ class GSPOTrainer(GRPOTrainer):
                 "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
-        self._init_diagnostics()
 
     # ------------------------------------------------------------------------------------------------ hooks
     def token_advantages(self, inputs: dict) -> torch.Tensor:
@@ -132,7 +131,7 @@ class GSPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        self._record_diagnostics(mode, inputs, logps, old_logps, ratio, advantages, mask)
+        self._record_diagnostics(mode, inputs, logps, old_logps, ratio, advantages, mask)  # diagnostics.py
         self._log_loss_metrics(mode, ratio, advantages, mask, entropies, per_token_kl)
         return loss
 
@@ -231,81 +230,3 @@ class GSPOTrainer(GRPOTrainer):
             gathered = self.accelerator.gather(torch.stack([low_per_seq, high_per_seq]).detach())
             metrics["clip_ratio/low_min"].append(gathered[0].min().item())
             metrics["clip_ratio/high_max"].append(gathered[1].max().item())
-
-    # ------------------------------------------------------------------------------------------ diagnostics
-    # What GSPO does, measured (metrics.py): accumulated as device tensors per micro-batch, reduced across processes
-    # once per logging step in `log`, then handed to TRL's `_metrics` so every logger sees them.
-    def _init_diagnostics(self):
-        self._diagnostics = {"train": metrics.MetricWindow(), "eval": metrics.MetricWindow()}
-        # MoE: hooks on the routers keep top-k expert ids during two forwards TRL already runs (old log-probs at
-        # generation, and the loss forward); see `compute_loss` below.
-        self._router_recorder = RouterRecorder.for_model(self.model)
-        self._routing_records = None
-
-    def _record_diagnostics(self, mode, inputs, logps, old_logps, ratio, advantages, mask):
-        """Add this micro-batch's diagnostics (metrics.METRIC_NAMES) to the logging window, without a sync."""
-        window = self._diagnostics[mode]
-        lr, valid = metrics.token_log_ratios(logps, old_logps, mask)
-        window.add_values("seq_ratio", metrics.sequence_log_ratio(lr, valid), valid.sum(-1) > 0)
-        ratio = ratio.detach()
-        if self.loss_type == "cispo":  # CISPO truncates the weight from above only
-            high = ((ratio > self.epsilon_high) & (advantages > 0)).float()
-            low = torch.zeros_like(high)
-        else:
-            low, high = losses.clip_indicators(ratio, advantages, self.epsilon_low, self.epsilon_high)
-        window.add_means(metrics.clip_fraction_stats(low, high, mask))
-        window.add_means(metrics.dispersion_stats(lr, valid, self.max_completion_length))
-        for name, x in (("logps", logps), ("old_logps", old_logps), ("advantages", advantages)):
-            window.add_sums(f"nonfinite/{name}", metrics.count_nonfinite(x, mask if x.shape == mask.shape else None))
-        current = self._routing_of(self._routing_records, logps)
-        if current is not None:
-            num_experts = self._router_recorder.num_experts
-            window.add_counts(
-                "moe/expert_load",
-                metrics.expert_load(current, mask, num_experts),
-                lambda load: {"moe/expert_load_cv": metrics.expert_load_cv(load)},
-            )
-            old = inputs.get("old_router_topk")
-            if old is not None:
-                window.add_means(metrics.routing_shift_stats(old, current, mask))
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
-        for name, value in self._diagnostics[mode].flush(self.accelerator, {"seq_ratio": torch.exp}).items():
-            self._metrics[mode][name].append(value)
-        super().log(logs, start_time)
-
-    # MoE routing: while `_routing_records` is a list, every log-prob forward appends (its log-probs, the completion
-    # tokens' top-k experts). The log-probs tensor identifies the forward: the one whose log-probs became pi_old's
-    # (not a reference-model forward, nor a skipped one), and the loss's own forward.
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self._routing_records = [] if self._router_recorder is not None else None
-        try:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        finally:
-            self._routing_records = None
-
-    def _generate_and_score_completions(self, inputs):
-        self._routing_records = [] if self._router_recorder is not None else None
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            records, self._routing_records = self._routing_records, None
-        topk = self._routing_of(records, output.get("old_per_token_logps"))
-        if topk is not None:
-            output["old_router_topk"] = topk  # split and shuffled with the rollout batch, like every tensor in it
-        return output
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        forward = super()._get_per_token_logps_and_entropies
-        if self._routing_records is None:
-            return forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        with self._router_recorder.recording():
-            out = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        self._routing_records.append((out[0], self._router_recorder.completion_topk(input_ids, logits_to_keep)))
-        return out
-
-    @staticmethod
-    def _routing_of(records, logps):
-        """Top-k experts recorded by the forward that returned exactly this `logps` tensor, else None."""
-        return next((topk for out, topk in records or () if logps is not None and out is logps), None)
