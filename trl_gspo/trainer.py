@@ -26,6 +26,7 @@ from trl import GRPOTrainer
 
 from . import checkpointing, losses, rewards_guard
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
+from .diagnostics import TrainingDiagnostics
 from .nonfinite import NonFiniteGuard
 from .utils import resolve_callable
 
@@ -44,7 +45,7 @@ _FORWARD_KEYS = (
 )
 
 
-class GSPOTrainer(GRPOTrainer):
+class GSPOTrainer(TrainingDiagnostics, GRPOTrainer):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 
     Drop-in for `trl.GRPOTrainer`: same constructor, `args` must be a [`GSPOConfig`] (its defaults are the
@@ -149,6 +150,7 @@ class GSPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
+        self._record_diagnostics(mode, inputs, logps, old_logps, ratio, advantages, mask)  # diagnostics.py
         self._log_loss_metrics(mode, ratio, advantages, mask, entropies, per_token_kl)
         if mode == "train":  # a NaN/inf ratio or loss: this micro-batch contributes nothing (see nonfinite.py)
             loss = self._nonfinite.guard_loss(loss, ratio, logps)

@@ -1,0 +1,351 @@
+"""GRPO vs GSPO vs GSPO-token on one task and the same seeds: every diagnostic per step, and plots.
+
+    python benchmarks/compare.py --output-dir outputs/compare                 # offline demo task, dense + MoE
+    python benchmarks/compare.py --output-dir /tmp/c --seeds 0 --max-steps 8 --tiny   # seconds, for tests
+
+Each variant trains from the same initial weights and data for each seed; only the importance-ratio level and
+the clip range differ (GRPO: token ratio, clip 0.2 / 0.27 as in the paper's baseline; GSPO and GSPO-token:
+sequence ratio, clip 3e-4 / 4e-4). Everything else (loss_type="grpo", beta=0, 4 mini-batches per rollout batch,
+learning rate) is the task's config. Writes to `--output-dir`:
+
+    metrics.csv / metrics.json   one row per (model, variant, seed, logged step): every metric TRL logged
+    runs.json                    per run: held-out reward and wall time (with metrics.json, enough for --replot)
+    summary.json                 per (model, variant): means over steps and seeds, final and held-out reward
+    reward.png                   training reward vs step (mean over seeds, band = min..max)
+    clip_fraction.png            token-level clip fraction vs step, log scale
+    ratio_dispersion.png         token log-ratio spread, |sum log-ratio| and |GSPO log-ratio| vs response length
+    routing_shift.png            MoE: fraction of (token, layer) routings changed since the rollout, vs step
+
+Another task: `--task module:attr` naming an object with the demo module's functions (`make_demo_dataset`,
+`demo_reward`, `demo_config`, `build_demo_model`, optional `evaluate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import json
+import math
+import os
+import re
+import statistics
+import time
+from collections import defaultdict
+
+#: name -> GSPOConfig overrides. Clip ranges are the paper's for each method.
+VARIANTS = {
+    "GRPO": dict(importance_sampling_level="token", epsilon=0.2, epsilon_high=0.27),
+    "GSPO": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+    "GSPO-token": dict(importance_sampling_level="sequence_token", epsilon=3e-4, epsilon_high=4e-4),
+}
+CLIP_KEY = "clip_fraction/token/total"
+UPDATES_KEY = "updates_since_rollout"
+SHIFT_KEY = "moe/routing_shift"
+#: Where a band whose lowest seed is 0 ends on the log-scale clip plot (below the axis' bottom).
+LOG_FLOOR = 1e-5
+BUCKET_RE = re.compile(r"^logratio_by_len/(\d+)-(\d+)/(\w+)$")
+
+
+def load_task(spec: str | None):
+    if spec is None:
+        return importlib.import_module("trl_gspo.demo")
+    module, _, attr = spec.partition(":")
+    mod = importlib.import_module(module)
+    return getattr(mod, attr) if attr else mod
+
+
+def train_one(task, variant: str, seed: int, moe: bool, output_dir: str, num_prompts: int, eval_prompts: int,
+              overrides: dict):  # fmt: skip
+    """Train one (variant, seed, model) run; returns (rows of logged metrics, held-out reward or None)."""
+    from trl_gspo import GSPOTrainer
+
+    args = task.demo_config(output_dir, seed=seed, report_to="none", save_strategy="no", logging_steps=1,
+                            **{**overrides, **VARIANTS[variant]})  # fmt: skip
+    model, tokenizer = task.build_demo_model(seed=seed, moe=moe)
+    dataset = task.make_demo_dataset(num_prompts, seed=seed)
+    trainer = GSPOTrainer(model, task.demo_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    held_out = None
+    if eval_prompts and hasattr(task, "evaluate"):
+        held_out_set = task.make_demo_dataset(eval_prompts, seed=seed, split="test")
+        held_out = task.evaluate(trainer.model, tokenizer, held_out_set)
+    rows = [dict(row) for row in trainer.state.log_history if "step" in row and "train_runtime" not in row]
+    spg, ga = trainer.args.steps_per_generation * trainer.args.num_iterations, trainer.args.gradient_accumulation_steps
+    for row in rows:  # 0: the rollout's first mini-batch, trained on-policy (ratio 1); n: n optimizer steps later
+        row[UPDATES_KEY] = ((row["step"] - 1) * ga % spg) // ga
+    return rows, held_out
+
+
+def _by_step(rows, key):
+    """{step: [values over seeds]} for one metric."""
+    out = defaultdict(list)
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not math.isnan(value):
+            out[row["step"]].append(value)
+    return dict(sorted(out.items()))
+
+
+def _mean(values):
+    values = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
+    return statistics.fmean(values) if values else None
+
+
+def by_updates_since_rollout(runs, key) -> dict:
+    """{n: mean of `key` over mini-batches trained n optimizer steps after their rollout} (n = 0 is on-policy)."""
+    acc = defaultdict(list)
+    for row in (row for run in runs for row in run["rows"]):
+        if isinstance(row.get(key), (int, float)):
+            acc[row[UPDATES_KEY]].append(row[key])
+    return {n: statistics.fmean(v) for n, v in sorted(acc.items())}
+
+
+def summarize(results: dict) -> dict:
+    """Per (model, variant): metric means over all logged steps and seeds, plus rewards."""
+    summary = {}
+    for (model, variant), runs in results.items():
+        rows = [row for run in runs for row in run["rows"]]
+        on_policy_free = [row for row in rows if row[UPDATES_KEY] > 0]  # skip each rollout's on-policy mini-batch
+        reward_steps = _by_step(rows, "reward")
+        last = list(reward_steps)[-max(1, len(reward_steps) // 10):]  # last 10% of generation steps
+        summary[f"{model}/{variant}"] = {
+            "seeds": [run["seed"] for run in runs],
+            "clip_fraction_token_mean": _mean(r.get(CLIP_KEY) for r in rows),
+            "clip_fraction_token_mean_off_policy": _mean(r.get(CLIP_KEY) for r in on_policy_free),
+            "clip_fraction_sequence_mean": _mean(r.get("clip_fraction/sequence/total") for r in rows),
+            "seq_ratio_std_mean": _mean(r.get("seq_ratio/std") for r in on_policy_free),
+            "token_logratio_std_mean": _mean(r.get("ratio_dispersion/token_logratio_std") for r in on_policy_free),
+            "seq_logratio_abs_mean": _mean(r.get("ratio_dispersion/seq_logratio_abs") for r in on_policy_free),
+            "routing_shift_mean_off_policy": _mean(r.get(SHIFT_KEY) for r in on_policy_free),
+            "expert_change_mean_off_policy": _mean(r.get("moe/expert_change") for r in on_policy_free),
+            "clip_fraction_token_by_updates_since_rollout": by_updates_since_rollout(runs, CLIP_KEY),
+            "routing_shift_by_updates_since_rollout": by_updates_since_rollout(runs, SHIFT_KEY),
+            "expert_change_by_updates_since_rollout": by_updates_since_rollout(runs, "moe/expert_change"),
+            "train_reward_first": _mean(next(iter(reward_steps.values()), [])),
+            "train_reward_last10pct": _mean([v for s in last for v in reward_steps[s]]),
+            "held_out_reward": _mean(run["held_out"] for run in runs),
+            "train_seconds_mean": _mean(run["seconds"] for run in runs),
+        }
+    return summary
+
+
+def dispersion_by_length(rows) -> dict:
+    """{stat: {(lo, hi): mean over logged off-policy steps}} from the `logratio_by_len/...` metrics."""
+    acc = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if not row[UPDATES_KEY]:
+            continue  # on-policy mini-batch: every log-ratio is 0
+        for key, value in row.items():
+            m = BUCKET_RE.match(key)
+            if m and isinstance(value, (int, float)):
+                acc[m.group(3)][(int(m.group(1)), int(m.group(2)))].append(value)
+    return {stat: {b: statistics.fmean(v) for b, v in sorted(d.items())} for stat, d in acc.items()}
+
+
+def plot(results: dict, output_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(zip(VARIANTS, ("tab:red", "tab:blue", "tab:green")))
+    written = []
+
+    def band(ax, runs, key, variant, log=False, label=None, off_policy=False):
+        """Mean over seeds of each seed's block average (blocks of `block` steps), band = min..max over seeds.
+        `off_policy` drops each rollout's first mini-batch, where the policy still equals the rollout policy."""
+        per_seed = []
+        for run in runs:
+            blocks = defaultdict(list)
+            rows = [r for r in run["rows"] if r[UPDATES_KEY]] if off_policy else run["rows"]
+            for step, values in _by_step(rows, key).items():
+                blocks[(step - 1) // block].extend(values)
+            per_seed.append({b: statistics.fmean(v) for b, v in blocks.items()})
+        xs = sorted({b for seed in per_seed for b in seed})
+        values = [[seed[b] for seed in per_seed if b in seed] for b in xs]
+        if log:  # a block where nothing clipped in any seed has no place on a log axis; a zero seed runs off the bottom
+            keep = [i for i, v in enumerate(values) if statistics.fmean(v) > 0]
+            xs, values = [xs[i] for i in keep], [values[i] for i in keep]
+        if not xs:
+            return
+        steps = [b * block + (block + 1) / 2 for b in xs]
+        lower = [min(v) if min(v) > 0 or not log else LOG_FLOOR for v in values]
+        ax.plot(steps, [statistics.fmean(v) for v in values], color=colors.get(variant), label=label or variant, lw=1.2)
+        ax.fill_between(steps, lower, [max(v) for v in values], color=colors.get(variant), alpha=0.2)
+
+    def save(fig, name):
+        path = os.path.join(output_dir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    models = sorted({m for m, _ in results})
+    base = "dense" if "dense" in models else models[0]
+    rows_of = {key: [row for run in runs for row in run["rows"]] for key, runs in results.items()}
+    nseeds = max(len(runs) for runs in results.values())
+    block = max(1, max(len(run["rows"]) for runs in results.values() for run in runs) // 40)
+    smoothed = f"{block}-step averages, " if block > 1 else ""
+
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for variant in VARIANTS:
+            if (model, variant) in rows_of:
+                band(ax, results[(model, variant)], "reward", variant)
+        ax.set(xlabel="optimizer step", ylabel="train reward",
+               title=f"training reward ({model})\n{smoothed}mean, band = min..max of {nseeds} seeds")  # fmt: skip
+        ax.grid(alpha=0.3)
+        ax.legend()
+    save(fig, "reward.png")
+
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for variant in VARIANTS:
+            if (model, variant) in rows_of:
+                rows = rows_of[(model, variant)]
+                mean = _mean(r.get(CLIP_KEY) for r in rows)
+                label = f"{variant} (mean {mean:.2g})" if mean is not None else variant
+                band(ax, results[(model, variant)], CLIP_KEY, variant, log=True, label=label)
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=10 * LOG_FLOOR)
+        ax.set(xlabel="optimizer step", ylabel="fraction of tokens clipped",
+               title=f"token clip fraction ({model})\n{smoothed}mean, band = min..max of {nseeds} seeds")  # fmt: skip
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    save(fig, "clip_fraction.png")
+
+    stats = (("token_std", "std of token log-ratios\nwithin a sequence"),
+             ("sum_abs", "|sum_t log-ratio|\n(token-level product)"),
+             ("seq_abs", "|GSPO sequence log-ratio|\n(length-normalised)"))  # fmt: skip
+    fig, axes = plt.subplots(1, len(stats), figsize=(13, 3.6), sharey=True)
+    for ax, (stat, title) in zip(axes, stats):
+        for variant in VARIANTS:
+            if (base, variant) not in rows_of:
+                continue
+            curve = dispersion_by_length(rows_of[(base, variant)]).get(stat, {})
+            curve = {b: v for b, v in curve.items() if v > 0}  # length-1 responses have no within-sequence spread
+            if curve:
+                xs = [math.sqrt(lo * hi) for lo, hi in curve]  # geometric bucket centre on the log2 axis
+                ax.plot(xs, list(curve.values()), "o-", color=colors[variant], label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set(xlabel="response length (tokens, bucket)", title=title)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel(f"mean over off-policy steps ({base})")
+    axes[0].legend(fontsize=8)
+    save(fig, "ratio_dispersion.png")
+
+    moe_rows = {v: rows_of[("moe", v)] for v in VARIANTS if ("moe", v) in rows_of}
+    if moe_rows:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for variant in moe_rows:
+            band(ax, results[("moe", variant)], SHIFT_KEY, variant, off_policy=True)
+        ax.set(xlabel="optimizer step", ylabel="token x layer top-k sets changed",
+               title=f"MoE routing shift since the rollout (mini-batches 2-4)\n{smoothed}{nseeds} seeds")  # fmt: skip
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, "routing_shift.png")
+    return written
+
+
+def write_data(results: dict, output_dir: str) -> tuple[str, str]:
+    flat = [{"model": m, "variant": v, "seed": run["seed"], **row} for (m, v), runs in results.items() for run in runs
+            for row in run["rows"]]  # fmt: skip
+    keys = ["model", "variant", "seed", "step"]
+    keys += sorted({k for row in flat for k in row} - set(keys))
+    csv_path, json_path = os.path.join(output_dir, "metrics.csv"), os.path.join(output_dir, "metrics.json")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(flat)
+    with open(json_path, "w") as f:
+        json.dump(flat, f)
+    return csv_path, json_path
+
+
+def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=tuple(VARIANTS), task=None, max_steps=200,
+        num_prompts=1000, eval_prompts=200, overrides=None, log=print) -> dict:  # fmt: skip
+    """Train every (model, variant, seed), write data and plots, return the summary."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; allowed: {', '.join(VARIANTS)}")
+    os.makedirs(output_dir, exist_ok=True)
+    task = load_task(task) if task is None or isinstance(task, str) else task
+    overrides = {"max_steps": max_steps, **(overrides or {})}
+    plan = [("dense", s) for s in seeds] + [("moe", s) for s in (seeds if moe_seeds is None else moe_seeds)]
+    results = defaultdict(list)
+    for model, seed in plan:
+        for variant in variants:
+            start = time.perf_counter()
+            run_dir = os.path.join(output_dir, "runs", f"{model}-{variant}-{seed}")
+            moe = model == "moe"
+            rows, held_out = train_one(task, variant, seed, moe, run_dir, num_prompts, eval_prompts, overrides)
+            seconds = time.perf_counter() - start
+            results[(model, variant)].append({"seed": seed, "rows": rows, "held_out": held_out, "seconds": seconds})
+            clip = _mean(r.get(CLIP_KEY) for r in rows)
+            clip = "n/a" if clip is None else f"{clip:.4g}"
+            held = "n/a" if held_out is None else f"{held_out:.3f}"
+            log(f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {seconds:.0f}s, mean token clip fraction "
+                f"{clip}, held-out reward {held}")
+    write_data(results, output_dir)
+    runs = [{"model": m, "variant": v, "seed": run["seed"], "held_out": run["held_out"], "seconds": run["seconds"]}
+            for (m, v), group in results.items() for run in group]  # fmt: skip
+    with open(os.path.join(output_dir, "runs.json"), "w") as f:
+        json.dump({"overrides": overrides, "runs": runs}, f, indent=2)
+    return report(results, output_dir, overrides)
+
+
+def report(results: dict, output_dir: str, overrides: dict) -> dict:
+    """summary.json and the plots from the per-run results."""
+    summary = summarize(results)
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump({"variants": VARIANTS, "overrides": overrides, "results": summary}, f, indent=2)
+    plot(results, output_dir)
+    return summary
+
+
+def replot(output_dir: str) -> dict:
+    """Rebuild summary.json and the plots from a finished comparison's metrics.json and runs.json (no training)."""
+    with open(os.path.join(output_dir, "runs.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(output_dir, "metrics.json")) as f:
+        flat = json.load(f)
+    results = defaultdict(list)
+    for run in meta["runs"]:
+        key = (run["model"], run["variant"], run["seed"])
+        rows = [{k: v for k, v in row.items() if k not in ("model", "variant", "seed")} for row in flat
+                if (row["model"], row["variant"], row["seed"]) == key]  # fmt: skip
+        results[(run["model"], run["variant"])].append({**run, "rows": rows})
+    return report(results, output_dir, meta["overrides"])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", default="outputs/compare")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--moe-seeds", type=int, nargs="*", default=None,
+                        help="seeds for the MoE model (default: --seeds; the flag alone: no MoE runs)")  # fmt: skip
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo)")
+    parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--max-completion-length", type=int, default=8,
+                        help="longer than the demo's answer so response lengths vary (for the length plot)")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--tiny", action="store_true", help="smallest batches, for a smoke test")
+    parser.add_argument("--replot", action="store_true", help="redo summary and plots of --output-dir, no training")
+    args = parser.parse_args(argv)
+    if args.replot:
+        print(json.dumps(replot(args.output_dir), indent=2))
+        return
+    overrides = {"max_completion_length": args.max_completion_length}
+    if args.tiny:
+        overrides.update(per_device_train_batch_size=4, num_generations=4)
+    summary = run(args.output_dir, args.seeds, args.moe_seeds, args.variants, args.task, args.max_steps,
+                  args.num_prompts, args.eval_prompts, overrides)  # fmt: skip
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
