@@ -46,6 +46,13 @@ class GSPOScriptArguments(ScriptArguments):
     reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Optional reward model (Hub id or local folder), used besides reward_funcs."}
     )
+    trainer_class: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dotted import path of a GSPOTrainer subclass to train with, e.g. one overriding the "
+            "token_advantages hook for GSPO-token (see recipes/per_token_advantages.py). Default: GSPOTrainer."
+        },
+    )
 
 
 @dataclass
@@ -176,10 +183,24 @@ def check_columns(dataset, reward_funcs, split: str) -> None:
             raise RecipeError(f"reward {name!r} needs dataset column(s) {missing}; split {split!r} has {columns}.")
 
 
+def resolve_trainer_class(path: str | None):
+    """`trainer_class` -> a GSPOTrainer subclass, imported by dotted path (never evaluated)."""
+    from .rewards import import_object
+    from .trainer import GSPOTrainer
+
+    if path is None:
+        return GSPOTrainer
+    try:
+        cls = import_object(path)
+    except ValueError as err:
+        raise RecipeError(f"trainer_class: {err}") from err
+    if not (isinstance(cls, type) and issubclass(cls, GSPOTrainer)):
+        raise RecipeError(f"trainer_class={path!r} is not a subclass of trl_gspo.GSPOTrainer.")
+    return cls
+
+
 def train(argv: list[str]) -> int:
     from trl import get_dataset, get_peft_config, get_quantization_config
-
-    from .trainer import GSPOTrainer
 
     script_args, args, model_args, mixture = parse("train", argv)
     if not model_args.model_name_or_path:
@@ -188,6 +209,7 @@ def train(argv: list[str]) -> int:
         reward_funcs = resolve_rewards(script_args)
     except ValueError as err:
         raise RecipeError(str(err)) from err
+    trainer_cls = resolve_trainer_class(script_args.trainer_class)
     if mixture.datasets:
         dataset = get_dataset(mixture)
     elif script_args.dataset_name:
@@ -208,7 +230,7 @@ def train(argv: list[str]) -> int:
         "dtype": model_args.dtype,
         **(args.model_init_kwargs or {}),
     }
-    trainer = GSPOTrainer(
+    trainer = trainer_cls(
         model=model_args.model_name_or_path,
         reward_funcs=reward_funcs,
         args=args,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import re
+import sys
 import threading
 from collections.abc import Callable
 
@@ -74,20 +76,35 @@ def _registry() -> dict[str, Callable]:
     }
 
 
+def import_object(path: str):
+    """`pkg.module.attr` -> the attribute, via importlib only. The working directory is importable, as with
+    `trl grpo`, so a recipe can name a module that sits next to it. Raises ValueError naming what is missing."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{path!r} is not a dotted import path (expected 'package.module.name').")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {module_name!r} (from {path!r}): {err}") from err
+    if not hasattr(module, attr):
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r}).")
+    return getattr(module, attr)
+
+
 def resolve_reward(name: str) -> Callable:
     """A registered reward name or a dotted import path (`pkg.module.func`) -> the callable. Raises ValueError."""
     registry = _registry()
     if name in registry:
         return registry[name]
     if "." in name:
-        module_name, _, attr = name.rpartition(".")
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ValueError(f"reward_funcs: cannot import module {module_name!r} for reward {name!r}: {err}") from err
-        func = getattr(module, attr, None)
+            func = import_object(name)
+        except ValueError as err:
+            raise ValueError(f"reward_funcs: reward {name!r}: {err}") from err
         if not callable(func):
-            raise ValueError(f"reward_funcs: {name!r}: module {module_name!r} has no callable {attr!r}.")
+            raise ValueError(f"reward_funcs: {name!r} is not callable.")
         return func
     close = difflib.get_close_matches(name, list(registry), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
