@@ -144,15 +144,17 @@ def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, nu
     trainer = GSPOTrainer(
         model, demo_reward, args=args, train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config
     )
-    main = trainer.accelerator.is_main_process
-    before = evaluate(trainer.model, tokenizer, eval_set)
+    def held_out_reward():  # under ZeRO-3 the weights are sharded from creation on: gather them to generate
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
+            return evaluate(unwrapped, tokenizer, eval_set)
+
+    before = held_out_reward()
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:  # gathers ZeRO-3 shards
-        after = evaluate(unwrapped, tokenizer, eval_set)
+    after = held_out_reward()
     trainer.save_model(args.output_dir)  # weights + tokenizer (processing_class)
-    if main:
+    if trainer.accelerator.is_main_process:
         write_metrics(trainer.state.log_history, *(os.path.join(args.output_dir, n) for n in ("metrics.csv", "reward_curve.png")))
         print(f"held-out reward (greedy, {len(eval_set)} unseen prompts): before {before:.3f} -> after {after:.3f}")
         print(f"trained {trainer.state.global_step} steps in {wall:.0f} s; model, metrics.csv, reward_curve.png in {args.output_dir}")
