@@ -7,6 +7,7 @@ changes nothing the tests check (ZeRO partitioning, batch-size bookkeeping, savi
 """
 
 import importlib
+import os
 import sys
 
 # importlib, not `import deepspeed.comm.torch as m`: the package attribute `deepspeed.comm.torch` is PyTorch itself.
@@ -15,4 +16,11 @@ importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 from trl_gspo.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from accelerate import PartialState
+
+    # One marker per rank: the process got through training, saving and trainer.end(), under this distribution.
+    state = PartialState()
+    print(f"cpu_launch: rank {os.environ.get('RANK', '0')} finished with code {code} as {state.distributed_type.value}"
+          f" x{state.num_processes}", flush=True)  # fmt: skip
+    sys.exit(code)

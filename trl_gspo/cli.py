@@ -133,8 +133,9 @@ def demo(argv: list[str]) -> int:
     demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
-    run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe, args=args,
-             peft_config=get_peft_config(model_args))  # fmt: skip
+    result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
+                      args=args, peft_config=get_peft_config(model_args))  # fmt: skip
+    result["trainer"].end()  # trackers and process group, as `trl grpo` does
     return 0
 
 
@@ -225,7 +226,7 @@ def train(argv: list[str]) -> int:
     # Same model loading switches as `trl grpo`; trust_remote_code stays False unless the recipe sets it.
     args.model_init_kwargs = {
         "revision": model_args.model_revision,
-        "trust_remote_code": args.trust_remote_code or model_args.trust_remote_code,
+        "trust_remote_code": args.trust_remote_code,
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
         **(args.model_init_kwargs or {}),
