@@ -80,14 +80,18 @@ class GSPOParser(TrlParser):
 
 def _check_value(key, value, action) -> None:
     """Fail fast on a YAML value argparse would pass through unchecked (it converts only string defaults)."""
-    if value is None or isinstance(value, str):
-        return  # strings go through argparse's own conversion, which names the flag on error
+    if value is None:
+        return
     items = value if isinstance(value, list) and action.nargs in ("+", "*") else [value]
     kind = getattr(action.type, "__name__", "")
     for item in items:
         if action.choices is not None and item not in action.choices:
             note = " (YAML reads unquoted no/yes/on/off as booleans: quote it)" if isinstance(item, bool) else ""
-            raise RecipeError(f"{key}: {item!r} is not allowed{note}; choose one of {list(action.choices)}.")
+            close = difflib.get_close_matches(str(item), [str(c) for c in action.choices], n=1)
+            hint = f" Did you mean {close[0]!r}?" if close and not note else ""
+            raise RecipeError(f"{key}: {item!r} is not allowed{note}.{hint} Choose one of {list(action.choices)}.")
+        if isinstance(item, str):
+            continue  # argparse converts string values itself and names the flag if that fails
         ok = {
             "int": isinstance(item, int) and not isinstance(item, bool),
             "float": isinstance(item, (int, float)) and not isinstance(item, bool),

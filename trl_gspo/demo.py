@@ -103,20 +103,23 @@ def evaluate(model, tokenizer, dataset, batch_size: int = 100) -> float:
 
 
 def write_metrics(log_history: list[dict], csv_path: str, png_path: str) -> None:
-    """Every metric TRL logged, one row per logging step, and a PNG of the training reward curve."""
+    """Every metric TRL logged, one row per logging step (blank where a metric was not logged that step), and a PNG
+    of the training reward curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [row for row in log_history if "reward" in row]
+    rows = [row for row in log_history if "loss" in row]  # per-step logs (not the end-of-training summary)
     keys = ["step"] + sorted({k for row in rows for k in row} - {"step"})
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows(rows)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], label="train reward (mean of group)")
+    # Rewards are logged once per rollout batch (every steps_per_generation steps), the loss every logging step.
+    rewarded = [r for r in rows if "reward" in r]
+    ax.plot([r["step"] for r in rewarded], [r["reward"] for r in rewarded], label="train reward (rollout mean)")
     ax.set(xlabel="optimizer step", ylabel="copy reward", ylim=(0, 1), title="GSPO on the offline copy task")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
