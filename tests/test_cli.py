@@ -39,14 +39,15 @@ def test_demo_dataset_held_out_digits_never_appear_in_training():
         make_demo_dataset(3, split="val")
 
 
-def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, capsys):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, capsys, moe):
     out = tmp_path / "demo"
     argv = ["demo", "--config", str(ROOT / "recipes/demo.yaml"), "--output_dir", str(out), *FAST,
-            "--num_train_prompts", "32", "--num_eval_prompts", "16"]  # fmt: skip
+            "--num_train_prompts", "32", "--num_eval_prompts", "16", "--moe", str(moe).lower()]  # fmt: skip
     assert main(argv) == 0
     assert "held-out reward (greedy, 16 unseen prompts): before" in capsys.readouterr().out
     model, tokenizer = _load(out)
-    assert model.config.model_type == "qwen3" and tokenizer.decode(tokenizer("copy 1 2 :")["input_ids"]) == "copy 1 2 :"
+    assert model.config.model_type == ("qwen3_moe" if moe else "qwen3") and tokenizer.decode(tokenizer("copy 1 2 :")["input_ids"]) == "copy 1 2 :"
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [int(r["step"]) for r in rows] == [1, 2]
     assert {"reward", "loss", "clip_ratio/region_mean", "entropy"} <= set(rows[0])

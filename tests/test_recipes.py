@@ -105,8 +105,7 @@ def test_gspo_token_recipe_trainer_class_overrides_the_documented_hook(gpu_recip
 
 
 def test_repetition_penalty_token_advantages_on_a_crafted_batch(gpu_recipes_parse_on_cpu):
-    from recipes.per_token_advantages import RepetitionPenaltyTrainer
-
+    RepetitionPenaltyTrainer = resolve_trainer_class("recipes.per_token_advantages.RepetitionPenaltyTrainer")
     ids = torch.tensor([[5, 6, 5, 6, 5, 0], [1, 2, 3, 4, 1, 2]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
     fake = SimpleNamespace(ngram=2, penalty=0.5)
