@@ -47,7 +47,8 @@ def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, ca
     assert main(argv) == 0
     assert "held-out reward (greedy, 16 unseen prompts): before" in capsys.readouterr().out
     model, tokenizer = _load(out)
-    assert model.config.model_type == ("qwen3_moe" if moe else "qwen3") and tokenizer.decode(tokenizer("copy 1 2 :")["input_ids"]) == "copy 1 2 :"
+    assert model.config.model_type == ("qwen3_moe" if moe else "qwen3")
+    assert tokenizer.decode(tokenizer("copy 1 2 :")["input_ids"]) == "copy 1 2 :"
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [int(r["step"]) for r in rows] == [1, 2]
     assert {"reward", "loss", "clip_ratio/region_mean", "entropy"} <= set(rows[0])
@@ -113,7 +114,7 @@ NO_MODEL = "/nonexistent/model"  # a check that ran after model loading would fa
         ({"use_peft": "maybe"}, "use_peft"),
         ({"learning_rate": [1, 2]}, "learning_rate: expected a number, got [1, 2]"),
         ({"save_strategy": False}, "save_strategy: False is not allowed (YAML reads unquoted no/yes/on/off"),
-        ({"importance_sampling_level": "seqence"}, "importance_sampling_level: 'seqence' is not allowed. Did you mean 'sequence'?"),
+        ({"importance_sampling_level": "seqence"}, "'seqence' is not allowed. Did you mean 'sequence'?"),
         ({"epsilon": 1.5}, "epsilon=1.5 is out of range"),
         ({"reward_funcs": ["acuracy_reward"]}, "unknown reward 'acuracy_reward'. Did you mean 'accuracy_reward'?"),
         ({"reward_funcs": ["no_such_pkg.reward"]}, "cannot import module 'no_such_pkg'"),

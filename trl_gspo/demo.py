@@ -38,7 +38,7 @@ DEMO_ARGS = dict(
     max_completion_length=NUM_DIGITS + 1,
     temperature=1.0,
     max_steps=2000,
-    logging_steps=5,
+    logging_steps=10,
     save_strategy="no",
     report_to="none",
     seed=0,
@@ -102,9 +102,9 @@ def evaluate(model, tokenizer, dataset, batch_size: int = 100) -> float:
     return sum(scores) / len(scores)
 
 
-def write_metrics(log_history: list[dict], csv_path: str, png_path: str) -> None:
+def write_metrics(log_history: list[dict], csv_path: str, png_path: str, held_out: tuple | None = None) -> None:
     """Every metric TRL logged, one row per logging step (blank where a metric was not logged that step), and a PNG
-    of the training reward curve."""
+    of the training reward curve (with the held-out `(before, after)` rewards as two markers, if given)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,6 +120,8 @@ def write_metrics(log_history: list[dict], csv_path: str, png_path: str) -> None
     # Rewards are logged once per rollout batch (every steps_per_generation steps), the loss every logging step.
     rewarded = [r for r in rows if "reward" in r]
     ax.plot([r["step"] for r in rewarded], [r["reward"] for r in rewarded], label="train reward (rollout mean)")
+    if held_out is not None and rows:
+        ax.plot([0, rows[-1]["step"]], list(held_out), "o", color="C3", label="held-out reward (greedy)")
     ax.set(xlabel="optimizer step", ylabel="copy reward", ylim=(0, 1), title="GSPO on the offline copy task")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
@@ -147,6 +149,7 @@ def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, nu
     trainer = GSPOTrainer(
         model, demo_reward, args=args, train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config
     )
+
     def held_out_reward():  # under ZeRO-3 the weights are sharded from creation on: gather them to generate
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
             return evaluate(unwrapped, tokenizer, eval_set)
@@ -158,7 +161,9 @@ def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, nu
     after = held_out_reward()
     trainer.save_model(args.output_dir)  # weights + tokenizer (processing_class)
     if trainer.accelerator.is_main_process:
-        write_metrics(trainer.state.log_history, *(os.path.join(args.output_dir, n) for n in ("metrics.csv", "reward_curve.png")))
+        paths = (os.path.join(args.output_dir, name) for name in ("metrics.csv", "reward_curve.png"))
+        write_metrics(trainer.state.log_history, *paths, held_out=(before, after))
         print(f"held-out reward (greedy, {len(eval_set)} unseen prompts): before {before:.3f} -> after {after:.3f}")
-        print(f"trained {trainer.state.global_step} steps in {wall:.0f} s; model, metrics.csv, reward_curve.png in {args.output_dir}")
+        print(f"trained {trainer.state.global_step} steps in {wall:.0f} s; model, metrics.csv and reward_curve.png "
+              f"in {args.output_dir}")  # fmt: skip
     return {"before": before, "after": after, "train_seconds": wall, "trainer": trainer}
