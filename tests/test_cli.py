@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from datasets import DatasetDict
 
 from trl_gspo.cli import RecipeError, main, parse
 from trl_gspo.demo import copy_score, demo_reward, make_demo_dataset
@@ -76,14 +77,23 @@ def _train_recipe(tmp_path, model_dir, data, **extra):
     return _write_recipe(tmp_path / "recipe.yaml", **{**keys, **extra})
 
 
-def test_train_from_a_jsonl_file_with_a_dotted_reward_path(tmp_path, tiny_model_dir, copy_jsonl):
-    # dataset_name pointing at a .jsonl file fails in `trl grpo`; here it loads as split "train".
-    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl, reward_funcs=["trl_gspo.demo.demo_reward"])
-    assert main(["train", "--config", recipe, "--max_steps", "2", "--disable_tqdm", "true"]) == 0
+@pytest.mark.parametrize("source", ["jsonl_file", "parquet_file", "save_to_disk_folder", "datasets_mixture"])
+def test_train_runs_from_every_local_dataset_form(tmp_path, tiny_model_dir, copy_jsonl, source):
+    # `trl grpo` fails when dataset_name points at a .jsonl file; here a file loads as split "train".
+    data = make_demo_dataset(64)
+    extra = {"dataset_name": copy_jsonl}
+    if source == "parquet_file":
+        data.to_parquet(str(tmp_path / "copy.parquet"))
+        extra = {"dataset_name": str(tmp_path / "copy.parquet")}
+    elif source == "save_to_disk_folder":
+        DatasetDict({"train": data}).save_to_disk(str(tmp_path / "saved"))
+        extra = {"dataset_name": str(tmp_path / "saved")}
+    elif source == "datasets_mixture":
+        extra = {"dataset_name": None, "datasets": [{"path": "json", "data_files": copy_jsonl, "split": "train"}]}
+    recipe = _train_recipe(tmp_path, tiny_model_dir, None, reward_funcs=["trl_gspo.demo.demo_reward"], **extra)
+    assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
     model, _ = _load(tmp_path / "out")
     assert model.config.model_type == "qwen3"
-    state = (tmp_path / "out").glob("trainer_state.json")  # save_strategy "no": no checkpoint, final save only
-    assert not list(state)
 
 
 def test_flags_override_the_recipe(tmp_path, tiny_model_dir, copy_jsonl):
