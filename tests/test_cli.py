@@ -1,6 +1,7 @@
 """The `trl-gspo` CLI end to end (demo and train through `main`), its recipe checks, the demo task and rewards."""
 
 import csv
+import os
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,24 @@ def test_train_runs_from_every_local_dataset_form(tmp_path, tiny_model_dir, copy
     assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
     model, _ = _load(tmp_path / "out")
     assert model.config.model_type == "qwen3"
+
+
+def test_train_gspo_token_with_the_recipes_per_token_advantage_trainer(tmp_path, tiny_model_dir, copy_jsonl,
+                                                                       monkeypatch):  # fmt: skip
+    monkeypatch.chdir(ROOT)  # trainer_class names a repo-relative module, as in recipes/qwen3_1p7b_gspo_token.yaml
+    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl, importance_sampling_level="sequence_token",
+                           trainer_class="recipes.per_token_advantages.RepetitionPenaltyTrainer")  # fmt: skip
+    assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "trl_gspo", "trian"], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "Did you mean 'train'?" in result.stderr
 
 
 def test_flags_override_the_recipe(tmp_path, tiny_model_dir, copy_jsonl):
