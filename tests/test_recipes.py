@@ -171,6 +171,7 @@ def test_accelerate_config_loads_through_accelerates_classes(config, monkeypatch
                          ids=lambda p: p.stem)  # fmt: skip
 def test_deepspeed_section_passes_deepspeeds_own_validation(config, monkeypatch, gpu_recipes_parse_on_cpu):
     """accelerate's plugin -> transformers fills the "auto" values from a real recipe -> DeepSpeedConfig checks it."""
+    pytest.importorskip("deepspeed")
     from accelerate.utils import DeepSpeedPlugin
     from deepspeed.runtime.config import DeepSpeedConfig
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
