@@ -254,7 +254,7 @@ def train(argv: list[str]) -> int:
 COMMANDS = {"demo": demo, "train": train}
 USAGE = """usage: trl-gspo {demo,train} [--config RECIPE.yaml] [--key value ...]
 
-  demo    train a tiny model offline on a digit-copy task (CPU, ~2 min); prints held-out reward before/after
+  demo    train a tiny model offline on a digit-copy task (CPU, ~1 min on 2 cores); prints held-out reward before/after
   train   GSPO on any model/dataset/reward described by a recipe (see recipes/)
 
 `trl-gspo COMMAND --help` lists every key. Multi-GPU / DeepSpeed:

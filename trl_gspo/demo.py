@@ -122,7 +122,7 @@ def write_metrics(log_history: list[dict], csv_path: str, png_path: str, held_ou
     ax.plot([r["step"] for r in rewarded], [r["reward"] for r in rewarded], label="train reward (rollout mean)")
     if held_out is not None and rows:
         ax.plot([0, rows[-1]["step"]], list(held_out), "o", color="C3", label="held-out reward (greedy)")
-    ax.set(xlabel="optimizer step", ylabel="copy reward", ylim=(0, 1), title="GSPO on the offline copy task")
+    ax.set(xlabel="optimizer step", ylabel="copy reward", ylim=(-0.03, 1.05), title="GSPO on the offline copy task")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
