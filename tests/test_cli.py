@@ -59,11 +59,11 @@ def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, ca
 
 @pytest.mark.slow
 def test_demo_learns_the_copy_task(tmp_path):
-    """300 of the demo's 2000 steps already lift the held-out reward clearly (seeds 0-3 measured 0.17-0.22)."""
+    """300 of the demo's 2000 steps already lift the held-out reward clearly (seeds 0-3 measured 0.29-0.37)."""
     from trl_gspo.demo import run_demo
 
     result = run_demo(str(tmp_path / "learn"), num_eval_prompts=100, max_steps=300, logging_steps=20, disable_tqdm=True)
-    assert result["before"] <= 0.05 < 0.12 <= result["after"]
+    assert result["before"] <= 0.05 and result["after"] >= 0.15
     rewards = [row["reward"] for row in result["trainer"].state.log_history if "reward" in row]
     assert sum(rewards[-3:]) > sum(rewards[:3])  # sampled (T=1) training reward: noisier, it lags the greedy one
 

@@ -35,7 +35,7 @@ DEMO_ARGS = dict(
     per_device_train_batch_size=16,
     num_generations=8,
     steps_per_generation=4,  # 4 mini-batch updates per rollout batch, as in the paper: ratios leave 1, clipping acts
-    max_completion_length=NUM_DIGITS + 1,
+    max_completion_length=NUM_DIGITS,  # room for the answer only: the model need not learn to stop
     temperature=1.0,
     max_steps=2000,
     logging_steps=10,
@@ -95,7 +95,7 @@ def evaluate(model, tokenizer, dataset, batch_size: int = 100) -> float:
     for start in range(0, len(dataset), batch_size):
         batch = dataset[start : start + batch_size]
         enc = tokenizer(batch["prompt"], return_tensors="pt", padding=True).to(model.device)
-        out = model.generate(**enc, do_sample=False, max_new_tokens=NUM_DIGITS + 1, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(**enc, do_sample=False, max_new_tokens=NUM_DIGITS, pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1) :], skip_special_tokens=True)
         scores += demo_reward(texts, batch["target"])
     model.train(was_training)
