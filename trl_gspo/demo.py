@@ -2,8 +2,9 @@
 
 Task: the prompt is `copy 3 7 5 :`, the right completion is `3 7 5`. The reward is verifiable and shaped: the
 fraction of positions holding the right digit, over the longer of answer and target, so a partly right answer
-earns partial credit and extra tokens cost. A random model scores ~0.05; copying needs attention to the prompt,
-so a rising held-out reward (prompts never seen in training) means the policy learned the task, not a bias.
+earns partial credit and a short one (an early end-of-sequence) loses it. Completions are capped at three tokens.
+The random model scores ~0.02 sampled and 0.0 greedy. Copying needs attention to the prompt, so a rising reward on
+held-out prompts (digit strings never seen in training) means the policy learned the task, not a bias.
 
     from trl_gspo.demo import run_demo
     run_demo("outputs/demo")          # or: trl-gspo demo
