@@ -1,0 +1,215 @@
+"""The `trl-gspo` CLI end to end (demo and train through `main`), its recipe checks, the demo task and rewards."""
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from datasets import DatasetDict
+
+from trl_gspo.cli import RecipeError, main, parse
+from trl_gspo.demo import copy_score, demo_reward, make_demo_dataset
+from trl_gspo.rewards import math_accuracy_reward, resolve_reward
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["--max_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"]
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+# ----------------------------------------------------------------------------------------------- demo task
+def test_copy_score_is_fraction_of_right_positions_over_the_longer():
+    assert copy_score("3 7 5", "3 7 5") == 1.0
+    assert copy_score("3 0 5", "3 7 5") == pytest.approx(2 / 3)
+    assert copy_score("3 7 5 5", "3 7 5") == pytest.approx(3 / 4)  # an extra token costs
+    assert copy_score("3", "3 7 5") == pytest.approx(1 / 3)
+    assert copy_score("", "3 7 5") == 0.0
+    conversational = [[{"role": "assistant", "content": "3 7 5"}], [{"role": "assistant", "content": "5 7 3"}]]
+    assert demo_reward(conversational, target=["3 7 5", "3 7 5"]) == [1.0, pytest.approx(1 / 3)]
+
+
+def test_demo_dataset_held_out_digits_never_appear_in_training():
+    train, test = make_demo_dataset(5000, seed=1), make_demo_dataset(500, seed=2, split="test")
+    assert set(train["target"]).isdisjoint(test["target"])
+    assert train[0]["prompt"] == f"copy {train[0]['target']} :"
+    with pytest.raises(ValueError, match="split='val'"):
+        make_demo_dataset(3, split="val")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, capsys, moe):
+    out = tmp_path / "demo"
+    argv = ["demo", "--config", str(ROOT / "recipes/demo.yaml"), "--output_dir", str(out), *FAST,
+            "--num_train_prompts", "32", "--num_eval_prompts", "16", "--moe", str(moe).lower()]  # fmt: skip
+    assert main(argv) == 0
+    assert "held-out reward (greedy, 16 unseen prompts): before" in capsys.readouterr().out
+    model, tokenizer = _load(out)
+    assert model.config.model_type == ("qwen3_moe" if moe else "qwen3")
+    assert tokenizer.decode(tokenizer("copy 1 2 :")["input_ids"]) == "copy 1 2 :"
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    assert {"reward", "loss", "clip_ratio/region_mean", "entropy"} <= set(rows[0])
+    assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_demo_learns_the_copy_task(tmp_path):
+    """300 of the demo's 2000 steps already lift the held-out reward clearly (seeds 0-3 measured 0.23-0.31)."""
+    from trl_gspo.demo import run_demo
+
+    result = run_demo(str(tmp_path / "learn"), num_eval_prompts=100, max_steps=300, logging_steps=20, disable_tqdm=True)
+    assert result["before"] <= 0.05 and result["after"] >= 0.15
+    rewards = [row["reward"] for row in result["trainer"].state.log_history if "reward" in row]
+    assert sum(rewards[-3:]) > sum(rewards[:3])  # sampled (T=1) training reward: noisier, it lags the greedy one
+
+
+# ---------------------------------------------------------------------------------------------- train
+def _write_recipe(path: Path, **keys) -> str:
+    path.write_text(yaml.safe_dump(keys))
+    return str(path)
+
+
+@pytest.fixture
+def copy_jsonl(tmp_path):
+    path = tmp_path / "copy.jsonl"
+    make_demo_dataset(64).to_json(str(path))
+    return str(path)
+
+
+def _train_recipe(tmp_path, model_dir, data, **extra):
+    keys = dict(model_name_or_path=model_dir, dataset_name=data, reward_funcs=["demo_reward"],
+                output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, learning_rate=1e-3,
+                per_device_train_batch_size=8, num_generations=4, max_completion_length=4, report_to="none",
+                save_strategy="no", max_steps=5)  # fmt: skip
+    return _write_recipe(tmp_path / "recipe.yaml", **{**keys, **extra})
+
+
+@pytest.mark.parametrize("source", ["jsonl_file", "parquet_file", "save_to_disk_folder", "datasets_mixture"])
+def test_train_runs_from_every_local_dataset_form(tmp_path, tiny_model_dir, copy_jsonl, source):
+    # `trl grpo` fails when dataset_name points at a .jsonl file; here a file loads as split "train".
+    data = make_demo_dataset(64)
+    extra = {"dataset_name": copy_jsonl}
+    if source == "parquet_file":
+        data.to_parquet(str(tmp_path / "copy.parquet"))
+        extra = {"dataset_name": str(tmp_path / "copy.parquet")}
+    elif source == "save_to_disk_folder":
+        DatasetDict({"train": data}).save_to_disk(str(tmp_path / "saved"))
+        extra = {"dataset_name": str(tmp_path / "saved")}
+    elif source == "datasets_mixture":
+        extra = {"dataset_name": None, "datasets": [{"path": "json", "data_files": copy_jsonl, "split": "train"}]}
+    recipe = _train_recipe(tmp_path, tiny_model_dir, None, reward_funcs=["trl_gspo.demo.demo_reward"], **extra)
+    assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
+    model, _ = _load(tmp_path / "out")
+    assert model.config.model_type == "qwen3"
+
+
+def test_train_gspo_token_with_the_recipes_per_token_advantage_trainer(tmp_path, tiny_model_dir, copy_jsonl,
+                                                                       monkeypatch):  # fmt: skip
+    monkeypatch.chdir(ROOT)  # trainer_class names a repo-relative module, as in recipes/qwen3_1p7b_gspo_token.yaml
+    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl, importance_sampling_level="sequence_token",
+                           trainer_class="recipes.per_token_advantages.RepetitionPenaltyTrainer")  # fmt: skip
+    assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "trl_gspo", "trian"], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "Did you mean 'train'?" in result.stderr
+
+
+def test_flags_override_the_recipe(tmp_path, tiny_model_dir, copy_jsonl):
+    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl)
+    _, args, model_args, _ = parse("train", ["--config", recipe, "--learning_rate", "0.25", "--use_peft", "true"])
+    assert args.learning_rate == 0.25 and args.max_steps == 5 and model_args.use_peft
+
+
+def test_help_lists_every_group_of_keys(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for key in ("--importance_sampling_level", "--epsilon_high", "--reward_funcs", "--trainer_class", "--dataset_name",
+                "--lora_r", "--use_peft", "--model_name_or_path", "--datasets", "--learning_rate", "--use_vllm"):
+        assert key in text, key
+
+
+# ------------------------------------------------------------------------------------------- bad recipes
+NO_MODEL = "/nonexistent/model"  # a check that ran after model loading would fail on this path instead
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"learning_rat": 1e-5}, "unknown recipe key 'learning_rat'. Did you mean 'learning_rate'?"),
+        ({"per_device_train_batch_size": 2.5}, "per_device_train_batch_size: expected an integer, got 2.5"),
+        ({"use_peft": "maybe"}, "use_peft"),
+        ({"learning_rate": [1, 2]}, "learning_rate: expected a number, got [1, 2]"),
+        ({"save_strategy": False}, "save_strategy: False is not allowed (YAML reads unquoted no/yes/on/off"),
+        ({"importance_sampling_level": "seqence"}, "'seqence' is not allowed. Did you mean 'sequence'?"),
+        ({"epsilon": 1.5}, "epsilon=1.5 is out of range"),
+        ({"reward_funcs": ["acuracy_reward"]}, "unknown reward 'acuracy_reward'. Did you mean 'accuracy_reward'?"),
+        ({"reward_funcs": ["no_such_pkg.reward"]}, "cannot import module 'no_such_pkg'"),
+        ({"reward_funcs": ["accuracy_reward"]}, "reward 'accuracy_reward' needs dataset column(s) ['solution']"),
+        ({"trainer_class": "trl_gspo.GSPOConfig"}, "trainer_class='trl_gspo.GSPOConfig' is not a subclass"),
+        ({"dataset_train_split": "validation"}, "dataset_train_split='validation' not found"),
+    ],
+    ids=lambda x: str(x)[:40],
+)
+def test_bad_recipe_fails_before_loading_a_model(tmp_path, copy_jsonl, capsys, keys, message):
+    recipe = _train_recipe(tmp_path, NO_MODEL, copy_jsonl, **keys)
+    try:
+        code = main(["train", "--config", recipe])
+    except SystemExit as err:  # argparse's own type errors (a string that is not a bool/number) exit with 2
+        code = err.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_dataset_without_prompt_column_names_the_column(tmp_path, capsys):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    recipe = _train_recipe(tmp_path, NO_MODEL, str(data), reward_funcs=["math_accuracy_reward"])
+    assert main(["train", "--config", recipe]) == 2
+    assert "has no 'prompt' column (columns: ['question', 'answer'])" in capsys.readouterr().err
+
+
+def test_unknown_flag_and_command_suggest_the_closest(tmp_path, copy_jsonl, capsys):
+    recipe = _train_recipe(tmp_path, NO_MODEL, copy_jsonl)
+    assert main(["train", "--config", recipe, "--max_step", "3"]) == 2
+    assert "unknown argument(s) --max_step 3. Did you mean --max_steps?" in capsys.readouterr().err
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'. Did you mean 'train'?" in capsys.readouterr().err
+
+
+def test_parse_raises_recipe_error_for_library_use(tmp_path, copy_jsonl):
+    recipe = _train_recipe(tmp_path, NO_MODEL, copy_jsonl, num_generation=4)
+    with pytest.raises(RecipeError, match="Did you mean 'num_generations'"):
+        parse("train", ["--config", recipe])
+
+
+# ---------------------------------------------------------------------------------------------- rewards
+def test_math_accuracy_reward_with_math_verify():
+    completions = ["so the answer is \\boxed{42}", "it is 41", [{"role": "assistant", "content": "$x=\\frac{1}{2}$"}],
+                   "The answer is 0.5", "whatever"]  # fmt: skip
+    golds = ["Natalia sold 48/2 = 24 ... #### 42", "#### 42", "\\frac{1}{2}", "1/2", "no math here ???"]
+    assert math_accuracy_reward(completions, answer=golds) == [1.0, 0.0, 1.0, 1.0, None]
+    assert math_accuracy_reward(["\\boxed{3}"], solution=["$3$"]) == [1.0]
+    with pytest.raises(ValueError, match="'solution' or an 'answer' column"):
+        math_accuracy_reward(["1"])
+
+
+def test_builtin_reward_names_resolve_to_trl_functions():
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    assert resolve_reward("accuracy_reward") is accuracy_reward
+    assert resolve_reward("think_format_reward") is think_format_reward
+    assert resolve_reward("trl_gspo.demo.demo_reward") is demo_reward

@@ -1,0 +1,192 @@
+"""Every shipped recipe and accelerate config is valid, checked offline with the libraries' own config classes."""
+
+import json
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_gspo.cli import parse, resolve_trainer_class
+from trl_gspo.rewards import resolve_reward
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+
+
+@pytest.fixture
+def gpu_recipes_parse_on_cpu(monkeypatch):
+    """The real recipes ask for bf16, which TrainingArguments refuses on a machine without a bf16 GPU; pretend one
+    is present so the rest of the validation (every field, GSPOConfig._validate) still runs."""
+    import transformers.training_args as training_args
+
+    monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)
+    monkeypatch.chdir(ROOT)  # recipes name repo-relative modules (trainer_class) like their commands do
+
+
+def _command(recipe: Path) -> str:
+    return "demo" if recipe.stem == "demo" else "train"
+
+
+def _header(recipe: Path) -> str:
+    lines = recipe.read_text().splitlines()
+    return "\n".join(line for line in lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+
+
+def test_expected_recipes_are_shipped():
+    names = {r.stem for r in RECIPES}
+    assert {"demo", "qwen3_1p7b_math_zero2", "qwen3_30b_a3b_moe_zero3", "qwen3_4b_lora_24gb",
+            "qwen3_1p7b_gspo_token", "qwen3_4b_math_vllm"} <= names  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_parses_into_valid_configs(recipe, gpu_recipes_parse_on_cpu):
+    script_args, args, model_args, *_ = parse(_command(recipe), ["--config", str(recipe)])
+    assert args.importance_sampling_level in ("sequence", "sequence_token")
+    assert (args.epsilon, args.epsilon_high) == (3e-4, 4e-4)
+    assert args.steps_per_generation == 4 * args.gradient_accumulation_steps, "paper: 4 mini-batches per rollout"
+    assert args.beta == 0.0
+    if _command(recipe) == "train":
+        assert re.fullmatch(r"Qwen/Qwen3-[\w.-]+", model_args.model_name_or_path)
+        assert script_args.dataset_name and script_args.reward_funcs
+        for name in script_args.reward_funcs:
+            assert callable(resolve_reward(name))
+        assert not args.trust_remote_code
+        assert args.bf16 and args.activation_checkpointing
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_header_says_how_to_run_it(recipe):
+    header = _header(recipe)
+    for needed in ("Command", "Hardware", "Wall time"):
+        assert needed in header, f"{recipe.name}: header lacks {needed!r}"
+    assert f"recipes/{recipe.name}" in header or recipe.stem == "demo" and "trl-gspo demo" in header
+    for config in re.findall(r"--config_file (\S+)", header):  # a stale command would name a missing file
+        assert (ROOT / config).is_file(), f"{recipe.name} names {config}, which does not exist"
+
+
+def test_moe_recipe_is_the_papers_setting(gpu_recipes_parse_on_cpu):
+    _, args, model_args, *_ = parse("train", ["--config", str(ROOT / "recipes/qwen3_30b_a3b_moe_zero3.yaml")])
+    assert model_args.model_name_or_path == "Qwen/Qwen3-30B-A3B"
+    assert args.importance_sampling_level == "sequence" and args.loss_type == "grpo"
+    assert args.steps_per_generation // args.gradient_accumulation_steps == 4
+    header = _header(ROOT / "recipes/qwen3_30b_a3b_moe_zero3.yaml")
+    assert "multi_node.yaml" in header and "zero3" in header
+
+
+def test_lora_recipe_builds_a_lora_config_with_8bit_optimizer(gpu_recipes_parse_on_cpu):
+    from trl import get_peft_config
+
+    _, args, model_args, *_ = parse("train", ["--config", str(ROOT / "recipes/qwen3_4b_lora_24gb.yaml")])
+    lora = get_peft_config(model_args)
+    assert lora is not None and lora.r == 16 and lora.lora_alpha == 32
+    assert set(lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert args.optim.value == "paged_adamw_8bit" and args.bf16 and args.activation_checkpointing
+
+
+def test_vllm_recipe_uses_vllm_and_server_mode_flag_overrides(gpu_recipes_parse_on_cpu):
+    recipe = str(ROOT / "recipes/qwen3_4b_math_vllm.yaml")
+    _, args, *_ = parse("train", ["--config", recipe])
+    assert args.use_vllm and args.vllm_mode == "colocate"
+    _, args, *_ = parse("train", ["--config", recipe, "--vllm_mode", "server"])
+    assert args.vllm_mode == "server"  # the header's server-mode command
+
+
+def test_gspo_token_recipe_trainer_class_overrides_the_documented_hook(gpu_recipes_parse_on_cpu):
+    from trl_gspo import GSPOTrainer
+
+    script_args, args, *_ = parse("train", ["--config", str(ROOT / "recipes/qwen3_1p7b_gspo_token.yaml")])
+    assert args.importance_sampling_level == "sequence_token"
+    cls = resolve_trainer_class(script_args.trainer_class)
+    assert issubclass(cls, GSPOTrainer) and cls.token_advantages is not GSPOTrainer.token_advantages
+
+
+def test_repetition_penalty_token_advantages_on_a_crafted_batch(gpu_recipes_parse_on_cpu):
+    RepetitionPenaltyTrainer = resolve_trainer_class("recipes.per_token_advantages.RepetitionPenaltyTrainer")
+    ids = torch.tensor([[5, 6, 5, 6, 5, 0], [1, 2, 3, 4, 1, 2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    fake = SimpleNamespace(ngram=2, penalty=0.5)
+    out = RepetitionPenaltyTrainer.token_advantages(
+        fake, {"advantages": torch.tensor([1.0, -1.0]), "completion_ids": ids, "completion_mask": mask}
+    )
+    # Row 0: bigrams (5,6) (6,5) (5,6)* (6,5)*; position 5 is padding. Row 1: (1,2) repeats at the last token.
+    expected = torch.tensor([[1, 1, 1, 0.5, 0.5, 1], [-1, -1, -1, -1, -1, -1.5]])
+    torch.testing.assert_close(out, expected)
+
+
+# ---------------------------------------------------------------------------------------- accelerate configs
+def _launch_env(config: Path, monkeypatch):
+    """Run accelerate's own launcher logic on the config and export the environment it would give each process."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args, defaults, mp_from_config = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
+    )
+    if args.use_deepspeed:  # what `accelerate launch` does before choosing the DeepSpeed launcher
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        _, env = prepare_deepspeed_cmd_env(args)
+    else:
+        env = prepare_multi_gpu_env(args) if args.multi_gpu or args.use_fsdp else {}
+    for key, value in env.items():
+        if key.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.setenv(key, value)
+    return args
+
+
+def test_expected_accelerate_configs_are_shipped():
+    assert {p.stem for p in ACCELERATE_CONFIGS} == {
+        "single_gpu", "multi_gpu", "zero2", "zero3", "zero3_offload", "fsdp2", "multi_node"}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_accelerate_config_loads_through_accelerates_classes(config, monkeypatch):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
+
+    cluster = load_config_from_file(str(config))
+    assert cluster.mixed_precision == "bf16" and not cluster.use_cpu
+    args = _launch_env(config, monkeypatch)
+    expected = {"single_gpu": DistributedType.NO, "multi_gpu": DistributedType.MULTI_GPU,
+                "fsdp2": DistributedType.FSDP}.get(config.stem, DistributedType.DEEPSPEED)  # fmt: skip
+    assert cluster.distributed_type == expected
+    if expected == DistributedType.FSDP:
+        plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* environment accelerate exported
+        assert plugin.fsdp_version == 2 and plugin.reshard_after_forward
+    if expected == DistributedType.DEEPSPEED:
+        plugin = DeepSpeedPlugin()
+        stage = {"zero2": 2}.get(config.stem, 3)
+        assert plugin.zero_stage == stage
+        offload = plugin.deepspeed_config["zero_optimization"].get("offload_param", {}).get("device", "none")
+        assert offload == ("cpu" if config.stem == "zero3_offload" else "none")
+    if config.stem == "multi_node":
+        assert cluster.num_machines == 2 and args.num_processes == 16 and cluster.main_process_port
+
+
+@pytest.mark.parametrize("config", [c for c in ACCELERATE_CONFIGS if c.stem.startswith(("zero", "multi_node"))],
+                         ids=lambda p: p.stem)  # fmt: skip
+def test_deepspeed_section_passes_deepspeeds_own_validation(config, monkeypatch, gpu_recipes_parse_on_cpu):
+    """accelerate's plugin -> transformers fills the "auto" values from a real recipe -> DeepSpeedConfig checks it."""
+    pytest.importorskip("deepspeed")
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    _launch_env(config, monkeypatch)
+    plugin = DeepSpeedPlugin()
+    plugin.set_mixed_precision("bf16")
+    _, args, *_ = parse("train", ["--config", str(ROOT / "recipes/qwen3_30b_a3b_moe_zero3.yaml")])
+    hf_config = HfTrainerDeepSpeedConfig(plugin.deepspeed_config)
+    hf_config.trainer_config_process(args)
+    filled = json.loads(json.dumps(hf_config.config))
+    assert "auto" not in json.dumps({k: v for k, v in filled.items() if k != "zero_optimization"})
+    ds = DeepSpeedConfig(filled)  # world size 1 here: no process group
+    assert ds.zero_optimization_stage == plugin.zero_stage
+    assert ds.train_micro_batch_size_per_gpu == args.per_device_train_batch_size
+    assert ds.gradient_accumulation_steps == args.gradient_accumulation_steps
+    assert ds.bfloat16_config.enabled and ds.gradient_clipping == 1.0
+    assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "true"

@@ -1,0 +1,281 @@
+"""`trl-gspo` command line, on TRL's `TrlParser` like `trl grpo`.
+
+    trl-gspo demo  [--config recipes/demo.yaml] [--flag value ...]   # offline demo: tiny model, no downloads
+    trl-gspo train --config recipe.yaml [--flag value ...]           # any model / dataset / reward
+
+Both run in the current process; for several GPUs or DeepSpeed wrap them in accelerate:
+`accelerate launch --config_file accelerate_configs/zero2.yaml -m trl_gspo train --config recipe.yaml`.
+A recipe's keys are the fields of `GSPOConfig` (every `GRPOConfig`/`TrainingArguments` field), TRL's `ModelConfig`
+(model, dtype, `use_peft`, `lora_*`), TRL's dataset mixture (`datasets:`) and the script arguments below; command
+line flags override the recipe. Unlike TRL's parser, a key no class knows is an error (with the closest valid key),
+and values of the wrong type fail before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+from .config import GSPOConfig
+
+
+class RecipeError(ValueError):
+    """A recipe or command line the CLI rejects before loading any model; the message names the key."""
+
+
+@dataclass
+class GSPOScriptArguments(ScriptArguments):
+    """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...) plus rewards.
+
+    `dataset_name` may be a Hub id, a local folder (a `save_to_disk` folder or data files), or a local
+    `.json`/`.jsonl`/`.parquet`/`.csv` file. The training split needs a `prompt` column.
+    """
+
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions: accuracy_reward, reasoning_accuracy_reward, think_format_reward (TRL's), "
+            "math_accuracy_reward, demo_reward (ours), or a dotted import path such as my_pkg.rewards.my_reward."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Optional reward model (Hub id or local folder), used besides reward_funcs."}
+    )
+    trainer_class: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dotted import path of a GSPOTrainer subclass to train with, e.g. one overriding the "
+            "token_advantages hook for GSPO-token (see recipes/per_token_advantages.py). Default: GSPOTrainer."
+        },
+    )
+
+
+@dataclass
+class DemoArguments:
+    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code)."""
+
+    num_train_prompts: int = field(default=2000, metadata={"help": "Training prompts drawn for the copy task."})
+    num_eval_prompts: int = field(default=200, metadata={"help": "Held-out prompts (digits never seen in training)."})
+    moe: bool = field(default=False, metadata={"help": "Use a tiny Qwen3-MoE (4 experts, top-2) instead of dense."})
+
+
+class GSPOParser(TrlParser):
+    """`TrlParser` that rejects unknown recipe keys and checks value types before the dataclasses are built."""
+
+    def set_defaults_with_config(self, **config) -> list[str]:
+        actions = {a.dest: a for a in self._actions if a.nargs != 0 and a.dest != "help"}  # nargs=0: --no_x twins
+        for key, value in config.items():
+            if key not in actions:
+                close = difflib.get_close_matches(key, list(actions), n=1, cutoff=0.6)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise RecipeError(f"unknown recipe key {key!r}.{hint} (`--help` lists every valid key.)")
+            _check_value(key, value, actions[key])
+        return super().set_defaults_with_config(**config)
+
+
+def _check_value(key, value, action) -> None:
+    """Fail fast on a YAML value argparse would pass through unchecked (it converts only string defaults)."""
+    if value is None:
+        return
+    items = value if isinstance(value, list) and action.nargs in ("+", "*") else [value]
+    kind = getattr(action.type, "__name__", "")
+    for item in items:
+        if action.choices is not None and item not in action.choices:
+            note = " (YAML reads unquoted no/yes/on/off as booleans: quote it)" if isinstance(item, bool) else ""
+            close = difflib.get_close_matches(str(item), [str(c) for c in action.choices], n=1)
+            hint = f" Did you mean {close[0]!r}?" if close and not note else ""
+            raise RecipeError(f"{key}: {item!r} is not allowed{note}.{hint} Choose one of {list(action.choices)}.")
+        if isinstance(item, str):
+            continue  # argparse converts string values itself and names the flag if that fails
+        ok = {
+            "int": isinstance(item, int) and not isinstance(item, bool),
+            "float": isinstance(item, (int, float)) and not isinstance(item, bool),
+            "string_to_bool": isinstance(item, bool),
+        }.get(kind, True)
+        if not ok:
+            wanted = {"int": "an integer", "float": "a number", "string_to_bool": "true or false"}[kind]
+            raise RecipeError(f"{key}: expected {wanted}, got {item!r} ({type(item).__name__}).")
+
+
+def make_parser(command: str) -> GSPOParser:
+    classes = (GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig)
+    if command == "demo":
+        classes = (DemoArguments, GSPOConfig, ModelConfig)
+    return GSPOParser(classes, prog=f"trl-gspo {command}", allow_abbrev=False)
+
+
+def parse(command: str, argv: list[str], defaults: dict | None = None):
+    """Parse `argv` (with `--config recipe.yaml`) into the command's dataclasses; errors become `RecipeError`."""
+    parser = make_parser(command)
+    if defaults:
+        parser.set_defaults_with_config(**defaults)
+    try:
+        *parsed, extra = parser.parse_args_and_config(argv, return_remaining_strings=True)
+    except RecipeError:
+        raise
+    except (ValueError, TypeError) as err:  # dataclass __post_init__ validation (GSPOConfig._validate, TRL, HF)
+        raise RecipeError(str(err)) from err
+    if extra:
+        flags = [a.option_strings[0].lstrip("-") for a in parser._actions if a.option_strings]
+        close = difflib.get_close_matches(extra[0].lstrip("-"), flags, n=1)
+        hint = f" Did you mean --{close[0]}?" if close else ""
+        raise RecipeError(f"unknown argument(s) {' '.join(extra)}.{hint}")
+    return parsed
+
+
+# ----------------------------------------------------------------------------------------------------- demo
+def demo(argv: list[str]) -> int:
+    from trl import get_peft_config
+
+    from .demo import DEMO_ARGS, run_demo
+
+    demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
+    if model_args.model_name_or_path is not None:
+        raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
+    result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
+                      args=args, peft_config=get_peft_config(model_args))  # fmt: skip
+    result["trainer"].end()  # trackers and process group, as `trl grpo` does
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- train
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_any_dataset(name: str, config: str | None = None, streaming: bool = False):
+    """A Hub id, a local folder, or a local data file -> `DatasetDict` (a single file becomes split `train`)."""
+    from datasets import load_dataset, load_from_disk
+
+    path = Path(name).expanduser()
+    if path.is_file():
+        builder = DATA_FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise RecipeError(f"dataset_name={name!r}: unsupported file type; use one of {sorted(DATA_FILE_BUILDERS)}.")
+        return load_dataset(builder, data_files=str(path), streaming=streaming)
+    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        return load_from_disk(str(path))  # a folder written by `save_to_disk`
+    return load_dataset(name, name=config, streaming=streaming)
+
+
+def resolve_rewards(script_args) -> list:
+    from .rewards import resolve_reward
+
+    funcs = [resolve_reward(name) for name in script_args.reward_funcs or []]
+    if script_args.reward_model_name_or_path:
+        funcs.append(script_args.reward_model_name_or_path)
+    if not funcs:
+        raise RecipeError("no reward: set reward_funcs (and/or reward_model_name_or_path) in the recipe.")
+    return funcs
+
+
+def check_columns(dataset, reward_funcs, split: str) -> None:
+    """The prompt column and every column a reward function needs must exist before a model is loaded."""
+    from trl.data_utils import get_dataset_column_names
+
+    from .rewards import missing_columns
+
+    columns = get_dataset_column_names(dataset)
+    if "prompt" not in columns:
+        raise RecipeError(f"dataset split {split!r} has no 'prompt' column (columns: {columns}); GSPO needs one.")
+    for func in reward_funcs:
+        if callable(func) and (missing := missing_columns(func, columns)):
+            name = getattr(func, "__name__", repr(func))
+            raise RecipeError(f"reward {name!r} needs dataset column(s) {missing}; split {split!r} has {columns}.")
+
+
+def resolve_trainer_class(path: str | None):
+    """`trainer_class` -> a GSPOTrainer subclass, imported by dotted path (never evaluated)."""
+    from .rewards import import_object
+    from .trainer import GSPOTrainer
+
+    if path is None:
+        return GSPOTrainer
+    try:
+        cls = import_object(path)
+    except ValueError as err:
+        raise RecipeError(f"trainer_class: {err}") from err
+    if not (isinstance(cls, type) and issubclass(cls, GSPOTrainer)):
+        raise RecipeError(f"trainer_class={path!r} is not a subclass of trl_gspo.GSPOTrainer.")
+    return cls
+
+
+def train(argv: list[str]) -> int:
+    from trl import get_dataset, get_peft_config, get_quantization_config
+
+    script_args, args, model_args, mixture = parse("train", argv)
+    if not model_args.model_name_or_path:
+        raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
+    try:
+        reward_funcs = resolve_rewards(script_args)
+    except ValueError as err:
+        raise RecipeError(str(err)) from err
+    trainer_cls = resolve_trainer_class(script_args.trainer_class)
+    if mixture.datasets:
+        dataset = get_dataset(mixture)
+    elif script_args.dataset_name:
+        dataset = load_any_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_streaming)
+    else:
+        raise RecipeError("no dataset: set dataset_name (Hub id, folder or file) or a `datasets:` list.")
+    split = script_args.dataset_train_split
+    if split not in dataset:
+        raise RecipeError(f"dataset_train_split={split!r} not found; the dataset has splits {list(dataset)}.")
+    check_columns(dataset[split], reward_funcs, split)
+    eval_set = dataset.get(script_args.dataset_test_split) if args.eval_strategy != "no" else None
+
+    # Same model loading switches as `trl grpo`; trust_remote_code stays False unless the recipe sets it.
+    args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(args.model_init_kwargs or {}),
+    }
+    trainer = trainer_cls(
+        model=model_args.model_name_or_path,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=dataset[split],
+        eval_dataset=eval_set,
+        peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_model(args.output_dir)
+    trainer.accelerator.print(f"Model saved to {args.output_dir}")
+    trainer.end()
+    return 0
+
+
+COMMANDS = {"demo": demo, "train": train}
+USAGE = """usage: trl-gspo {demo,train} [--config RECIPE.yaml] [--key value ...]
+
+  demo    train a tiny model offline on a digit-copy task (CPU, ~1 min on 2 cores); prints held-out reward before/after
+  train   GSPO on any model/dataset/reward described by a recipe (see recipes/)
+
+`trl-gspo COMMAND --help` lists every key. Multi-GPU / DeepSpeed:
+  accelerate launch --config_file accelerate_configs/zero2.yaml -m trl_gspo train --config recipes/<recipe>.yaml
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        close = difflib.get_close_matches(command, list(COMMANDS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        print(f"trl-gspo: unknown command {command!r}.{hint}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return COMMANDS[command](rest)
+    except RecipeError as err:
+        print(f"trl-gspo {command}: error: {err}", file=sys.stderr)
+        return 2
