@@ -1,6 +1,7 @@
 """Checkpoint/resume: complete-or-ignored checkpoints, exact resume mid-rollout, checkpoint on a real SIGTERM."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,11 +150,14 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
               "--output_dir", str(out), "--max_steps", str(N)]
     proc = subprocess.Popen([*launch, "--step_delay", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
-    lines = []
+    lines, signalled = [], False
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("STEP 2 RANK 1 PID"):
-            os.kill(int(line.split()[-1]), signal.SIGTERM)
+        # Both ranks share one pipe, so their marker lines can run together: search, don't anchor.
+        match = re.search(r"STEP 2 RANK 1 PID (\d+)", line)
+        if match and not signalled:
+            os.kill(int(match.group(1)), signal.SIGTERM)
+            signalled = True
     proc.wait(timeout=180)
     log = "".join(lines)
     assert "Stopped by SIGTERM" in log, log
