@@ -31,16 +31,3 @@ def test_on_policy_setting_warns_that_gspo_reduces_to_grpo(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         make(tmp_path, steps_per_generation=1)
     assert "reduces to GRPO" in caplog.text
-
-
-def test_unresolvable_token_advantages_fn_names_the_field(tmp_path, tokenizer):
-    from datasets import Dataset
-
-    from trl_gspo import GSPOTrainer
-    from trl_gspo.tiny import build_tiny_model
-
-    args = make(tmp_path, importance_sampling_level="sequence_token", token_advantages_fn="trl_gspo.nope.fn",
-                per_device_train_batch_size=2, num_generations=2)
-    with pytest.raises(ValueError, match=r"token_advantages_fn='trl_gspo.nope.fn' could not be imported"):
-        GSPOTrainer(build_tiny_model(tokenizer), lambda completions, **kw: [0.0] * len(completions), args=args,
-                    train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo.tiny import build_tiny_model
+from trl_gspo.token_advantages import discounted_turn_advantages
 
 PROMPTS = ["add 1 2 =", "copy a b c :", "count 1 2 3 :", "what is 4 + 5 ?"]
 
@@ -91,6 +92,10 @@ def test_gspo_token_equals_gspo_end_to_end_and_differs_with_token_advantages(tok
     token (here through the documented multi-turn hook, single-turn completions) ends at GSPO's weights; with
     advantages that vary along the completion it does not."""
 
+    class TurnCreditTrainer(GSPOTrainer):
+        def token_advantages(self, inputs):
+            return discounted_turn_advantages(inputs)
+
     class LaterTokensCountMore(GSPOTrainer):
         def token_advantages(self, inputs):
             ramp = torch.linspace(0.0, 2.0, inputs["completion_mask"].size(1))
@@ -101,10 +106,7 @@ def test_gspo_token_equals_gspo_end_to_end_and_differs_with_token_advantages(tok
         return {n: p.detach() for n, p in trainer.model.named_parameters()}
 
     gspo = final_weights(importance_sampling_level="sequence")
-    gspo_token = final_weights(
-        importance_sampling_level="sequence_token",
-        token_advantages_fn="trl_gspo.token_advantages.discounted_turn_advantages",
-    )
+    gspo_token = final_weights(importance_sampling_level="sequence_token", trainer_cls=TurnCreditTrainer)
     ramped = final_weights(importance_sampling_level="sequence_token", trainer_cls=LaterTokensCountMore)
     for name in gspo:
         torch.testing.assert_close(gspo_token[name], gspo[name], rtol=1e-5, atol=1e-6, msg=name)

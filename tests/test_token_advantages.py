@@ -57,6 +57,13 @@ def _naive_reference_loss(model, batch, token_adv):
     return -total / G
 
 
+class TurnCreditTrainer(GSPOTrainer):
+    """The documented way to plug per-token advantages in: override the one hook."""
+
+    def token_advantages(self, inputs):
+        return discounted_turn_advantages(inputs, gamma=GAMMA)
+
+
 def test_trainer_loss_and_gradient_match_reference_on_multi_turn_batch(tokenizer, tmp_path):
     model = build_tiny_model(tokenizer, seed=3)
     g = torch.Generator().manual_seed(0)
@@ -94,9 +101,8 @@ def test_trainer_loss_and_gradient_match_reference_on_multi_turn_batch(tokenizer
     args = GSPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=G,
         num_generations=2, importance_sampling_level="sequence_token",
-        token_advantages_fn="trl_gspo.token_advantages.discounted_turn_advantages",
     )  # fmt: skip
-    trainer = GSPOTrainer(model, lambda completions, **kw: [0.0] * len(completions), args=args,
+    trainer = TurnCreditTrainer(model, lambda completions, **kw: [0.0] * len(completions), args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1

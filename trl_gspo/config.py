@@ -52,10 +52,6 @@ class GSPOConfig(GRPOConfig):
         max_log_ratio (`float` or `None`, *optional*, defaults to `20.0`):
             Bound on |log importance weight| applied before `exp`. Inside the bound it changes nothing; outside it
             keeps the ratio finite (fp32 `exp` overflows past ~88). `None` disables the clamp.
-        token_advantages_fn (`str` or `None`, *optional*, defaults to `None`):
-            Dotted import path of a function `fn(inputs) -> (B, T)` advantages, called by
-            `GSPOTrainer.token_advantages` (e.g. `"trl_gspo.token_advantages.discounted_turn_advantages"`). Lets a
-            recipe use per-token advantages without subclassing. Needs `"sequence_token"` or `"token"`.
         max_consecutive_nonfinite (`int`, *optional*, defaults to `10`):
             Non-finite guard: a micro-batch whose importance ratio or loss is NaN/inf contributes no gradient, and an
             optimizer step whose gradient is NaN/inf (or whose every micro-batch was dropped) is skipped. After this
@@ -141,15 +137,6 @@ class GSPOConfig(GRPOConfig):
         },
     )
 
-    token_advantages_fn: str | None = field(
-        default=None,
-        metadata={
-            "help": "Dotted path of a function fn(inputs) -> (B, T) per-token advantages (e.g. "
-            "'trl_gspo.token_advantages.discounted_turn_advantages'), for GSPO-token on multi-turn or shaped "
-            "rewards. Needs importance_sampling_level 'sequence_token' (or 'token')."
-        },
-    )
-
     def __post_init__(self):
         self._validate_counts()  # before TRL's __post_init__, which divides by some of these
         if self.steps_per_generation is None and self.generation_batch_size is None:
@@ -230,12 +217,6 @@ class GSPOConfig(GRPOConfig):
             raise ValueError(
                 "loss_type='sapo' runs TRL's own loss code, which has no 'sequence_token' level; use 'token' or "
                 "'sequence'."
-            )
-        if self.token_advantages_fn is not None and level == "sequence":
-            raise ValueError(
-                f"token_advantages_fn={self.token_advantages_fn!r} gives per-token advantages, but "
-                "importance_sampling_level='sequence' has one ratio per completion and would average them; use "
-                "'sequence_token' (GSPO-token) or 'token'."
             )
         on_policy = self.num_iterations == 1 and self.steps_per_generation <= self.gradient_accumulation_steps
         if on_policy and level != "token":

@@ -1,8 +1,12 @@
 """Per-token advantages for GSPO-token (`importance_sampling_level="sequence_token"`).
 
 A function here takes the loss's `inputs` batch (TRL's keys: `advantages` `(B,)`, `completion_ids`,
-`completion_mask`, and `tool_mask` for multi-turn tool use) and returns `(B, T)` advantages. Plug one in with
-`GSPOConfig(token_advantages_fn="module.function")`, or subclass `GSPOTrainer` and override `token_advantages`.
+`completion_mask`, and `tool_mask` for multi-turn tool use) and returns `(B, T)` advantages. Use it from the one
+hook, `GSPOTrainer.token_advantages`::
+
+    class TurnCreditTrainer(GSPOTrainer):
+        def token_advantages(self, inputs):
+            return discounted_turn_advantages(inputs, gamma=0.5)
 """
 
 from __future__ import annotations

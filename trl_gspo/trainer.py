@@ -28,7 +28,6 @@ from . import checkpointing, losses, rewards_guard
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 from .diagnostics import TrainingDiagnostics
 from .nonfinite import NonFiniteGuard
-from .utils import resolve_callable
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
 _FORWARD_KEYS = (
@@ -62,9 +61,6 @@ class GSPOTrainer(TrainingDiagnostics, GRPOTrainer):
                 "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
             )
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
-        self._token_advantages_fn = None
-        if args.token_advantages_fn is not None:
-            self._token_advantages_fn = resolve_callable(args.token_advantages_fn, "token_advantages_fn")
         self._guard_reward_funcs()
         self._nonfinite = NonFiniteGuard(self, args.max_consecutive_nonfinite)
         self.add_callback(self._nonfinite)
@@ -79,11 +75,9 @@ class GSPOTrainer(TrainingDiagnostics, GRPOTrainer):
         Override to give each token its own advantage, e.g. a different advantage per turn of a multi-turn
         completion; `inputs` holds `completion_ids`, `completion_mask` and TRL's `(B,)` `advantages`. Per-token
         advantages need `importance_sampling_level="sequence_token"` (or `"token"`): `"sequence"` has one ratio
-        per sequence and would silently average them, so it raises. By default: the function named by
-        `args.token_advantages_fn` applied to `inputs` if set, else TRL's advantages.
+        per sequence and would silently average them, so it raises. From a recipe, name the subclass with the
+        CLI's `trainer_class` key. `trl_gspo.token_advantages` has a multi-turn example.
         """
-        if self._token_advantages_fn is not None:
-            return self._token_advantages_fn(inputs)
         return inputs["advantages"]
 
     def importance_log_weights(self, logps, old_logps, mask) -> torch.Tensor:
