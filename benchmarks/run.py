@@ -203,10 +203,10 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str)
             if device == "cuda":
                 torch.cuda.synchronize()
             if state.global_step == warmup_steps:
-                marks["start"], marks["tokens"] = time.perf_counter(), counter.tokens
+                marks["start"], marks["cpu_start"], marks["tokens"] = time.perf_counter(), time.process_time(), counter.tokens
                 marks["peak"] = PeakMemory(device).__enter__()
             elif state.global_step == args.max_steps:
-                marks["end"] = time.perf_counter()
+                marks["end"], marks["cpu_end"] = time.perf_counter(), time.process_time()
                 marks["peak"].__exit__(None, None, None)
 
     trainer.add_callback(Clock())
@@ -216,6 +216,7 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str)
     tokens = counter.tokens - marks["tokens"]
     result = {
         "seconds_per_step": seconds / measured_steps,
+        "cpu_seconds_per_step": (marks["cpu_end"] - marks["cpu_start"]) / measured_steps,
         "completion_tokens_per_s": tokens / seconds,
         "peak_memory_bytes": marks["peak"].peak_bytes,
         "completion_tokens": tokens,
@@ -294,6 +295,72 @@ def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
     return {"peak_memory_bytes": peak.peak_bytes}
 
 
+def loss_path(shape: dict, device: str, iters: int) -> dict:
+    """`_compute_loss` + backward on one mini-batch, stock vs ours in one process, alternating, `iters` times each.
+
+    Isolates what our loss pipeline (hooks, metrics) costs on top of TRL's, without generation and its noise."""
+    import copy
+
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_gspo import GSPOConfig, GSPOTrainer
+
+    tokenizer = _tokenizer(QWEN3_VOCAB if device == "cuda" else None)
+    model = _model(tokenizer, shape, device).to(device)
+    B, P, T = shape["batch"], shape["prompt_words"] + 1, shape["completion"]
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    inputs = {
+        "prompt_ids": torch.randint(4, vocab, (B, P), generator=g),
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": torch.randint(4, vocab, (B, T), generator=g),
+        "completion_mask": (torch.arange(T)[None] < lengths[:, None]).long(),
+        "advantages": torch.randn(B, generator=g),
+    }
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    trainers = {}
+    for kind, trainer_cls, config_cls in (("stock", GRPOTrainer, GRPOConfig), ("ours", GSPOTrainer, GSPOConfig)):
+        args = config_cls(output_dir="/tmp/trl-gspo-bench-loss", use_cpu=device == "cpu", bf16=device == "cuda",
+                          report_to=[], per_device_train_batch_size=B, num_generations=shape["num_generations"],
+                          max_completion_length=T, steps_per_generation=STEPS_PER_GENERATION, **LOSS_SETTINGS)  # fmt: skip
+        trainers[kind] = trainer_cls(copy.deepcopy(model), lambda completions, **k: [0.0] * len(completions), args=args,
+                                     train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)  # fmt: skip
+        trainers[kind].model.train()
+        trainers[kind].current_gradient_accumulation_steps = 1
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    with torch.no_grad():  # pi_old near pi_theta, so some sequence ratios clip as in training
+        logps, _, _ = trainers["stock"]._get_per_token_logps_and_entropies(
+            trainers["stock"].model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), T,
+        )  # fmt: skip
+    inputs["old_per_token_logps"] = logps + 1e-3 * torch.randn(logps.shape, generator=g).to(device)
+    times = {"stock": [], "ours": []}
+    for i in range(iters + 2):  # the first two rounds warm up allocator and kernels, then alternate
+        for kind in ("stock", "ours") if i % 2 == 0 else ("ours", "stock"):
+            trainer = trainers[kind]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            trainer._compute_loss(trainer.model, inputs).backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times[kind].append((time.perf_counter() - start, time.process_time() - cpu_start))
+            trainer.model.zero_grad(set_to_none=True)
+    med = {k: {"seconds": statistics.median(t[0] for t in v), "cpu_seconds": statistics.median(t[1] for t in v)}
+           for k, v in times.items()}  # fmt: skip
+    return {
+        "iters": iters,
+        "stock": med["stock"],
+        "ours": med["ours"],
+        "ratio_seconds": _ratio(med["ours"]["seconds"], med["stock"]["seconds"]),
+        "ratio_cpu_seconds": _ratio(med["ours"]["cpu_seconds"], med["stock"]["cpu_seconds"]),
+    }
+
+
 # ------------------------------------------------------------------------------------------------ driver
 def _worker(spec: dict) -> dict:
     import torch
@@ -301,6 +368,8 @@ def _worker(spec: dict) -> dict:
     torch.manual_seed(0)
     if spec["task"] == "train":
         return run_training(spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"])
+    if spec["task"] == "loss_path":
+        return loss_path(spec["shape"], spec["device"], spec["iters"])
     return logprob_memory(spec["kind"], spec["vocab"], spec["tokens"], spec["device"])
 
 
@@ -336,13 +405,15 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
         for kind in order:
             spec = dict(task="train", kind=kind, source=source, shape=shape, device=device, out_dir=out_dir)
             runs[kind].append(_run_worker(spec))
-            log(f"  {name} rep {rep} {kind}: {runs[kind][-1]['seconds_per_step']:.4f} s/step")
+            r = runs[kind][-1]
+            log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, {r['cpu_seconds_per_step']:.4f} cpu s/step")
     med = {k: {m: _median(v, m) for m in v[0]} for k, v in runs.items()}
     result = {
         "old_logprobs_source": source,
         "stock": med["stock"],
         "ours": med["ours"],
         "ratio_seconds_per_step": _ratio(med["ours"]["seconds_per_step"], med["stock"]["seconds_per_step"]),
+        "ratio_cpu_seconds_per_step": _ratio(med["ours"]["cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]),
         "ratio_completion_tokens_per_s": _ratio(
             med["ours"]["completion_tokens_per_s"], med["stock"]["completion_tokens_per_s"]
         ),
@@ -380,7 +451,7 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run with toy shapes (test suite)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per scenario (default: per shape)")
-    parser.add_argument("--scenarios", default="equal_settings,sampler_logprobs,logprob_memory")
+    parser.add_argument("--scenarios", default="loss_path,equal_settings,sampler_logprobs,logprob_memory")
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak for MFU (TFLOP/s)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/<device>.json)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -432,6 +503,11 @@ def main(argv=None):
     }
     wanted = args.scenarios.split(",")
     started = time.perf_counter()
+    if "loss_path" in wanted:
+        log("loss_path (_compute_loss + backward, stock vs ours, alternating in one process)")
+        iters = 5 if args.tiny else 200
+        report["scenarios"]["loss_path"] = _run_worker(dict(task="loss_path", shape=shape, device=args.device, iters=iters))
+        log(f"  ratio ours/stock: {report['scenarios']['loss_path']['ratio_cpu_seconds']:.4f} (cpu time)")
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
         report["scenarios"]["equal_settings"] = compare("equal_settings", "recompute", shape, args.device, reps, work_dir, log)
@@ -449,7 +525,8 @@ def main(argv=None):
     summary = {
         name: {k: v for k, v in sc.items() if k.startswith("ratio") or k == "mfu"} for name, sc in report["scenarios"].items()
     }
-    print(json.dumps({"out": out, "device_name": device_name, "ratios": summary}, indent=2))
+    log(json.dumps(summary, indent=2))
+    print(json.dumps({"out": out, "device_name": device_name, "ratios": summary}))  # last stdout line: machine-readable
     return report
 
 
