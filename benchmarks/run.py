@@ -9,9 +9,10 @@ epsilon=3e-4, epsilon_high=4e-4, beta=0, steps_per_generation=4); ours is `GSPOT
 Scenarios, each reported as ratios ours/stock of medians over repetitions (runs alternate stock/ours, ABBA):
 - `equal_settings`: ours with `old_logprobs_source="recompute"`, i.e. the same work as stock (overhead check).
 - `sampler_logprobs`: ours with `old_logprobs_source="sampler"` (pi_old from generation, no extra forward).
+- `loss_path`: `_compute_loss` + backward alone, stock vs ours alternating in one process (hook/metric overhead).
 - `logprob_memory`: peak memory of one loss forward+backward (the log-prob path) at vocab 151,936 (Qwen3) x 2,048
-  completion tokens, stock `_compute_loss` vs ours, plus a naive full-fp32-logits reference, each in a fresh
-  process. Ours calls TRL's own fused, chunked log-prob head, so this shows whether any gap is left.
+  completion tokens, each in a fresh process: stock `_compute_loss`, ours with defaults (TRL's own fused, chunked
+  head), ours with `logprob_vocab_chunk_size=4096` (`ours_chunked`), and a naive full-fp32-logits reference.
 Seconds per optimizer step are averaged over whole rollout cycles (the step that generates and the 3 that reuse
 the rollout), since the pass being saved lives in the generating step. Memory: CPU peak RSS above the pre-run
 level (kernel high-water mark, reset through /proc/self/clear_refs; glibc is told to mmap blocks >= 64 KiB so
@@ -233,6 +234,10 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str)
     return result
 
 
+#: `logprob_vocab_chunk_size` of the `ours_chunked` memory variant.
+MEMORY_CHUNK = 4096
+
+
 def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
     """Peak memory of one policy-loss forward + backward on 1 completion of `tokens` tokens at `vocab` words."""
     import torch
@@ -277,11 +282,12 @@ def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
                       report_to=[], per_device_train_batch_size=2, num_generations=2,
                       max_completion_length=tokens, steps_per_generation=4, **LOSS_SETTINGS)  # fmt: skip
         if kind == "stock":
-            trainer = GRPOTrainer(model, lambda completions, **k: [0.0] * len(completions), args=GRPOConfig(**common),
-                                  train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)
+            trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
         else:
-            trainer = GSPOTrainer(model, lambda completions, **k: [0.0] * len(completions), args=GSPOConfig(**common),
-                                  train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)
+            chunk = MEMORY_CHUNK if kind == "ours_chunked" else None
+            trainer_cls, args = GSPOTrainer, GSPOConfig(**common, logprob_vocab_chunk_size=chunk)
+        trainer = trainer_cls(model, lambda completions, **k: [0.0] * len(completions), args=args,
+                              train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)  # fmt: skip
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
 
@@ -427,9 +433,9 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
 
 
 def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
-    runs = {"stock": [], "ours": [], "naive": []}
+    runs = {"stock": [], "ours": [], "ours_chunked": [], "naive": []}
     for rep in range(reps):
-        order = ["stock", "ours", "naive"] if rep % 2 == 0 else ["naive", "ours", "stock"]
+        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
         for kind in order:
             spec = dict(task="memory", kind=kind, vocab=shape["mem_vocab"], tokens=shape["mem_tokens"], device=device)
             runs[kind].append(_run_worker(spec))
@@ -440,6 +446,8 @@ def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
         "completion_tokens": shape["mem_tokens"],
         "peak_memory_bytes": med,
         "ratio_ours_over_stock": _ratio(med["ours"], med["stock"]),
+        "ours_chunked_logprob_vocab_chunk_size": MEMORY_CHUNK,
+        "ratio_ours_chunked_over_stock": _ratio(med["ours_chunked"], med["stock"]),
         "ratio_stock_over_naive_full_logits": _ratio(med["stock"], med["naive"]),
         "full_fp32_logits_bytes": shape["mem_vocab"] * shape["mem_tokens"] * 4,
         "runs": runs,

@@ -218,3 +218,36 @@ def test_config_validation(tmp_path, caplog):
     assert cfg.vllm_importance_sampling_correction is False and "identity" in caplog.text
     # transformers generate: the recorder scores raw logits / T, so sampling processors are allowed.
     assert _config(tmp_path, old_logprobs_source="sampler", top_p=0.9, top_k=20).old_logprobs_source == "sampler"
+
+
+# ------------------------------------------------------------------------------- fused-head vocab chunk
+def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path):
+    """A vocabulary split into 5 tiles gives the log-probs, entropies and gradients of a plain full-logits pass."""
+    from trl.trainer import utils as trl_utils
+
+    trainer = _trainer(tokenizer, tmp_path, logprob_vocab_chunk_size=11)  # 48-word vocab -> 5 tiles, the last short
+    model = trainer.model.train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, model.config.vocab_size, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    logps, entropy, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, 5, compute_entropy=True)
+    (logps.sum() + 0.5 * entropy.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == 32768  # restored after the call
+
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -6:-1].double() / SETTINGS["temperature"]
+    ref_all = torch.log_softmax(logits, -1)
+    ref_logps = ref_all.gather(-1, ids[:, -5:, None])[..., 0]
+    ref_entropy = -(ref_all.exp() * ref_all).sum(-1)
+    (ref_logps.sum() + 0.5 * ref_entropy.sum()).backward()
+    torch.testing.assert_close(logps.double(), ref_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, atol=1e-5, rtol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_vocab_chunk_validation(tmp_path):
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match=f"logprob_vocab_chunk_size={bad!r} must be a positive int"):
+            _config(tmp_path, logprob_vocab_chunk_size=bad)

@@ -63,6 +63,11 @@ class GSPOConfig(GRPOConfig):
             With vLLM, `old_logprobs_source="recompute"` and a `sequence_*` `vllm_importance_sampling_mode`, use
             `exp(mean_t(log pi_old - log pi_vllm))` as the sampler-trainer correction instead of TRL's
             `exp(sum_t ...)`, which grows with length and masks or truncates long completions.
+        logprob_vocab_chunk_size (`int` or `None`, *optional*, defaults to `None`):
+            Vocabulary columns per tile of TRL's fused log-prob head (`None`: TRL's 32768). Without Triton (CPU),
+            TRL folds each `[tokens, chunk]` fp32 tile with ~8 tile-sized temporaries in the backward, so at a 151k
+            vocabulary x 2k tokens the log-prob path peaks above the size of the full fp32 logits; 4096 cuts that
+            peak ~6x (see `benchmarks/run.py`). With Triton (CUDA) the fold is in place and the default is fine.
     """
 
     importance_sampling_level: str = field(
@@ -125,6 +130,14 @@ class GSPOConfig(GRPOConfig):
             "help": "Length-normalise TRL's sequence-level vLLM importance-sampling correction (mean instead of sum "
             "of token log-ratios), GSPO-consistent and stable on long completions. Only for sequence_* modes with "
             "old_logprobs_source='recompute' (with 'sampler' the correction is an identity and is turned off)."
+        },
+    )
+    logprob_vocab_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Vocabulary columns per tile in TRL's fused log-prob head; None keeps TRL's 32768. On CPU "
+            "(no Triton) a smaller tile, e.g. 4096, cuts the log-prob path's peak memory several-fold at large "
+            "vocabularies, since TRL's torch fallback keeps several tile-sized fp32 temporaries."
         },
     )
 
@@ -192,6 +205,9 @@ class GSPOConfig(GRPOConfig):
             )
 
     def _validate_old_logprobs_source(self):
+        chunk = self.logprob_vocab_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"logprob_vocab_chunk_size={chunk!r} must be a positive int, or None for TRL's default.")
         source = self.old_logprobs_source
         if source not in OLD_LOGPROBS_SOURCES:
             raise ValueError(

@@ -151,3 +151,4 @@ def length_normalized_is_ratio(old_logps, sampling_logps, mask, mode: str, clip_
         f"vllm_importance_sampling_mode={mode!r}: the length-normalised correction is a sequence-level weight; "
         "allowed modes: 'sequence_truncate', 'sequence_mask'."
     )
+

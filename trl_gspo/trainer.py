@@ -21,7 +21,7 @@ import logging
 import torch
 from trl import GRPOTrainer
 
-from . import losses, sampler_logprobs
+from . import fused_head, losses, sampler_logprobs
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 
 logger = logging.getLogger(__name__)
@@ -288,7 +288,10 @@ class GSPOTrainer(GRPOTrainer):
             old_logps = self._sampler_old_logps(input_ids.size(0), logits_to_keep, input_ids.device)
             if old_logps is not None:
                 return old_logps, None, None
-        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        with fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
 
     def _sampler_old_logps(self, batch_size, width, device):
         """The sampler's log-probs as a `(B, T)` pi_old, or None to fall back to TRL's recompute (logged)."""
