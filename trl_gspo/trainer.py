@@ -256,7 +256,8 @@ class GSPOTrainer(GRPOTrainer):
         if not self._reuses_sampler_logps() or self.use_vllm or self.use_transformers_continuous_batching:
             # vLLM already returns the sampled tokens' log-probs; otherwise stock TRL generation, untouched.
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        module = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        module = self.accelerator.unwrap_model(self.model)  # the module generate() calls (DDP/FSDP/DeepSpeed off)
+        module = module.get_base_model() if hasattr(module, "get_base_model") else module  # PEFT: the HF model
         with sampler_logprobs.SamplerLogprobRecorder(module, self.temperature) as recorder:
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
