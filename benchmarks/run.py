@@ -48,9 +48,9 @@ LOSS_SETTINGS = dict(importance_sampling_level="sequence", loss_type="grpo", eps
 # Workload shapes. `cpu`: compute-bound enough on one thread that step time is not all Python overhead.
 SHAPES = {
     "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=6, completion=8, warmup_rollouts=1,
-                 measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64),
+                 measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64),  # fmt: skip
     "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=48, completion=32,
-                warmup_rollouts=1, measured_rollouts=2, reps=5, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
+                warmup_rollouts=1, measured_rollouts=2, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
     "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=128, completion=512,
                  warmup_rollouts=1, measured_rollouts=2, reps=3, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
 }
@@ -219,6 +219,7 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str)
         "seconds_per_step": seconds / measured_steps,
         "cpu_seconds_per_step": (marks["cpu_end"] - marks["cpu_start"]) / measured_steps,
         "completion_tokens_per_s": tokens / seconds,
+        "completion_tokens_per_cpu_s": tokens / (marks["cpu_end"] - marks["cpu_start"]),
         "peak_memory_bytes": marks["peak"].peak_bytes,
         "completion_tokens": tokens,
     }
@@ -296,9 +297,14 @@ def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
 
     step()  # warm-up: allocates the parameter gradients and any lazily created state
     model.zero_grad(set_to_none=False)  # keep grad buffers: the measured step then counts only transient memory
+    start, cpu_start = time.perf_counter(), time.process_time()
     with PeakMemory(device) as peak:
         step()
-    return {"peak_memory_bytes": peak.peak_bytes}
+    return {
+        "peak_memory_bytes": peak.peak_bytes,
+        "seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time() - cpu_start,
+    }
 
 
 def loss_path(shape: dict, device: str, iters: int) -> dict:
@@ -423,6 +429,9 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
         "ratio_completion_tokens_per_s": _ratio(
             med["ours"]["completion_tokens_per_s"], med["stock"]["completion_tokens_per_s"]
         ),
+        "ratio_completion_tokens_per_cpu_s": _ratio(
+            med["ours"]["completion_tokens_per_cpu_s"], med["stock"]["completion_tokens_per_cpu_s"]
+        ),
         "ratio_peak_memory": _ratio(med["ours"]["peak_memory_bytes"], med["stock"]["peak_memory_bytes"]),
         "runs": runs,
     }
@@ -441,7 +450,9 @@ def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
             runs[kind].append(_run_worker(spec))
             log(f"  logprob_memory rep {rep} {kind}: {runs[kind][-1]['peak_memory_bytes'] / 2**20:.1f} MiB")
     med = {k: _median(v, "peak_memory_bytes") for k, v in runs.items()}
+    cpu_seconds = {k: _median(v, "cpu_seconds") for k, v in runs.items()}
     return {
+        "cpu_seconds": cpu_seconds,  # one loss forward + backward; includes the measurement's page faults
         "vocab": shape["mem_vocab"],
         "completion_tokens": shape["mem_tokens"],
         "peak_memory_bytes": med,
@@ -524,7 +535,8 @@ def main(argv=None):
         report["scenarios"]["sampler_logprobs"] = compare("sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log)
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
-        report["scenarios"]["logprob_memory"] = memory_scenario(shape, args.device, reps, log)
+        # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.
+        report["scenarios"]["logprob_memory"] = memory_scenario(shape, args.device, min(reps, 2), log)
     report["wall_seconds"] = time.perf_counter() - started
 
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
