@@ -149,6 +149,10 @@ class _TokenCounter:
         return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
 
 
+def _zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
 def _param_flops_per_token(model) -> float:
     """2 * (weights multiplied per token): all parameters, less an untied input embedding (a lookup, not a matmul).
 
@@ -204,7 +208,8 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str)
             if device == "cuda":
                 torch.cuda.synchronize()
             if state.global_step == warmup_steps:
-                marks["start"], marks["cpu_start"], marks["tokens"] = time.perf_counter(), time.process_time(), counter.tokens
+                marks["start"], marks["cpu_start"] = time.perf_counter(), time.process_time()
+                marks["tokens"] = counter.tokens
                 marks["peak"] = PeakMemory(device).__enter__()
             elif state.global_step == args.max_steps:
                 marks["end"], marks["cpu_end"] = time.perf_counter(), time.process_time()
@@ -287,8 +292,8 @@ def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
         else:
             chunk = MEMORY_CHUNK if kind == "ours_chunked" else None
             trainer_cls, args = GSPOTrainer, GSPOConfig(**common, logprob_vocab_chunk_size=chunk)
-        trainer = trainer_cls(model, lambda completions, **k: [0.0] * len(completions), args=args,
-                              train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)  # fmt: skip
+        dataset = Dataset.from_dict({"prompt": ["a"] * 4})
+        trainer = trainer_cls(model, _zero_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
 
@@ -335,11 +340,15 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
     trainers = {}
     for kind, trainer_cls, config_cls in (("stock", GRPOTrainer, GRPOConfig), ("ours", GSPOTrainer, GSPOConfig)):
-        args = config_cls(output_dir="/tmp/trl-gspo-bench-loss", use_cpu=device == "cpu", bf16=device == "cuda",
-                          report_to=[], per_device_train_batch_size=B, num_generations=shape["num_generations"],
-                          max_completion_length=T, steps_per_generation=STEPS_PER_GENERATION, **LOSS_SETTINGS)  # fmt: skip
-        trainers[kind] = trainer_cls(copy.deepcopy(model), lambda completions, **k: [0.0] * len(completions), args=args,
-                                     train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)  # fmt: skip
+        args = config_cls(
+            output_dir="/tmp/trl-gspo-bench-loss", use_cpu=device == "cpu", bf16=device == "cuda", report_to=[],
+            per_device_train_batch_size=B, num_generations=shape["num_generations"], max_completion_length=T,
+            steps_per_generation=STEPS_PER_GENERATION, **LOSS_SETTINGS,
+        )  # fmt: skip
+        dataset = Dataset.from_dict({"prompt": ["a"] * 4})
+        trainers[kind] = trainer_cls(
+            copy.deepcopy(model), _zero_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
         trainers[kind].model.train()
         trainers[kind].current_gradient_accumulation_steps = 1
     inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -392,7 +401,8 @@ def _run_worker(spec: dict) -> dict:
     """Each run in a fresh process: no allocator or autotuning state carried from one trainer to the other."""
     if IN_PROCESS:
         return json.loads(json.dumps(_worker(spec)))
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
+    pythonpath = os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=pythonpath)
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
         capture_output=True, text=True, env=env, cwd=REPO_ROOT,
@@ -418,7 +428,8 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
             spec = dict(task="train", kind=kind, source=source, shape=shape, device=device, out_dir=out_dir)
             runs[kind].append(_run_worker(spec))
             r = runs[kind][-1]
-            log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, {r['cpu_seconds_per_step']:.4f} cpu s/step")
+            log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, "
+                f"{r['cpu_seconds_per_step']:.4f} CPU s/step")
     med = {k: {m: _median(v, m) for m in v[0]} for k, v in runs.items()}
     result = {
         "old_logprobs_source": source,
@@ -497,7 +508,8 @@ def main(argv=None):
         if peak is None:
             peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in device_name), None)
         shape["peak_flops"] = peak
-    out = args.out or os.path.join(REPO_ROOT, "benchmarks", "results", f"{args.device}{'-tiny' if args.tiny else ''}.json")
+    default_name = f"{args.device}{'-tiny' if args.tiny else ''}.json"
+    out = args.out or os.path.join(REPO_ROOT, "benchmarks", "results", default_name)
     work_dir = "/tmp/trl-gspo-bench"
 
     def log(msg):
@@ -525,14 +537,19 @@ def main(argv=None):
     if "loss_path" in wanted:
         log("loss_path (_compute_loss + backward, stock vs ours, alternating in one process)")
         iters = 5 if args.tiny else 200
-        report["scenarios"]["loss_path"] = _run_worker(dict(task="loss_path", shape=shape, device=args.device, iters=iters))
+        spec = dict(task="loss_path", shape=shape, device=args.device, iters=iters)
+        report["scenarios"]["loss_path"] = _run_worker(spec)
         log(f"  ratio ours/stock: {report['scenarios']['loss_path']['ratio_cpu_seconds']:.4f} (cpu time)")
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
-        report["scenarios"]["equal_settings"] = compare("equal_settings", "recompute", shape, args.device, reps, work_dir, log)
+        report["scenarios"]["equal_settings"] = compare(
+            "equal_settings", "recompute", shape, args.device, reps, work_dir, log
+        )
     if "sampler_logprobs" in wanted:
         log("sampler_logprobs (old_logprobs_source='sampler')")
-        report["scenarios"]["sampler_logprobs"] = compare("sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log)
+        report["scenarios"]["sampler_logprobs"] = compare(
+            "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log
+        )
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
         # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.
@@ -543,7 +560,8 @@ def main(argv=None):
     with open(out, "w") as f:
         json.dump(report, f, indent=2)
     summary = {
-        name: {k: v for k, v in sc.items() if k.startswith("ratio") or k == "mfu"} for name, sc in report["scenarios"].items()
+        name: {k: v for k, v in sc.items() if k.startswith("ratio") or k == "mfu"}
+        for name, sc in report["scenarios"].items()
     }
     log(json.dumps(summary, indent=2))
     print(json.dumps({"out": out, "device_name": device_name, "ratios": summary}))  # last stdout line: machine-readable

@@ -26,8 +26,8 @@ def vocab_chunk(chunk_size: int | None):
 
     if not hasattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE"):
         raise RuntimeError(
-            "logprob_vocab_chunk_size is set but this TRL version has no trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE; "
-            "unset it (None) or pin trl 1.16.x."
+            "logprob_vocab_chunk_size is set but this TRL version has no "
+            "trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE; unset it (None) or pin trl 1.16.x."
         )
     previous = trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
     trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = chunk_size

@@ -255,7 +255,9 @@ class GSPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if not self._reuses_sampler_logps() or self.use_vllm or self.use_transformers_continuous_batching:
             # vLLM already returns the sampled tokens' log-probs; otherwise stock TRL generation, untouched.
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         module = self.accelerator.unwrap_model(self.model)  # the module generate() calls (DDP/FSDP/DeepSpeed off)
         module = module.get_base_model() if hasattr(module, "get_base_model") else module  # PEFT: the HF model
         with sampler_logprobs.SamplerLogprobRecorder(module, self.temperature) as recorder:
@@ -278,7 +280,8 @@ class GSPOTrainer(GRPOTrainer):
             self._reuse_armed, self._sampler_logps = False, None
         if self.model.training:
             self._rollout_global_step = self.state.global_step
-        if self.args.vllm_importance_sampling_length_normalized and self.use_vllm and self.vllm_importance_sampling_correction:
+        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
+        if vllm_is and self.args.vllm_importance_sampling_length_normalized:
             self._length_normalize_is_ratio(output)
         return output
 
@@ -331,7 +334,8 @@ class GSPOTrainer(GRPOTrainer):
 
     def _length_normalize_is_ratio(self, output):
         """Replace TRL's exp(sum) sequence-level vLLM correction by exp(mean) (see `length_normalized_is_ratio`)."""
-        mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        mask = output["completion_mask"]
+        mask = mask if "tool_mask" not in output else mask * output["tool_mask"]
         ratio = sampler_logprobs.length_normalized_is_ratio(
             output["old_per_token_logps"],
             output["sampling_per_token_logps"],
