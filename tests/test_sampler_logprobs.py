@@ -4,7 +4,9 @@
   at the sampled tokens, even with top-k / top-p on (which `output_scores` would have baked in).
 - End to end on CPU, reuse on vs off gives the same pi_old, losses and weights to fp32 precision, and really skips
   TRL's old-policy forward; reuse off gives bit-for-bit stock TRL's rollout batch (inputs and old log-probs).
-- Metric, IS-correction and config helpers against straightforward loop implementations, and their errors.
+- The vLLM flow (TRL's vLLM branches, with a stand-in engine whose log-probs are off by a known gap): pi_old is
+  the engine's log-prob, the gap is logged, and the length-normalised IS correction is exp(mean), not exp(sum).
+- Metric, IS-correction, fused-head chunk and config helpers against straightforward implementations, and errors.
 """
 
 import logging
@@ -255,3 +257,61 @@ def test_vocab_chunk_validation(tmp_path):
     for bad in (0, -4, 2.5, True):
         with pytest.raises(ValueError, match=f"logprob_vocab_chunk_size={bad!r} must be a positive int"):
             _config(tmp_path, logprob_vocab_chunk_size=bad)
+
+
+# ------------------------------------------------------------------------ the vLLM flow, with a stand-in
+SAMPLER_GAP = -2e-3  # the stand-in engine scores every token 2e-3 nats lower than the trainer does
+
+
+class _FakeVLLMTrainer(GSPOTrainer):
+    """Takes TRL's vLLM branches (`use_vllm=True` set after init) but samples with transformers `generate` and
+    returns per-token log-probs shifted by SAMPLER_GAP, as an engine with slightly different numerics would."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        self.use_vllm = False  # just for the stock generate path
+        try:
+            with sl.SamplerLogprobRecorder(self.model, self.temperature) as rec:
+                completion_ids, _ = GRPOTrainer._generate_single_turn(
+                    self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
+        finally:
+            self.use_vllm = True
+        return completion_ids, [[x + SAMPLER_GAP for x in row] for row in rec.completion_logprobs(completion_ids)]
+
+
+def _fake_vllm(tokenizer, tmp_path, is_correction, **overrides):
+    trainer = _trainer(tokenizer, tmp_path, cls=_FakeVLLMTrainer, **overrides)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, is_correction
+    return trainer
+
+
+def test_vllm_flow_reuses_engine_logprobs_and_logs_the_gap(tokenizer, tmp_path):
+    # As GSPOConfig sets it up for use_vllm=True: the IS correction off (it would be exp(0) = 1).
+    trainer = _fake_vllm(tokenizer, tmp_path, is_correction=False, old_logprobs_source="sampler")
+    batches = _first_rollout(trainer)
+    for batch in batches:
+        m = batch["completion_mask"].bool()
+        assert torch.equal(batch["old_per_token_logps"][m], batch["sampling_per_token_logps"][m])
+        assert "importance_sampling_ratio" not in batch
+    (logged,) = [h for h in trainer.state.log_history if "sampler/logp_abs_diff/mean" in h]
+    assert logged["sampler/logp_abs_diff/mean"] == pytest.approx(-SAMPLER_GAP, abs=1e-5)
+    assert logged["sampler/seq_log_ratio_abs/mean"] == pytest.approx(-SAMPLER_GAP, abs=1e-5)
+    # exp(2e-3) is past the paper's 1 + 4e-4: the metric shows every sequence would start clipped.
+    assert logged["sampler/seq_outside_clip_frac"] == 1.0
+
+
+def test_vllm_flow_length_normalized_is_correction(tokenizer, tmp_path):
+    trainer = _fake_vllm(
+        tokenizer, tmp_path, is_correction=True, old_logprobs_source="recompute",
+        vllm_importance_sampling_length_normalized=True, vllm_importance_sampling_mode="sequence_truncate",
+    )  # fmt: skip
+    for batch in _first_rollout(trainer):
+        m = batch["completion_mask"].float()
+        diff = (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * m
+        mean_gap = diff.sum(1) / m.sum(1)
+        assert mean_gap.allclose(torch.full_like(mean_gap, -SAMPLER_GAP), atol=1e-5)  # recomputed pi_old vs engine
+        # exp of the mean gap (~1.002 at any length), not TRL's exp of the sum (1.002 ** length)
+        torch.testing.assert_close(batch["importance_sampling_ratio"], torch.exp(mean_gap)[:, None])
+        long = m.sum(1) > 3
+        assert long.any() and (torch.exp(diff.sum(1)[long]) > torch.exp(mean_gap[long]) + 3e-3).all()
+    assert any("sampling/importance_sampling_ratio_length_normalized/mean" in h for h in trainer.state.log_history)
