@@ -92,7 +92,9 @@ class PeakMemory:
             torch.cuda.synchronize()
             self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
         else:
-            self.peak_bytes = _status_kb("VmHWM") * 1024 - self.base
+            # The kernel syncs per-thread RSS counters lazily (every 64 page faults), so both readings are good to
+            # a few hundred KiB: small regions can read slightly negative, which means "nothing measurable".
+            self.peak_bytes = max(0, max(_status_kb("VmHWM"), _status_kb("VmRSS")) * 1024 - self.base)
         return False
 
 
