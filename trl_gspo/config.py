@@ -18,6 +18,8 @@ TOKEN_SUM_LOSS_TYPES = ("dapo", "bnpo", "dr_grpo", "cispo")
 #: Loss types TRL implements without a clipped ratio; GSPOTrainer runs TRL's own code for them, unchanged.
 TRL_NATIVE_LOSS_TYPES = ("sapo", "vespo")
 KNOWN_LOSS_TYPES = CLIPPED_LOSS_TYPES + ("cispo",) + TRL_NATIVE_LOSS_TYPES
+#: Where pi_old comes from: TRL's extra forward pass, or the sampler's own log-probs (see sampler_logprobs.py).
+OLD_LOGPROBS_SOURCES = ("recompute", "sampler")
 #: Mini-batch updates per rollout batch in the paper's setting.
 PAPER_MINI_BATCHES_PER_ROLLOUT = 4
 #: Largest allowed `max_log_ratio`: exp(88.7) overflows float32 (and bfloat16, which has the same exponent range).
@@ -65,6 +67,22 @@ class GSPOConfig(GRPOConfig):
         checkpoint_on_signal (`bool`, *optional*, defaults to `True`):
             On SIGTERM or SIGINT during `train()`, finish the current optimizer step, save a checkpoint, then exit
             (SIGTERM: `SystemExit(143)`; SIGINT: `KeyboardInterrupt`). Resume with `resume_from_checkpoint`.
+        old_logprobs_source (`str`, *optional*, defaults to `"recompute"`):
+            Where pi_old comes from for off-policy mini-batches. `"recompute"`: TRL's extra no-grad forward over the
+            rollout batch after generation (stock behaviour). `"sampler"`: the log-probs the sampler computed while
+            generating (transformers `generate` or vLLM), which skips that forward pass. Safe when sampler and
+            trainer compute the same distribution up to precision (same weights, `log_softmax(logits/T)`): on vLLM
+            that needs top_p=1, top_k off, min_p off and repetition_penalty=1; the mismatch is logged under
+            `sampler/*` on every on-policy mini-batch. Saves nothing when every mini-batch is on-policy.
+        vllm_importance_sampling_length_normalized (`bool`, *optional*, defaults to `False`):
+            With vLLM, `old_logprobs_source="recompute"` and a `sequence_*` `vllm_importance_sampling_mode`, use
+            `exp(mean_t(log pi_old - log pi_vllm))` as the sampler-trainer correction instead of TRL's
+            `exp(sum_t ...)`, which grows with length and masks or truncates long completions.
+        logprob_vocab_chunk_size (`int` or `None`, *optional*, defaults to `None`):
+            Vocabulary columns per tile of TRL's fused log-prob head (`None`: TRL's 32768). Without Triton (CPU),
+            TRL folds each `[tokens, chunk]` fp32 tile with ~8 tile-sized temporaries in the backward, so at a 151k
+            vocabulary x 2k tokens the log-prob path peaks above the size of the full fp32 logits; 4096 cuts that
+            peak ~6x (see `benchmarks/run.py`). With Triton (CUDA) the fold is in place and the default is fine.
     """
 
     importance_sampling_level: str = field(
@@ -134,6 +152,32 @@ class GSPOConfig(GRPOConfig):
             "help": "Save a checkpoint when SIGTERM/SIGINT arrives (preemption, Ctrl-C) at the end of the current "
             "optimizer step, then exit, so a preempted run loses at most one step. Resume with "
             "resume_from_checkpoint."
+        },
+    )
+    old_logprobs_source: str = field(
+        default="recompute",
+        metadata={
+            "help": "Source of pi_old for off-policy mini-batches. 'recompute' (TRL's extra forward pass after "
+            "generation) or 'sampler' (reuse the log-probs computed while sampling, skipping that pass; the paper's "
+            "infrastructure shortcut, safe because sequence ratios average the engine precision gap; the gap is "
+            "logged under sampler/*).",
+            "choices": list(OLD_LOGPROBS_SOURCES),
+        },
+    )
+    vllm_importance_sampling_length_normalized: bool = field(
+        default=False,
+        metadata={
+            "help": "Length-normalise TRL's sequence-level vLLM importance-sampling correction (mean instead of sum "
+            "of token log-ratios), GSPO-consistent and stable on long completions. Only for sequence_* modes with "
+            "old_logprobs_source='recompute' (with 'sampler' the correction is an identity and is turned off)."
+        },
+    )
+    logprob_vocab_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Vocabulary columns per tile in TRL's fused log-prob head; None keeps TRL's 32768. On CPU "
+            "(no Triton) a smaller tile, e.g. 4096, cuts the log-prob path's peak memory several-fold at large "
+            "vocabularies, since TRL's torch fallback keeps several tile-sized fp32 temporaries."
         },
     )
 
@@ -218,6 +262,7 @@ class GSPOConfig(GRPOConfig):
                 "loss_type='sapo' runs TRL's own loss code, which has no 'sequence_token' level; use 'token' or "
                 "'sequence'."
             )
+        self._validate_old_logprobs_source()
         on_policy = self.num_iterations == 1 and self.steps_per_generation <= self.gradient_accumulation_steps
         if on_policy and level != "token":
             logger.warning(
@@ -227,3 +272,56 @@ class GSPOConfig(GRPOConfig):
                 self.steps_per_generation,
                 self.gradient_accumulation_steps,
             )
+
+    def _validate_old_logprobs_source(self):
+        chunk = self.logprob_vocab_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"logprob_vocab_chunk_size={chunk!r} must be a positive int, or None for TRL's default.")
+        source = self.old_logprobs_source
+        if source not in OLD_LOGPROBS_SOURCES:
+            raise ValueError(
+                f"old_logprobs_source={source!r} is not supported; allowed: {', '.join(OLD_LOGPROBS_SOURCES)}."
+            )
+        mode = self.vllm_importance_sampling_mode
+        if self.vllm_importance_sampling_length_normalized and not mode.startswith("sequence_"):
+            raise ValueError(
+                f"vllm_importance_sampling_length_normalized=True needs a sequence-level vllm_importance_sampling_mode "
+                f"('sequence_mask' or 'sequence_truncate'), got {mode!r}; token modes have no length to normalise."
+            )
+        if source != "sampler":
+            return
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "old_logprobs_source='sampler' needs per-token log-probs from the sampler, which transformers "
+                "continuous batching (use_transformers_continuous_batching=True) does not return; use "
+                "old_logprobs_source='recompute' or the regular generate / vLLM paths."
+            )
+        if self.use_vllm:
+            # vLLM's processed log-probs are renormalised after these processors; the trainer's are not.
+            processed = {
+                "top_p": self.top_p != 1.0,
+                "top_k": self.top_k not in (None, 0, -1),
+                "min_p": self.min_p not in (None, 0.0),
+                "repetition_penalty": self.repetition_penalty != 1.0,
+            }
+            bad = [f"{name}={getattr(self, name)!r}" for name, on in processed.items() if on]
+            if bad:
+                raise ValueError(
+                    f"old_logprobs_source='sampler' with vLLM and {', '.join(bad)}: vLLM returns log-probs of the "
+                    "truncated/penalised sampling distribution, while the trainer's pi_theta is log_softmax(logits / "
+                    "temperature), so every ratio would be biased. Use top_p=1.0, top_k=0, min_p=None, "
+                    "repetition_penalty=1.0, or old_logprobs_source='recompute'."
+                )
+            if self.vllm_importance_sampling_correction:
+                # pi_old is then the sampler's log-prob, so TRL's pi_old / pi_vllm correction is exp(0) = 1.
+                logger.warning(
+                    "old_logprobs_source='sampler' makes the vLLM importance-sampling correction an identity "
+                    "(pi_old is vLLM's own log-prob); turning vllm_importance_sampling_correction off. The "
+                    "sampler-trainer gap now enters GSPO's clipped sequence ratio and is logged under sampler/*."
+                )
+                self.vllm_importance_sampling_correction = False
+            if self.vllm_importance_sampling_length_normalized:
+                raise ValueError(
+                    "vllm_importance_sampling_length_normalized=True has no effect with old_logprobs_source='sampler' "
+                    "(the correction is an identity and is turned off); unset one of them."
+                )

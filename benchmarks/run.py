@@ -1,0 +1,574 @@
+"""Benchmark trl-gspo against stock TRL: same model, data, seeds and settings, interleaved, in one invocation.
+
+    OMP_NUM_THREADS=1 python benchmarks/run.py                 # CPU, tiny Qwen3, writes benchmarks/results/cpu.json
+    python benchmarks/run.py --device cuda                     # GPU: random-init Qwen3-0.6B shape in bf16, plus MFU
+    python benchmarks/run.py --tiny --out /tmp/b.json          # seconds-long smoke run (used by the test suite)
+
+Stock is `trl.GRPOTrainer(importance_sampling_level="sequence")` with the GSPO loss settings (loss_type="grpo",
+epsilon=3e-4, epsilon_high=4e-4, beta=0, steps_per_generation=4); ours is `GSPOTrainer` with the same values.
+Scenarios, each reported as ratios ours/stock of medians over repetitions (runs alternate stock/ours, ABBA):
+- `equal_settings`: ours with `old_logprobs_source="recompute"`, i.e. the same work as stock (overhead check).
+- `sampler_logprobs`: ours with `old_logprobs_source="sampler"` (pi_old from generation, no extra forward).
+- `loss_path`: `_compute_loss` + backward alone, stock vs ours alternating in one process (hook/metric overhead).
+- `logprob_memory`: peak memory of one loss forward+backward (the log-prob path) at vocab 151,936 (Qwen3) x 2,048
+  completion tokens, each in a fresh process: stock `_compute_loss`, ours with defaults (TRL's own fused, chunked
+  head), ours with `logprob_vocab_chunk_size=4096` (`ours_chunked`), and a naive full-fp32-logits reference.
+Seconds per optimizer step are averaged over whole rollout cycles (the step that generates and the 3 that reuse
+the rollout), since the pass being saved lives in the generating step. Memory: CPU peak RSS above the pre-run
+level (kernel high-water mark, reset through /proc/self/clear_refs; glibc is told to mmap blocks >= 64 KiB so
+freed tensors leave RSS), CUDA `torch.cuda.max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+QWEN3_VOCAB = 151_936
+#: Dense bf16 tensor-core peak (FLOP/s) by device-name substring, for MFU. Override with --peak-tflops.
+BF16_PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+#: GSPO paper loss settings, given explicitly to both trainers (GRPOConfig defaults differ).
+LOSS_SETTINGS = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0)
+
+# Workload shapes. `cpu`: compute-bound enough on one thread that step time is not all Python overhead.
+SHAPES = {
+    "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=6, completion=8, warmup_rollouts=1,
+                 measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64),  # fmt: skip
+    "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=48, completion=32,
+                warmup_rollouts=1, measured_rollouts=2, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
+    "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=128, completion=512,
+                 warmup_rollouts=1, measured_rollouts=2, reps=3, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
+}
+STEPS_PER_GENERATION = 4
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA allocator stats, or the kernel's RSS high-water mark on CPU."""
+
+    def __init__(self, device: str):
+        self.device, self.peak_bytes = device, None
+
+    def __enter__(self):
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self.base = _status_kb("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
+        else:
+            # The kernel syncs per-thread RSS counters lazily (every 64 page faults), so both readings are good to
+            # a few hundred KiB: small regions can read slightly negative, which means "nothing measurable".
+            self.peak_bytes = max(0, max(_status_kb("VmHWM"), _status_kb("VmRSS")) * 1024 - self.base)
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ workload
+def _tokenizer(vocab_size: int | None = None):
+    from trl_gspo.tiny import WORDS, SPECIAL_TOKENS, build_tokenizer
+
+    extra = None
+    if vocab_size is not None:  # pad the word-level vocabulary to the model's, so every sampled id decodes
+        extra = [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS) - len(WORDS))]
+    return build_tokenizer(extra)
+
+
+def _model(tokenizer, shape: dict, device: str, seed: int = 0):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from trl_gspo.tiny import build_tiny_model
+
+    if device == "cuda":
+        # Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B), randomly initialised: no download needed.
+        config = Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+            rope_theta=1_000_000, tie_word_embeddings=True, rms_norm_eps=1e-6,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return build_tiny_model(tokenizer, seed=seed, hidden_size=shape["hidden"], num_layers=shape["layers"])
+
+
+def _dataset(shape: dict, n: int = 512):
+    import random
+
+    from datasets import Dataset
+
+    rng = random.Random(0)
+    words = ["copy", "add", "the", "sum", "of", "a", "b", "c", "and"] + [str(d) for d in range(10)]
+    prompts = [" ".join(rng.choice(words) for _ in range(shape["prompt_words"])) + " :" for _ in range(n)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+class _TokenCounter:
+    """Reward with spread (so advantages are non-zero) that also counts the completion tokens generated."""
+
+    __name__ = "digit_fraction"
+
+    def __init__(self):
+        self.tokens = 0
+
+    def __call__(self, completions, completion_ids=None, **kwargs):
+        self.tokens += sum(len(ids) for ids in completion_ids)
+        return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
+
+
+def _zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _param_flops_per_token(model) -> float:
+    """2 * (weights multiplied per token): all parameters, less an untied input embedding (a lookup, not a matmul).
+
+    With tied embeddings the one matrix is counted once, for its use as the LM head."""
+    n_params = sum(p.numel() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        n_params -= model.get_input_embeddings().weight.numel()
+    return 2.0 * n_params
+
+
+def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str) -> dict:
+    """Train one trainer for warmup + measured rollouts; returns seconds/step, tokens/s, peak memory, FLOPs."""
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_gspo import GSPOConfig, GSPOTrainer
+
+    tokenizer = _tokenizer(QWEN3_VOCAB if device == "cuda" else None)
+    model = _model(tokenizer, shape, device)
+    counter = _TokenCounter()
+    n_rollouts = shape["warmup_rollouts"] + shape["measured_rollouts"]
+    common = dict(
+        output_dir=out_dir,
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10_000,
+        disable_tqdm=True,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=shape["batch"],
+        num_generations=shape["num_generations"],
+        steps_per_generation=STEPS_PER_GENERATION,
+        max_completion_length=shape["completion"],
+        max_steps=n_rollouts * STEPS_PER_GENERATION,
+        seed=0,
+        dataloader_num_workers=0,
+        **LOSS_SETTINGS,
+    )
+    if kind == "stock":
+        args, trainer_cls = GRPOConfig(**common), GRPOTrainer
+    else:
+        args, trainer_cls = GSPOConfig(**common, old_logprobs_source=source), GSPOTrainer
+    trainer = trainer_cls(model, counter, args=args, train_dataset=_dataset(shape), processing_class=tokenizer)
+
+    marks = {}
+    warmup_steps = shape["warmup_rollouts"] * STEPS_PER_GENERATION
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if state.global_step == warmup_steps:
+                marks["start"], marks["cpu_start"] = time.perf_counter(), time.process_time()
+                marks["tokens"] = counter.tokens
+                marks["peak"] = PeakMemory(device).__enter__()
+            elif state.global_step == args.max_steps:
+                marks["end"], marks["cpu_end"] = time.perf_counter(), time.process_time()
+                marks["peak"].__exit__(None, None, None)
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    seconds = marks["end"] - marks["start"]
+    measured_steps = shape["measured_rollouts"] * STEPS_PER_GENERATION
+    tokens = counter.tokens - marks["tokens"]
+    result = {
+        "seconds_per_step": seconds / measured_steps,
+        "cpu_seconds_per_step": (marks["cpu_end"] - marks["cpu_start"]) / measured_steps,
+        "completion_tokens_per_s": tokens / seconds,
+        "completion_tokens_per_cpu_s": tokens / (marks["cpu_end"] - marks["cpu_start"]),
+        "peak_memory_bytes": marks["peak"].peak_bytes,
+        "completion_tokens": tokens,
+    }
+    if device == "cuda":
+        # Useful model FLOPs per rollout, same definition for both trainers (a recomputed pi_old is overhead, not
+        # work): generation forward over prompt + completion, then forward + backward (3x) of every mini-batch.
+        # Attention's sequence-quadratic term is left out (small at these lengths next to the weight matmuls).
+        prompt_tokens = shape["measured_rollouts"] * shape["batch"] * STEPS_PER_GENERATION * (shape["prompt_words"] + 1)
+        per_token = _param_flops_per_token(trainer.model)
+        flops = per_token * (prompt_tokens + tokens) * (1 + 3)
+        result["model_flops_per_s"] = flops / seconds
+    del trainer, model
+    return result
+
+
+#: `logprob_vocab_chunk_size` of the `ours_chunked` memory variant.
+MEMORY_CHUNK = 4096
+
+
+def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
+    """Peak memory of one policy-loss forward + backward on 1 completion of `tokens` tokens at `vocab` words."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_gspo import GSPOConfig, GSPOTrainer
+    from trl_gspo.tiny import tiny_config
+
+    torch.manual_seed(0)
+    tokenizer = _tokenizer()
+    hidden = 1024 if device == "cuda" else 64  # the logits' size depends on vocab x tokens, not on the backbone
+    config = tiny_config(vocab, hidden_size=hidden, num_layers=1, max_position_embeddings=tokens + 64)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    prompt_len = 16
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "prompt_ids": torch.randint(4, vocab, (1, prompt_len), generator=g),
+        "prompt_mask": torch.ones(1, prompt_len, dtype=torch.long),
+        "completion_ids": torch.randint(4, vocab, (1, tokens), generator=g),
+        "completion_mask": torch.ones(1, tokens, dtype=torch.long),
+        "advantages": torch.tensor([1.0]),
+        "num_items_in_batch": torch.tensor(tokens),
+    }
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    if kind == "naive":  # the textbook path: full (tokens, vocab) fp32 logits -> log_softmax -> gather + entropy
+        model.train()
+
+        def step():
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            logits = model(input_ids=ids).logits[:, prompt_len - 1 : -1].float()
+            logp_all = torch.log_softmax(logits, -1)
+            logps = logp_all.gather(-1, inputs["completion_ids"][..., None])[..., 0]
+            entropy = -(logp_all.exp() * logp_all).sum(-1)  # TRL also returns the entropy for its metrics
+            loss = -(torch.exp(logps - logps.detach()) * inputs["advantages"][:, None]).mean()
+            loss.backward()
+            return entropy
+    else:
+        common = dict(output_dir="/tmp/trl-gspo-bench-mem", use_cpu=device == "cpu", bf16=device == "cuda",
+                      report_to=[], per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=tokens, steps_per_generation=4, **LOSS_SETTINGS)  # fmt: skip
+        if kind == "stock":
+            trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
+        else:
+            chunk = MEMORY_CHUNK if kind == "ours_chunked" else None
+            trainer_cls, args = GSPOTrainer, GSPOConfig(**common, logprob_vocab_chunk_size=chunk)
+        dataset = Dataset.from_dict({"prompt": ["a"] * 4})
+        trainer = trainer_cls(model, _zero_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+
+        def step():
+            trainer._compute_loss(trainer.model, inputs).backward()
+
+    step()  # warm-up: allocates the parameter gradients and any lazily created state
+    model.zero_grad(set_to_none=False)  # keep grad buffers: the measured step then counts only transient memory
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with PeakMemory(device) as peak:
+        step()
+    return {
+        "peak_memory_bytes": peak.peak_bytes,
+        "seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time() - cpu_start,
+    }
+
+
+def loss_path(shape: dict, device: str, iters: int) -> dict:
+    """`_compute_loss` + backward on one mini-batch, stock vs ours in one process, alternating, `iters` times each.
+
+    Isolates what our loss pipeline (hooks, metrics) costs on top of TRL's, without generation and its noise."""
+    import copy
+
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_gspo import GSPOConfig, GSPOTrainer
+
+    tokenizer = _tokenizer(QWEN3_VOCAB if device == "cuda" else None)
+    model = _model(tokenizer, shape, device).to(device)
+    B, P, T = shape["batch"], shape["prompt_words"] + 1, shape["completion"]
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    inputs = {
+        "prompt_ids": torch.randint(4, vocab, (B, P), generator=g),
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": torch.randint(4, vocab, (B, T), generator=g),
+        "completion_mask": (torch.arange(T)[None] < lengths[:, None]).long(),
+        "advantages": torch.randn(B, generator=g),
+    }
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    trainers = {}
+    for kind, trainer_cls, config_cls in (("stock", GRPOTrainer, GRPOConfig), ("ours", GSPOTrainer, GSPOConfig)):
+        args = config_cls(
+            output_dir="/tmp/trl-gspo-bench-loss", use_cpu=device == "cpu", bf16=device == "cuda", report_to=[],
+            per_device_train_batch_size=B, num_generations=shape["num_generations"], max_completion_length=T,
+            steps_per_generation=STEPS_PER_GENERATION, **LOSS_SETTINGS,
+        )  # fmt: skip
+        dataset = Dataset.from_dict({"prompt": ["a"] * 4})
+        trainers[kind] = trainer_cls(
+            copy.deepcopy(model), _zero_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
+        trainers[kind].model.train()
+        trainers[kind].current_gradient_accumulation_steps = 1
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    with torch.no_grad():  # pi_old near pi_theta, so some sequence ratios clip as in training
+        logps, _, _ = trainers["stock"]._get_per_token_logps_and_entropies(
+            trainers["stock"].model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), T,
+        )  # fmt: skip
+    inputs["old_per_token_logps"] = logps + 1e-3 * torch.randn(logps.shape, generator=g).to(device)
+    times = {"stock": [], "ours": []}
+    for i in range(iters + 2):  # the first two rounds warm up allocator and kernels, then alternate
+        for kind in ("stock", "ours") if i % 2 == 0 else ("ours", "stock"):
+            trainer = trainers[kind]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            trainer._compute_loss(trainer.model, inputs).backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times[kind].append((time.perf_counter() - start, time.process_time() - cpu_start))
+            trainer.model.zero_grad(set_to_none=True)
+    med = {k: {"seconds": statistics.median(t[0] for t in v), "cpu_seconds": statistics.median(t[1] for t in v)}
+           for k, v in times.items()}  # fmt: skip
+    return {
+        "iters": iters,
+        "stock": med["stock"],
+        "ours": med["ours"],
+        "ratio_seconds": _ratio(med["ours"]["seconds"], med["stock"]["seconds"]),
+        "ratio_cpu_seconds": _ratio(med["ours"]["cpu_seconds"], med["stock"]["cpu_seconds"]),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def _worker(spec: dict) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    if spec["task"] == "train":
+        return run_training(spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"])
+    if spec["task"] == "loss_path":
+        return loss_path(spec["shape"], spec["device"], spec["iters"])
+    return logprob_memory(spec["kind"], spec["vocab"], spec["tokens"], spec["device"])
+
+
+IN_PROCESS = False  # --tiny: run workers in this process (import once; numbers are not meant to be read)
+
+
+def _run_worker(spec: dict) -> dict:
+    """Each run in a fresh process: no allocator or autotuning state carried from one trainer to the other."""
+    if IN_PROCESS:
+        return json.loads(json.dumps(_worker(spec)))
+    pythonpath = os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=pythonpath)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark worker failed ({spec}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir: str, log) -> dict:
+    runs = {"stock": [], "ours": []}
+    for rep in range(reps):
+        order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")  # ABBA: drift hits both sides alike
+        for kind in order:
+            spec = dict(task="train", kind=kind, source=source, shape=shape, device=device, out_dir=out_dir)
+            runs[kind].append(_run_worker(spec))
+            r = runs[kind][-1]
+            log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, "
+                f"{r['cpu_seconds_per_step']:.4f} CPU s/step")
+    med = {k: {m: _median(v, m) for m in v[0]} for k, v in runs.items()}
+    result = {
+        "old_logprobs_source": source,
+        "stock": med["stock"],
+        "ours": med["ours"],
+        "ratio_seconds_per_step": _ratio(med["ours"]["seconds_per_step"], med["stock"]["seconds_per_step"]),
+        "ratio_cpu_seconds_per_step": _ratio(med["ours"]["cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]),
+        "ratio_completion_tokens_per_s": _ratio(
+            med["ours"]["completion_tokens_per_s"], med["stock"]["completion_tokens_per_s"]
+        ),
+        "ratio_completion_tokens_per_cpu_s": _ratio(
+            med["ours"]["completion_tokens_per_cpu_s"], med["stock"]["completion_tokens_per_cpu_s"]
+        ),
+        "ratio_peak_memory": _ratio(med["ours"]["peak_memory_bytes"], med["stock"]["peak_memory_bytes"]),
+        "runs": runs,
+    }
+    if "model_flops_per_s" in med["ours"]:
+        peak = shape["peak_flops"]
+        result["mfu"] = {k: (med[k]["model_flops_per_s"] / peak if peak else None) for k in ("stock", "ours")}
+    return result
+
+
+def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
+    runs = {"stock": [], "ours": [], "ours_chunked": [], "naive": []}
+    for rep in range(reps):
+        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
+        for kind in order:
+            spec = dict(task="memory", kind=kind, vocab=shape["mem_vocab"], tokens=shape["mem_tokens"], device=device)
+            runs[kind].append(_run_worker(spec))
+            log(f"  logprob_memory rep {rep} {kind}: {runs[kind][-1]['peak_memory_bytes'] / 2**20:.1f} MiB")
+    med = {k: _median(v, "peak_memory_bytes") for k, v in runs.items()}
+    cpu_seconds = {k: _median(v, "cpu_seconds") for k, v in runs.items()}
+    return {
+        "cpu_seconds": cpu_seconds,  # one loss forward + backward; includes the measurement's page faults
+        "vocab": shape["mem_vocab"],
+        "completion_tokens": shape["mem_tokens"],
+        "peak_memory_bytes": med,
+        "ratio_ours_over_stock": _ratio(med["ours"], med["stock"]),
+        "ours_chunked_logprob_vocab_chunk_size": MEMORY_CHUNK,
+        "ratio_ours_chunked_over_stock": _ratio(med["ours_chunked"], med["stock"]),
+        "ratio_stock_over_naive_full_logits": _ratio(med["stock"], med["naive"]),
+        "full_fp32_logits_bytes": shape["mem_vocab"] * shape["mem_tokens"] * 4,
+        "runs": runs,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run with toy shapes (test suite)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per scenario (default: per shape)")
+    parser.add_argument("--scenarios", default="loss_path,equal_settings,sampler_logprobs,logprob_memory")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak for MFU (TFLOP/s)")
+    parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/<device>.json)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker is not None:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return None
+
+    import torch
+
+    global IN_PROCESS
+    IN_PROCESS = args.tiny
+    shape = dict(SHAPES["tiny" if args.tiny else args.device])
+    if args.tiny and args.device == "cuda":
+        shape["mem_vocab"], shape["mem_tokens"] = 4096, 64
+    reps = args.reps or shape["reps"]
+    device_name = "cpu"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is visible")
+        device_name = torch.cuda.get_device_name()
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+        if peak is None:
+            peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in device_name), None)
+        shape["peak_flops"] = peak
+    default_name = f"{args.device}{'-tiny' if args.tiny else ''}.json"
+    out = args.out or os.path.join(REPO_ROOT, "benchmarks", "results", default_name)
+    work_dir = "/tmp/trl-gspo-bench"
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    import trl
+    import transformers
+
+    report = {
+        "device": args.device,
+        "device_name": device_name,
+        "tiny": args.tiny,
+        "reps": reps,
+        "shape": shape,
+        "steps_per_generation": STEPS_PER_GENERATION,
+        "loss_settings": LOSS_SETTINGS,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "versions": {"torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},  # fmt: skip
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "scenarios": {},
+    }
+    wanted = args.scenarios.split(",")
+    started = time.perf_counter()
+    if "loss_path" in wanted:
+        log("loss_path (_compute_loss + backward, stock vs ours, alternating in one process)")
+        iters = 5 if args.tiny else 200
+        spec = dict(task="loss_path", shape=shape, device=args.device, iters=iters)
+        report["scenarios"]["loss_path"] = _run_worker(spec)
+        log(f"  ratio ours/stock: {report['scenarios']['loss_path']['ratio_cpu_seconds']:.4f} (cpu time)")
+    if "equal_settings" in wanted:
+        log("equal_settings (old_logprobs_source='recompute')")
+        report["scenarios"]["equal_settings"] = compare(
+            "equal_settings", "recompute", shape, args.device, reps, work_dir, log
+        )
+    if "sampler_logprobs" in wanted:
+        log("sampler_logprobs (old_logprobs_source='sampler')")
+        report["scenarios"]["sampler_logprobs"] = compare(
+            "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log
+        )
+    if "logprob_memory" in wanted:
+        log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
+        # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.
+        report["scenarios"]["logprob_memory"] = memory_scenario(shape, args.device, min(reps, 2), log)
+    report["wall_seconds"] = time.perf_counter() - started
+
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    summary = {
+        name: {k: v for k, v in sc.items() if k.startswith("ratio") or k == "mfu"}
+        for name, sc in report["scenarios"].items()
+    }
+    log(json.dumps(summary, indent=2))
+    print(json.dumps({"out": out, "device_name": device_name, "ratios": summary}))  # last stdout line: machine-readable
+    return report
+
+
+if __name__ == "__main__":
+    main()

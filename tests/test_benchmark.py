@@ -1,0 +1,45 @@
+"""`benchmarks/run.py --tiny` runs end to end and writes well-formed JSON (numbers are not asserted: timings on a
+shared CI machine mean nothing; the real comparison is the benchmark run itself)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_tiny_benchmark_writes_well_formed_json(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--tiny", "--out", str(out)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(out)
+    assert report["tiny"] is True and report["device"] == "cpu"
+    assert set(report["scenarios"]) == {"loss_path", "equal_settings", "sampler_logprobs", "logprob_memory"}
+    lp = report["scenarios"]["loss_path"]
+    assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
+    for name, source in (("equal_settings", "recompute"), ("sampler_logprobs", "sampler")):
+        sc = report["scenarios"][name]
+        assert sc["old_logprobs_source"] == source
+        for side in ("stock", "ours"):
+            assert _positive(sc[side]["seconds_per_step"]) and _positive(sc[side]["completion_tokens_per_s"])
+            assert _positive(sc[side]["cpu_seconds_per_step"])
+            assert sc[side]["completion_tokens"] > 0 and sc[side]["peak_memory_bytes"] >= 0
+            assert len(sc["runs"][side]) == report["reps"]
+        assert _positive(sc["ratio_seconds_per_step"]) and _positive(sc["ratio_completion_tokens_per_s"])
+        ratio = sc["ours"]["seconds_per_step"] / sc["stock"]["seconds_per_step"]
+        assert math.isclose(sc["ratio_seconds_per_step"], ratio)
+    mem = report["scenarios"]["logprob_memory"]
+    assert set(mem["peak_memory_bytes"]) == {"stock", "ours", "ours_chunked", "naive"}
+    assert all(v >= 0 for v in mem["peak_memory_bytes"].values())  # tiny sizes may fit in freed heap
+    assert mem["full_fp32_logits_bytes"] == mem["vocab"] * mem["completion_tokens"] * 4

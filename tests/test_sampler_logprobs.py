@@ -1,0 +1,317 @@
+"""Sampler log-prob reuse (`GSPOConfig.old_logprobs_source="sampler"`).
+
+- The generate-time recorder returns exactly what an independent full forward gives for log_softmax(logits / T)
+  at the sampled tokens, even with top-k / top-p on (which `output_scores` would have baked in).
+- End to end on CPU, reuse on vs off gives the same pi_old, losses and weights to fp32 precision, and really skips
+  TRL's old-policy forward; reuse off gives bit-for-bit stock TRL's rollout batch (inputs and old log-probs).
+- The vLLM flow (TRL's vLLM branches, with a stand-in engine whose log-probs are off by a known gap): pi_old is
+  the engine's log-prob, the gap is logged, and the length-normalised IS correction is exp(mean), not exp(sum).
+- Metric, IS-correction, fused-head chunk and config helpers against straightforward implementations, and errors.
+"""
+
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import GenerationConfig
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo import sampler_logprobs as sl
+from trl_gspo.tiny import build_tiny_model
+
+# fp32 on CPU: generate's KV-cached logits differ from a full forward only in accumulation order. Measured gaps are
+# ~5e-7 per token (see the sampler/logp_abs_diff/max metric); 1e-5 leaves a 20x margin and still catches any real
+# bug (a wrong temperature, an off-by-one step or top-p renormalisation all move log-probs by >1e-2).
+LOGP_ATOL = 1e-5
+SETTINGS = dict(
+    importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0,
+    per_device_train_batch_size=8, num_generations=4, steps_per_generation=4, max_completion_length=8,
+    temperature=0.9, learning_rate=1e-3, seed=0,
+)  # fmt: skip
+
+
+def _dataset():
+    return Dataset.from_dict({"prompt": [f"copy {a} {b} :" for a in range(8) for b in range(8)]})
+
+
+def _reward(completions, **kwargs):  # spread-out rewards, so advantages (and gradients) are non-zero
+    return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
+
+
+def _trainer(tokenizer, tmp_path, cls=GSPOTrainer, config_cls=GSPOConfig, max_steps=4, **overrides):
+    args = config_cls(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
+        max_steps=max_steps, disable_tqdm=True, **{**SETTINGS, **overrides},
+    )  # fmt: skip
+    model = build_tiny_model(tokenizer, seed=0)
+    return cls(model, _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
+
+
+def _first_rollout(trainer):
+    """The buffered rollout batch of the first generation, in TRL's shuffled mini-batch order."""
+    trainer.train()
+    return trainer._buffered_inputs
+
+
+# ----------------------------------------------------------------------------------------- the recorder
+def test_recorder_matches_independent_forward_with_top_k_top_p(tokenizer):
+    model = build_tiny_model(tokenizer, seed=1).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 13, 14, 15, 16]])
+    mask = (ids != 0).long()
+    temperature = 0.7
+    gen = GenerationConfig(max_new_tokens=7, do_sample=True, temperature=temperature, top_k=5, top_p=0.8,
+                           pad_token_id=0, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.no_grad(), sl.SamplerLogprobRecorder(model, temperature) as rec:
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
+    completion = out[:, ids.size(1) :]
+    lists = [row.tolist() for row in completion]
+    lists[1] = lists[1][:3]  # an EOS-truncated completion keeps its prefix
+    got = rec.completion_logprobs(lists)
+
+    with torch.no_grad():  # independent: one full forward, log_softmax(raw logits / T), no top-k/top-p
+        logits = model(input_ids=out, attention_mask=torch.cat([mask, torch.ones_like(completion)], 1)).logits
+    expected = torch.log_softmax(logits[:, ids.size(1) - 1 : -1].double() / temperature, -1)
+    expected = expected.gather(-1, completion[..., None])[..., 0]
+    assert [len(r) for r in got] == [7, 3, 7]
+    for row, exp in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(row, dtype=torch.float64), exp[: len(row)], atol=LOGP_ATOL, rtol=0)
+    # top-k=5 / top-p=0.8 renormalise the sampling distribution: the processed log-prob would be visibly higher.
+    assert (expected.exp() < 0.99).all()
+
+
+def test_recorder_rejects_bad_temperature_and_unused_state(tokenizer):
+    model = build_tiny_model(tokenizer)
+    with pytest.raises(ValueError, match="temperature=0"):
+        sl.SamplerLogprobRecorder(model, 0.0)
+    with pytest.raises(RuntimeError, match="saw no generation step"):
+        sl.SamplerLogprobRecorder(model, 1.0).completion_logprobs([[1]])
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_path, monkeypatch):
+    calls = []
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def counting(self, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counting)
+    runs = {}
+    for source in ("recompute", "sampler"):
+        calls.clear()
+        trainer = _trainer(tokenizer, tmp_path / source, max_steps=8, old_logprobs_source=source)
+        trainer.train()
+        runs[source] = dict(
+            no_grad_forwards=calls.count(False),
+            batches=trainer._buffered_inputs,
+            losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
+            params=[p.detach().clone() for p in trainer.model.parameters()],
+            history=trainer.state.log_history,
+        )
+    # One pi_old forward per rollout batch (2 rollouts) with recompute, none with the sampler's log-probs.
+    assert runs["recompute"]["no_grad_forwards"] == 2
+    assert runs["sampler"]["no_grad_forwards"] == 0
+    for a, b in zip(runs["recompute"]["batches"], runs["sampler"]["batches"]):
+        assert torch.equal(a["completion_ids"], b["completion_ids"])  # same samples (sampling is RNG-identical)
+        m = a["completion_mask"].bool()
+        torch.testing.assert_close(b["old_per_token_logps"][m], a["old_per_token_logps"][m], atol=LOGP_ATOL, rtol=0)
+    torch.testing.assert_close(runs["sampler"]["losses"], runs["recompute"]["losses"], atol=1e-5, rtol=1e-4)
+    assert any(abs(x) > 1e-3 for x in runs["recompute"]["losses"])  # a non-trivial loss was compared
+    for pa, pb in zip(runs["recompute"]["params"], runs["sampler"]["params"]):
+        torch.testing.assert_close(pb, pa, atol=1e-5, rtol=1e-4)
+    # The gap is logged from the on-policy mini-batches only (one per rollout), and is fp32-small.
+    logged = [h for h in runs["sampler"]["history"] if "sampler/logp_abs_diff/max" in h]
+    assert len(logged) == 2
+    assert all(0 <= h["sampler/logp_abs_diff/max"] < LOGP_ATOL for h in logged)
+    assert all(h["sampler/seq_outside_clip_frac"] == 0 for h in logged)
+    assert not any("sampler/logp_abs_diff/max" in h for h in runs["recompute"]["history"])
+
+
+def test_reuse_off_rollout_batch_is_bit_for_bit_stock(tokenizer, tmp_path):
+    stock = _first_rollout(_trainer(tokenizer, tmp_path / "stock", cls=GRPOTrainer, config_cls=GRPOConfig))
+    ours = _first_rollout(_trainer(tokenizer, tmp_path / "ours", old_logprobs_source="recompute"))
+    assert len(stock) == len(ours) == 4
+    for a, b in zip(stock, ours):
+        assert a.keys() == b.keys()
+        assert "old_per_token_logps" in a and "sampling_per_token_logps" not in a
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_nan_sampler_logprobs_fall_back_to_recompute(tokenizer, tmp_path, caplog):
+    trainer = _trainer(tokenizer, tmp_path, old_logprobs_source="sampler")
+    trainer._sampler_logps = [[-1.0, None], [-0.5]]
+    with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
+        assert trainer._sampler_old_logps(2, 3, "cpu") is None
+    assert "NaN" in caplog.text
+    trainer._sampler_logps = [[-1.0, -2.0], [-0.5]]
+    torch.testing.assert_close(trainer._sampler_old_logps(2, 3, "cpu"), torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0, 0]]))
+    with pytest.raises(RuntimeError, match="cover 2 completions but the batch has 3"):
+        trainer._sampler_old_logps(3, 3, "cpu")
+
+
+# --------------------------------------------------------------------------------------- pure helpers
+def test_mismatch_stats_against_loops():
+    g = torch.Generator().manual_seed(0)
+    trainer = torch.randn(4, 6, generator=g)
+    sampler = trainer + 1e-3 * torch.randn(4, 6, generator=g)
+    sampler[0, 1] = float("nan")  # unscored token: left out
+    sampler[2, 0] += 0.01  # one sequence pushed outside the clip range
+    mask = torch.tensor([[1] * 6, [1, 1, 0, 0, 0, 0], [1] * 4 + [0] * 2, [0] * 6])
+    stats = sl.mismatch_stats(trainer, sampler, mask, 3e-4, 4e-4)
+    deltas, seqs = [], []
+    for i in range(4):
+        d = [float(trainer[i, t] - sampler[i, t]) for t in range(6) if mask[i, t] and sampler[i, t] == sampler[i, t]]
+        deltas += [abs(x) for x in d]
+        if d:
+            seqs.append(sum(d) / len(d))
+    outside = sum(1 for s in seqs if not (1 - 3e-4 <= torch.exp(torch.tensor(s)).item() <= 1 + 4e-4))
+    expected = [sum(deltas), len(deltas), max(deltas), sum(map(abs, seqs)), len(seqs), max(map(abs, seqs)), outside]
+    torch.testing.assert_close(stats, torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=1e-5)
+    assert outside >= 1
+    summary = sl.summarize_mismatch(torch.stack([stats, stats]))
+    assert summary["sampler/logp_abs_diff/mean"] == pytest.approx(sum(deltas) / len(deltas), rel=1e-5)
+    assert summary["sampler/seq_outside_clip_frac"] == pytest.approx(outside / len(seqs))
+
+
+@pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
+def test_length_normalized_is_ratio_against_loops(mode):
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(3, 5, generator=g)
+    sampling = old - torch.tensor([[0.3], [0.0], [-2.0]]) + 0.01 * torch.randn(3, 5, generator=g)
+    sampling[1, 2] = float("nan")
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1] * 5, [1, 1, 0, 0, 0]])
+    got = sl.length_normalized_is_ratio(old, sampling, mask, mode, clip_min=0.5, clip_max=1.2)
+    for i in range(3):
+        d = [float(old[i, t] - sampling[i, t]) for t in range(5) if mask[i, t] and sampling[i, t] == sampling[i, t]]
+        r = torch.exp(torch.tensor(sum(d) / len(d))).item()
+        want = min(max(r, 0.5), 1.2) if mode == "sequence_truncate" else (r if 0.5 <= r <= 1.2 else 0.0)
+        assert got[i, 0].item() == pytest.approx(want, rel=1e-5)
+    # The sum over 2k tokens of a 1e-3 gap is e^2 ~ 7.4 (masked by TRL's cap of 3); the mean stays at e^1e-3.
+    long_old, long_sampling = torch.full((1, 2048), -1.0), torch.full((1, 2048), -1.001)
+    ratio = sl.length_normalized_is_ratio(long_old, long_sampling, torch.ones(1, 2048), "sequence_mask", None, 3.0)
+    assert ratio.item() == pytest.approx(1.001, abs=1e-4)
+    with pytest.raises(ValueError, match="'token_mask'.*allowed modes"):
+        sl.length_normalized_is_ratio(old, sampling, mask, "token_mask", None, 3.0)
+
+
+# ---------------------------------------------------------------------------------------- validation
+def _config(tmp_path, **kw):
+    return GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], **kw)
+
+
+def test_config_validation(tmp_path, caplog):
+    with pytest.raises(ValueError, match="old_logprobs_source='cache'.*allowed: recompute, sampler"):
+        _config(tmp_path, old_logprobs_source="cache")
+    with pytest.raises(ValueError, match="top_p=0.9.*vLLM"):
+        _config(tmp_path, old_logprobs_source="sampler", use_vllm=True, top_p=0.9)
+    with pytest.raises(ValueError, match="top_k=20"):
+        _config(tmp_path, old_logprobs_source="sampler", use_vllm=True, top_k=20)
+    with pytest.raises(ValueError, match="continuous batching"):
+        _config(tmp_path, old_logprobs_source="sampler", use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match="'token_truncate'; token modes"):
+        _config(
+            tmp_path, vllm_importance_sampling_length_normalized=True, vllm_importance_sampling_mode="token_truncate"
+        )
+    with pytest.raises(ValueError, match="has no effect with old_logprobs_source='sampler'"):
+        _config(tmp_path, old_logprobs_source="sampler", use_vllm=True, vllm_importance_sampling_length_normalized=True)
+    with caplog.at_level(logging.WARNING, logger="trl_gspo.config"):
+        cfg = _config(tmp_path, old_logprobs_source="sampler", use_vllm=True)
+    assert cfg.vllm_importance_sampling_correction is False and "identity" in caplog.text
+    # transformers generate: the recorder scores raw logits / T, so sampling processors are allowed.
+    assert _config(tmp_path, old_logprobs_source="sampler", top_p=0.9, top_k=20).old_logprobs_source == "sampler"
+
+
+# ------------------------------------------------------------------------------- fused-head vocab chunk
+def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path):
+    """A vocabulary split into 5 tiles gives the log-probs, entropies and gradients of a plain full-logits pass."""
+    from trl.trainer import utils as trl_utils
+
+    trainer = _trainer(tokenizer, tmp_path, logprob_vocab_chunk_size=11)  # 48-word vocab -> 5 tiles, the last short
+    model = trainer.model.train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, model.config.vocab_size, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    logps, entropy, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, 5, compute_entropy=True)
+    (logps.sum() + 0.5 * entropy.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == 32768  # restored after the call
+
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -6:-1].double() / SETTINGS["temperature"]
+    ref_all = torch.log_softmax(logits, -1)
+    ref_logps = ref_all.gather(-1, ids[:, -5:, None])[..., 0]
+    ref_entropy = -(ref_all.exp() * ref_all).sum(-1)
+    (ref_logps.sum() + 0.5 * ref_entropy.sum()).backward()
+    torch.testing.assert_close(logps.double(), ref_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, atol=1e-5, rtol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_vocab_chunk_validation(tmp_path):
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match=f"logprob_vocab_chunk_size={bad!r} must be a positive int"):
+            _config(tmp_path, logprob_vocab_chunk_size=bad)
+
+
+# ------------------------------------------------------------------------ the vLLM flow, with a stand-in
+SAMPLER_GAP = -2e-3  # the stand-in engine scores every token 2e-3 nats lower than the trainer does
+
+
+class _FakeVLLMTrainer(GSPOTrainer):
+    """Takes TRL's vLLM branches (`use_vllm=True` set after init) but samples with transformers `generate` and
+    returns per-token log-probs shifted by SAMPLER_GAP, as an engine with slightly different numerics would."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        self.use_vllm = False  # just for the stock generate path
+        try:
+            with sl.SamplerLogprobRecorder(self.model, self.temperature) as rec:
+                completion_ids, _ = GRPOTrainer._generate_single_turn(
+                    self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
+        finally:
+            self.use_vllm = True
+        return completion_ids, [[x + SAMPLER_GAP for x in row] for row in rec.completion_logprobs(completion_ids)]
+
+
+def _fake_vllm(tokenizer, tmp_path, is_correction, **overrides):
+    trainer = _trainer(tokenizer, tmp_path, cls=_FakeVLLMTrainer, **overrides)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, is_correction
+    return trainer
+
+
+def test_vllm_flow_reuses_engine_logprobs_and_logs_the_gap(tokenizer, tmp_path):
+    # As GSPOConfig sets it up for use_vllm=True: the IS correction off (it would be exp(0) = 1).
+    trainer = _fake_vllm(tokenizer, tmp_path, is_correction=False, old_logprobs_source="sampler")
+    batches = _first_rollout(trainer)
+    for batch in batches:
+        m = batch["completion_mask"].bool()
+        assert torch.equal(batch["old_per_token_logps"][m], batch["sampling_per_token_logps"][m])
+        assert "importance_sampling_ratio" not in batch
+    (logged,) = [h for h in trainer.state.log_history if "sampler/logp_abs_diff/mean" in h]
+    assert logged["sampler/logp_abs_diff/mean"] == pytest.approx(-SAMPLER_GAP, abs=1e-5)
+    assert logged["sampler/seq_log_ratio_abs/mean"] == pytest.approx(-SAMPLER_GAP, abs=1e-5)
+    # exp(2e-3) is past the paper's 1 + 4e-4: the metric shows every sequence would start clipped.
+    assert logged["sampler/seq_outside_clip_frac"] == 1.0
+
+
+def test_vllm_flow_length_normalized_is_correction(tokenizer, tmp_path):
+    trainer = _fake_vllm(
+        tokenizer, tmp_path, is_correction=True, old_logprobs_source="recompute",
+        vllm_importance_sampling_length_normalized=True, vllm_importance_sampling_mode="sequence_truncate",
+    )  # fmt: skip
+    for batch in _first_rollout(trainer):
+        m = batch["completion_mask"].float()
+        diff = (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * m
+        mean_gap = diff.sum(1) / m.sum(1)
+        assert mean_gap.allclose(torch.full_like(mean_gap, -SAMPLER_GAP), atol=1e-5)  # recomputed pi_old vs engine
+        # exp of the mean gap (~1.002 at any length), not TRL's exp of the sum (1.002 ** length)
+        torch.testing.assert_close(batch["importance_sampling_ratio"], torch.exp(mean_gap)[:, None])
+        long = m.sum(1) > 3
+        assert long.any() and (torch.exp(diff.sum(1)[long]) > torch.exp(mean_gap[long]) + 3e-3).all()
+    assert any("sampling/importance_sampling_ratio_length_normalized/mean" in h for h in trainer.state.log_history)

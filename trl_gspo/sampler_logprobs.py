@@ -1,0 +1,154 @@
+"""Reuse the sampler's log-probs as pi_old (`GSPOConfig.old_logprobs_source="sampler"`).
+
+Stock TRL gets pi_old for off-policy mini-batches by running the policy once more over the whole rollout batch
+right after generation (`old_per_token_logps` in `_generate_and_score_completions`). The sampler already scored
+every token it drew, with the same weights, so that pass can be skipped. The GSPO paper (Sec. 4.3 / 5) argues
+sequence-level ratios tolerate the small precision gap between the inference and the training engine.
+
+What the sampler log-prob must be: the trainer's `log_softmax(logits / temperature)[token]`, with no top-k,
+top-p, min-p or repetition penalty. pi_theta in the ratio is computed that way (TRL's fused LM head), so pi_old
+must be the same function at the old weights; a renormalised top-p distribution would bias every ratio below 1.
+- transformers `generate`: `output_scores` are post-processing scores (temperature, top-k/top-p masks), and
+  `output_logits` keeps a `(B, V)` tensor per step for the whole generation (77 GB at B=64, 2k tokens, 151k vocab).
+  Instead `SamplerLogprobRecorder` hooks the model's forward, keeps only the last step's `log_softmax(raw / T)`,
+  and gathers it at the token the next step feeds back in: O(B*V) memory, raw logits, no processors.
+- vLLM: TRL's colocate engine returns `processed_logprobs` (after temperature and sampling processors), which
+  equal the trainer's definition only when top-k/top-p/min-p/penalties are off; `GSPOConfig` enforces that.
+
+The helpers here are pure functions plus one context manager; `GSPOTrainer` wires them in a few lines.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SamplerLogprobRecorder:
+    """Record `log_softmax(logits / temperature)` of each sampled token during `model.generate`.
+
+    A forward hook sees the raw logits of the newest position at every decoding step. The sampled token is only
+    known at the next step (it is that step's last input id), so the hook keeps one `(B, V)` log-softmax and
+    gathers it one step late; the final token is gathered in `completion_logprobs` from the returned ids.
+    """
+
+    def __init__(self, module: torch.nn.Module, temperature: float):
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature!r} must be > 0 to score sampled tokens.")
+        self.module, self.inv_t = module, 1.0 / temperature
+        self.steps: list[torch.Tensor] = []  # (B,) log-prob of the token sampled at each finished step
+        self.last: torch.Tensor | None = None  # (B, V) log-softmax of the newest position
+        self.handle = None
+
+    def __enter__(self):
+        self.handle = self.module.register_forward_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+        return False
+
+    def _hook(self, module, args, kwargs, output):
+        logits = getattr(output, "logits", None)
+        if logits is None:  # not a generation step (e.g. a fused-head call): nothing to record
+            return
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.last is not None:
+            self.steps.append(self.last.gather(-1, input_ids[:, -1:].to(self.last.device))[:, 0])
+        self.last = torch.log_softmax(logits[:, -1, :].float() * self.inv_t, dim=-1)
+
+    def completion_logprobs(self, completion_ids: list[list[int]]) -> list[list[float]]:
+        """Per-completion sampler log-probs, aligned with TRL's EOS-truncated `completion_ids` lists."""
+        if self.last is None:
+            raise RuntimeError("SamplerLogprobRecorder saw no generation step; was generate() called inside it?")
+        n_steps = len(self.steps) + 1
+        last_tokens = torch.tensor([ids[-1] if len(ids) == n_steps else 0 for ids in completion_ids])
+        final = self.last.gather(-1, last_tokens[:, None].to(self.last.device))[:, 0]
+        table = torch.stack([*self.steps, final], dim=1).cpu()  # (B, n_steps)
+        too_long = [i for i, ids in enumerate(completion_ids) if len(ids) > n_steps]
+        if too_long or table.size(0) != len(completion_ids):
+            raise RuntimeError(
+                f"Sampler log-probs cover {table.size(0)} sequences x {n_steps} steps but the completions are "
+                f"{len(completion_ids)} sequences up to {max(map(len, completion_ids), default=0)} tokens; "
+                "use old_logprobs_source='recompute' with this generation setup."
+            )
+        return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+
+
+def pad_logprobs(logprobs: list[list[float | None]], width: int, device) -> torch.Tensor:
+    """Right-pad per-completion log-probs to `(B, width)`; `None` (vLLM could not score a token) becomes NaN."""
+    out = torch.zeros(len(logprobs), width, dtype=torch.float32)
+    for i, row in enumerate(logprobs):
+        row = row[:width]
+        if row:
+            out[i, : len(row)] = torch.tensor([float("nan") if x is None else x for x in row], dtype=torch.float32)
+    return out.to(device)
+
+
+def mismatch_stats(trainer_logps, sampler_logps, mask, epsilon_low: float, epsilon_high: float) -> torch.Tensor:
+    """What reusing the sampler's log-probs costs, from an on-policy batch (trainer weights == sampler weights).
+
+    Returns a `(7,)` tensor: [sum |delta| over valid tokens, valid token count, max |delta| per token,
+    sum |seq log-ratio|, sequence count, max |seq log-ratio|, sequences whose ratio exp(seq log-ratio) lies outside
+    [1 - epsilon_low, 1 + epsilon_high]], with delta = trainer - sampler and seq log-ratio its masked mean per
+    sequence (log s_i of GSPO at the start of the rollout, which is exactly 0 when pi_old is recomputed).
+    Sums and counts, not means, so processes can be reduced in one collective.
+    """
+    mask = mask.bool() & ~torch.isnan(sampler_logps)
+    delta = torch.where(mask, trainer_logps.detach().float() - sampler_logps.float(), 0.0)
+    abs_delta = delta.abs()
+    lengths = mask.sum(-1)
+    has_tokens = lengths > 0
+    seq_log_ratio = delta.sum(-1) / lengths.clamp(min=1)
+    abs_seq = seq_log_ratio.abs() * has_tokens
+    ratio = torch.exp(seq_log_ratio)
+    outside = ((ratio < 1 - epsilon_low) | (ratio > 1 + epsilon_high)) & has_tokens
+    zero = abs_delta.new_zeros(())
+    return torch.stack(
+        [
+            abs_delta.sum(),
+            mask.sum().float(),
+            abs_delta.max() if abs_delta.numel() else zero,
+            abs_seq.sum(),
+            has_tokens.sum().float(),
+            abs_seq.max() if abs_seq.numel() else zero,
+            outside.sum().float(),
+        ]
+    )
+
+
+def summarize_mismatch(stats: torch.Tensor) -> dict[str, float]:
+    """Metric values from `mismatch_stats` rows gathered across processes, `(P, 7)` or `(7,)`."""
+    stats = stats.reshape(-1, 7)
+    total = stats.sum(0)
+    return {
+        "sampler/logp_abs_diff/mean": (total[0] / total[1].clamp(min=1)).item(),
+        "sampler/logp_abs_diff/max": stats[:, 2].max().item(),
+        "sampler/seq_log_ratio_abs/mean": (total[3] / total[4].clamp(min=1)).item(),
+        "sampler/seq_log_ratio_abs/max": stats[:, 5].max().item(),
+        "sampler/seq_outside_clip_frac": (total[6] / total[4].clamp(min=1)).item(),
+    }
+
+
+def length_normalized_is_ratio(old_logps, sampling_logps, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
+    """GSPO-consistent sampler->trainer importance weight: `exp(mean_t(log pi_old - log pi_sampler))`, `(B, 1)`.
+
+    TRL's `sequence_*` modes use `exp(sum_t ...)`: a per-token gap of 1e-3 on a 2k-token answer gives e^2 ~ 7.4,
+    past the default cap of 3, so long answers are masked (or truncated) for a mismatch GSPO's own ratio would
+    average away. The mean keeps the correction on the same per-token scale as GSPO's s_i. Tokens the sampler
+    could not score (NaN) are left out of the mean. `mode` is TRL's `vllm_importance_sampling_mode`: `*_truncate`
+    clamps to [clip_min, clip_max], `*_mask` zeroes weights outside it.
+    """
+    valid = mask.bool() & ~torch.isnan(sampling_logps)
+    diff = torch.where(valid, old_logps - sampling_logps, 0.0)
+    ratio = torch.exp(diff.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1))
+    if mode == "sequence_truncate":
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode == "sequence_mask":
+        low = clip_min if clip_min is not None else -float("inf")
+        high = clip_max if clip_max is not None else float("inf")
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(
+        f"vllm_importance_sampling_mode={mode!r}: the length-normalised correction is a sequence-level weight; "
+        "allowed modes: 'sequence_truncate', 'sequence_mask'."
+    )
+
