@@ -24,6 +24,7 @@ import threading
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -207,3 +208,38 @@ class SignalCheckpoint(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.restore_handlers()
+
+
+class ResumableTraining:
+    """`GSPOTrainer` mixin: checkpoints with a completion marker and TRL's rollout buffer; resume only from
+    complete ones; signal handlers restored when `train()` returns or raises."""
+
+    def _save_checkpoint(self, model, trial):
+        """HF's checkpoint plus TRL's rollout buffer, with a completion marker written last (see py)."""
+        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            mark_incomplete(path)
+        super()._save_checkpoint(model, trial)
+        os.makedirs(path, exist_ok=True)
+        save_rollout_state(path, self.accelerator.process_index, self._step, self._buffered_inputs)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            mark_complete(path)
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """`Trainer.train`, resuming only from complete checkpoints and restoring TRL's rollout buffer."""
+        resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if resume_from_checkpoint is not None:
+            state = load_rollout_state(
+                resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
+            )
+            if state is not None and (state[1] is None or len(state[1]) == self.args.steps_per_generation):
+                self._step, self._buffered_inputs = state
+            elif state is not None:  # batch settings changed since the save: TRL regenerates, as stock TRL does
+                logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.",
+                                             resume_from_checkpoint, self.args.steps_per_generation)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:  # also when training raised: give the process its own signal handlers back
+            if self._signal_checkpoint is not None:
+                self._signal_checkpoint.restore_handlers()

@@ -180,3 +180,23 @@ def check_reward_matrix(rewards_per_func: torch.Tensor, reward_funcs: list, name
             f"Reward {names[column]!r} produced {rewards_per_func[row, column].item()} for completion {row} of the "
             "batch; rewards must be finite (a reward model's NaN/inf output usually means overflow or a broken head)."
         )
+
+
+class GuardedRewards:
+    """`GSPOTrainer` mixin: wraps the reward callables with the checks above and checks TRL's reward matrix."""
+
+    def _guard_reward_funcs(self):
+        """Wrap reward callables so raising, malformed or non-finite rewards fail clearly (see py)."""
+        policy = self.args.nonfinite_reward
+        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
+            if not isinstance(func, nn.Module) and not getattr(func, "__gspo_guarded__", False):
+                count = functools.partial(self._count_nonfinite_rewards, name) if policy == "none" else None
+                self.reward_funcs[i] = guard_reward_function(func, name, policy, count)
+
+    def _count_nonfinite_rewards(self, name: str, count: int):
+        self._metrics["train" if self.model.training else "eval"][f"rewards/{name}/nonfinite"].append(count)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        check_reward_matrix(rewards_per_func, self.reward_funcs, self.reward_func_names)
+        return rewards_per_func

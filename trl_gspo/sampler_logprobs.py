@@ -15,12 +15,19 @@ must be the same function at the old weights; a renormalised top-p distribution 
 - vLLM: TRL's colocate engine returns `processed_logprobs` (after temperature and sampling processors), which
   equal the trainer's definition only when top-k/top-p/min-p/penalties are off; `GSPOConfig` enforces that.
 
-The helpers here are pure functions plus one context manager; `GSPOTrainer` wires them in a few lines.
+The helpers here are pure functions plus one context manager; `SamplerLogprobReuse` (end of file) is the
+`GSPOTrainer` mixin that wires them into TRL's generation and old-policy log-prob pass.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from . import fused_head
+
+logger = logging.getLogger(__name__)
 
 
 class SamplerLogprobRecorder:
@@ -152,3 +159,122 @@ def length_normalized_is_ratio(old_logps, sampling_logps, mask, mode: str, clip_
         "allowed modes: 'sequence_truncate', 'sequence_mask'."
     )
 
+
+class SamplerLogprobReuse:
+    """`GSPOTrainer` mixin: pi_old from the sampler when `old_logprobs_source="sampler"`, the sampler-trainer gap
+    metrics, the length-normalised vLLM correction, and the fused log-prob tile size. Each override calls
+    `super()`, so with reuse off TRL's code runs unchanged."""
+
+    def _init_sampler_logprob_reuse(self):
+        self._reuse_armed = False  # True between generation and TRL's old-policy forward, when that is replaced
+        self._sampler_logps = None  # per-completion sampler log-probs of the rollout being scored
+        self._rollout_global_step = None  # optimizer step the current rollout batch was sampled at
+        self._warned_no_sampler_logps = False
+
+    def _old_logps_pass_needed(self) -> bool:
+        """TRL 1.16's condition for its no-grad pi_old forward in `_generate_and_score_completions`."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+
+    def _reuses_sampler_logps(self) -> bool:
+        return self.args.old_logprobs_source == "sampler" and self._old_logps_pass_needed()
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if not self._reuses_sampler_logps() or self.use_vllm or self.use_transformers_continuous_batching:
+            # vLLM already returns the sampled tokens' log-probs; otherwise stock TRL generation, untouched.
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        module = self.accelerator.unwrap_model(self.model)  # the module generate() calls (DDP/FSDP/DeepSpeed off)
+        module = module.get_base_model() if hasattr(module, "get_base_model") else module  # PEFT: the HF model
+        with SamplerLogprobRecorder(module, self.temperature) as recorder:
+            completion_ids, _ = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        return completion_ids, recorder.completion_logprobs(completion_ids)
+
+    def _generate(self, prompts):
+        outputs = super()._generate(prompts)
+        self._sampler_logps = outputs[4]  # final per-completion log-probs (after any tool-call turns)
+        return outputs
+
+    def _generate_and_score_completions(self, inputs):
+        self._sampler_logps = None
+        self._reuse_armed = self._reuses_sampler_logps()
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._reuse_armed, self._sampler_logps = False, None
+        if self.model.training:
+            self._rollout_global_step = self.state.global_step
+        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
+        if vllm_is and self.args.vllm_importance_sampling_length_normalized:
+            self._length_normalize_is_ratio(output)
+        return output
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if self._reuse_armed:
+            # One shot: after generation, TRL's first log-prob call is the pi_old pass (ref log-probs come later).
+            self._reuse_armed = False
+            old_logps = self._sampler_old_logps(input_ids.size(0), logits_to_keep, input_ids.device)
+            if old_logps is not None:
+                return old_logps, None, None
+        with fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
+
+    def _sampler_old_logps(self, batch_size, width, device):
+        """The sampler's log-probs as a `(B, T)` pi_old, or None to fall back to TRL's recompute (logged)."""
+        if self._sampler_logps is None:
+            if not self._warned_no_sampler_logps:
+                logger.warning(
+                    "old_logprobs_source='sampler' but this generation path returned no log-probs (e.g. a "
+                    "rollout_func without them); recomputing pi_old with a forward pass instead."
+                )
+                self._warned_no_sampler_logps = True
+            return None
+        if len(self._sampler_logps) != batch_size:
+            raise RuntimeError(
+                f"Sampler log-probs cover {len(self._sampler_logps)} completions but the batch has {batch_size}; "
+                "use old_logprobs_source='recompute' with this generation setup."
+            )
+        old_logps = pad_logprobs(self._sampler_logps, width, device)
+        # A NaN (vLLM could not score a token) would poison the ratio; every process must take the same branch,
+        # since the fallback forward is collective under ZeRO-3.
+        has_nan = torch.isnan(old_logps).any().float().reshape(1)
+        if self.accelerator.num_processes > 1:
+            has_nan = self.accelerator.reduce(has_nan, reduction="sum")
+        if has_nan.item() > 0:
+            logger.warning("Sampler returned NaN log-probs for some tokens; recomputing pi_old for this rollout batch.")
+            return None
+        return old_logps
+
+    def _log_sampler_mismatch(self, mode, logps, inputs, mask):
+        """Sampler vs trainer log-prob gap, on the mini-batches still at the sampler's weights (no extra forward)."""
+        sampler = inputs.get("sampling_per_token_logps")
+        if sampler is None or mode != "train" or self.state.global_step != self._rollout_global_step:
+            return
+        stats = mismatch_stats(logps, sampler, mask, self.epsilon_low, self.epsilon_high)
+        for name, value in summarize_mismatch(self.accelerator.gather(stats)).items():
+            self._metrics[mode][name].append(value)
+
+    def _length_normalize_is_ratio(self, output):
+        """Replace TRL's exp(sum) sequence-level vLLM correction by exp(mean) (see `length_normalized_is_ratio`)."""
+        mask = output["completion_mask"]
+        mask = mask if "tool_mask" not in output else mask * output["tool_mask"]
+        ratio = length_normalized_is_ratio(
+            output["old_per_token_logps"],
+            output["sampling_per_token_logps"],
+            mask,
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )
+        output["importance_sampling_ratio"] = ratio
+        gathered = self.accelerator.gather(ratio.flatten())
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        for name, value in (("min", gathered.min()), ("mean", gathered.mean()), ("max", gathered.max())):
+            metrics[f"sampling/importance_sampling_ratio_length_normalized/{name}"].append(value.item())

@@ -1,9 +1,9 @@
 """`GSPOTrainer`: `trl.GRPOTrainer` whose policy loss goes through two hooks.
 
 TRL 1.16 computes the whole loss in one method, `GRPOTrainer._compute_loss`, with the importance ratio and the
-clipped objective written inline. This subclass owns that one method and nothing else: generation, rewards,
-advantages, old/ref log-probs, vLLM, PEFT, optimisation and logging stay TRL's. The loss is rebuilt as a short
-pipeline that calls TRL's own helpers for the forward pass and masks, and two hooks for what GSPO changes:
+clipped objective written inline. This class owns that one method: generation, rewards, advantages, old/ref
+log-probs, vLLM, PEFT, optimisation and logging stay TRL's. The loss is rebuilt as a short pipeline that calls
+TRL's own helpers for the forward pass and masks, and two hooks for what GSPO changes:
 
     importance_log_weights(logps, old_logps, mask)   # token / sequence / sequence_token (losses.py)
     policy_loss(ratio, advantages, logps)            # clipped surrogate (or CISPO)
@@ -12,25 +12,24 @@ plus `token_advantages(inputs)`, the place to supply per-token advantages for GS
 (KL term, entropy mask and bonus, vLLM importance-sampling correction, off-policy mask, aggregation and
 gradient-accumulation normalisation, MoE aux loss, metrics) follows TRL's semantics; `tests/test_parity.py`
 checks loss and gradients against stock `GRPOTrainer` so drift is caught when the TRL pin moves.
-"""
 
+Features around the loss are mixins, one per module, each overriding TRL methods through `super()`:
+`ResumableTraining` (checkpointing.py), `GuardedRewards` (rewards_guard.py), `SamplerLogprobReuse`
+(sampler_logprobs.py) and `TrainingDiagnostics` (diagnostics.py). The non-finite guard is a callback
+(nonfinite.py) plus one line at the end of the loss.
+"""
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
-from torch import nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from . import checkpointing, fused_head, losses, rewards_guard, sampler_logprobs
+from . import checkpointing, losses
+from .checkpointing import ResumableTraining
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 from .diagnostics import TrainingDiagnostics
 from .nonfinite import NonFiniteGuard
-
-logger = logging.getLogger(__name__)
+from .rewards_guard import GuardedRewards
+from .sampler_logprobs import SamplerLogprobReuse
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
 _FORWARD_KEYS = (
@@ -47,7 +46,7 @@ _FORWARD_KEYS = (
 )
 
 
-class GSPOTrainer(TrainingDiagnostics, GRPOTrainer):
+class GSPOTrainer(ResumableTraining, GuardedRewards, SamplerLogprobReuse, TrainingDiagnostics, GRPOTrainer):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 
     Drop-in for `trl.GRPOTrainer`: same constructor, `args` must be a [`GSPOConfig`] (its defaults are the
@@ -155,53 +154,6 @@ class GSPOTrainer(TrainingDiagnostics, GRPOTrainer):
             loss = self._nonfinite.guard_loss(loss, ratio, logps)
         return loss
 
-    # ------------------------------------------------------------------- faults: rewards, checkpoints, resume
-    def _guard_reward_funcs(self):
-        """Wrap reward callables so raising, malformed or non-finite rewards fail clearly (see rewards_guard.py)."""
-        policy = self.args.nonfinite_reward
-        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
-            if not isinstance(func, nn.Module) and not getattr(func, "__gspo_guarded__", False):
-                count = functools.partial(self._count_nonfinite_rewards, name) if policy == "none" else None
-                self.reward_funcs[i] = rewards_guard.guard_reward_function(func, name, policy, count)
-
-    def _count_nonfinite_rewards(self, name: str, count: int):
-        self._metrics["train" if self.model.training else "eval"][f"rewards/{name}/nonfinite"].append(count)
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        rewards_guard.check_reward_matrix(rewards_per_func, self.reward_funcs, self.reward_func_names)
-        return rewards_per_func
-
-    def _save_checkpoint(self, model, trial):
-        """HF's checkpoint plus TRL's rollout buffer, with a completion marker written last (see checkpointing.py)."""
-        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:
-            checkpointing.mark_incomplete(path)
-        super()._save_checkpoint(model, trial)
-        os.makedirs(path, exist_ok=True)
-        checkpointing.save_rollout_state(path, self.accelerator.process_index, self._step, self._buffered_inputs)
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            checkpointing.mark_complete(path)
-
-    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        """`Trainer.train`, resuming only from complete checkpoints and restoring TRL's rollout buffer."""
-        resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        if resume_from_checkpoint is not None:
-            state = checkpointing.load_rollout_state(
-                resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
-            )
-            if state is not None and (state[1] is None or len(state[1]) == self.args.steps_per_generation):
-                self._step, self._buffered_inputs = state
-            elif state is not None:  # batch settings changed since the save: TRL regenerates, as stock TRL does
-                checkpointing.logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.",
-                                             resume_from_checkpoint, self.args.steps_per_generation)
-        try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
-        finally:  # also when training raised: give the process its own signal handlers back
-            if self._signal_checkpoint is not None:
-                self._signal_checkpoint.restore_handlers()
-
     # ------------------------------------------------------------------------------------------- internals
     def _checked_advantages(self, inputs, mask) -> torch.Tensor:
         advantages = self.token_advantages(inputs)
@@ -298,117 +250,3 @@ class GSPOTrainer(TrainingDiagnostics, GRPOTrainer):
             metrics["clip_ratio/low_min"].append(gathered[0].min().item())
             metrics["clip_ratio/high_max"].append(gathered[1].max().item())
 
-    # ------------------------------------------------ sampler log-prob reuse (GSPOConfig.old_logprobs_source)
-    def _init_sampler_logprob_reuse(self):
-        self._reuse_armed = False  # True between generation and TRL's old-policy forward, when that is replaced
-        self._sampler_logps = None  # per-completion sampler log-probs of the rollout being scored
-        self._rollout_global_step = None  # optimizer step the current rollout batch was sampled at
-        self._warned_no_sampler_logps = False
-
-    def _old_logps_pass_needed(self) -> bool:
-        """TRL 1.16's condition for its no-grad pi_old forward in `_generate_and_score_completions`."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
-
-    def _reuses_sampler_logps(self) -> bool:
-        return self.args.old_logprobs_source == "sampler" and self._old_logps_pass_needed()
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not self._reuses_sampler_logps() or self.use_vllm or self.use_transformers_continuous_batching:
-            # vLLM already returns the sampled tokens' log-probs; otherwise stock TRL generation, untouched.
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
-        module = self.accelerator.unwrap_model(self.model)  # the module generate() calls (DDP/FSDP/DeepSpeed off)
-        module = module.get_base_model() if hasattr(module, "get_base_model") else module  # PEFT: the HF model
-        with sampler_logprobs.SamplerLogprobRecorder(module, self.temperature) as recorder:
-            completion_ids, _ = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
-        return completion_ids, recorder.completion_logprobs(completion_ids)
-
-    def _generate(self, prompts):
-        outputs = super()._generate(prompts)
-        self._sampler_logps = outputs[4]  # final per-completion log-probs (after any tool-call turns)
-        return outputs
-
-    def _generate_and_score_completions(self, inputs):
-        self._sampler_logps = None
-        self._reuse_armed = self._reuses_sampler_logps()
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._reuse_armed, self._sampler_logps = False, None
-        if self.model.training:
-            self._rollout_global_step = self.state.global_step
-        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
-        if vllm_is and self.args.vllm_importance_sampling_length_normalized:
-            self._length_normalize_is_ratio(output)
-        return output
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if self._reuse_armed:
-            # One shot: after generation, TRL's first log-prob call is the pi_old pass (ref log-probs come later).
-            self._reuse_armed = False
-            old_logps = self._sampler_old_logps(input_ids.size(0), logits_to_keep, input_ids.device)
-            if old_logps is not None:
-                return old_logps, None, None
-        with fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size):
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
-
-    def _sampler_old_logps(self, batch_size, width, device):
-        """The sampler's log-probs as a `(B, T)` pi_old, or None to fall back to TRL's recompute (logged)."""
-        if self._sampler_logps is None:
-            if not self._warned_no_sampler_logps:
-                logger.warning(
-                    "old_logprobs_source='sampler' but this generation path returned no log-probs (e.g. a "
-                    "rollout_func without them); recomputing pi_old with a forward pass instead."
-                )
-                self._warned_no_sampler_logps = True
-            return None
-        if len(self._sampler_logps) != batch_size:
-            raise RuntimeError(
-                f"Sampler log-probs cover {len(self._sampler_logps)} completions but the batch has {batch_size}; "
-                "use old_logprobs_source='recompute' with this generation setup."
-            )
-        old_logps = sampler_logprobs.pad_logprobs(self._sampler_logps, width, device)
-        # A NaN (vLLM could not score a token) would poison the ratio; every process must take the same branch,
-        # since the fallback forward is collective under ZeRO-3.
-        has_nan = torch.isnan(old_logps).any().float().reshape(1)
-        if self.accelerator.num_processes > 1:
-            has_nan = self.accelerator.reduce(has_nan, reduction="sum")
-        if has_nan.item() > 0:
-            logger.warning("Sampler returned NaN log-probs for some tokens; recomputing pi_old for this rollout batch.")
-            return None
-        return old_logps
-
-    def _log_sampler_mismatch(self, mode, logps, inputs, mask):
-        """Sampler vs trainer log-prob gap, on the mini-batches still at the sampler's weights (no extra forward)."""
-        sampler = inputs.get("sampling_per_token_logps")
-        if sampler is None or mode != "train" or self.state.global_step != self._rollout_global_step:
-            return
-        stats = sampler_logprobs.mismatch_stats(logps, sampler, mask, self.epsilon_low, self.epsilon_high)
-        for name, value in sampler_logprobs.summarize_mismatch(self.accelerator.gather(stats)).items():
-            self._metrics[mode][name].append(value)
-
-    def _length_normalize_is_ratio(self, output):
-        """Replace TRL's exp(sum) sequence-level vLLM correction by exp(mean) (see `length_normalized_is_ratio`)."""
-        mask = output["completion_mask"]
-        mask = mask if "tool_mask" not in output else mask * output["tool_mask"]
-        ratio = sampler_logprobs.length_normalized_is_ratio(
-            output["old_per_token_logps"],
-            output["sampling_per_token_logps"],
-            mask,
-            self.vllm_importance_sampling_mode,
-            self.vllm_importance_sampling_clip_min,
-            self.vllm_importance_sampling_clip_max,
-        )
-        output["importance_sampling_ratio"] = ratio
-        gathered = self.accelerator.gather(ratio.flatten())
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        for name, value in (("min", gathered.min()), ("mean", gathered.mean()), ("max", gathered.max())):
-            metrics[f"sampling/importance_sampling_ratio_length_normalized/{name}"].append(value.item())
