@@ -20,7 +20,6 @@ def _compare_module():
 
 
 def test_compare_runs_end_to_end_and_writes_plots_and_data(tmp_path):
-    pytest.importorskip("trl_gspo.demo", reason="the offline demo task (issue 3) is the default task")
     compare = _compare_module()
     out = tmp_path / "cmp"
     compare.main(["--output-dir", str(out), "--seeds", "0", "1", "--moe-seeds", "0", "--max-steps", "4", "--tiny",
