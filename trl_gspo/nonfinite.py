@@ -58,10 +58,15 @@ class NonFiniteGuard(TrainerCallback):
     # ---------------------------------------------------------------------------------- optimizer-step layer
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         trainer = self.trainer
-        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
         device = trainer.accelerator.device
-        # DeepSpeed keeps gradients in its own buffers (p.grad is None) and runs its own overflow check.
-        grad_bad = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float() if grads else torch.zeros(())
+        # HF has just computed the pre-clip gradient norm (GSPOTrainer._get_grad_norm keeps it): a NaN/inf anywhere
+        # in the gradients makes it non-finite, so reuse it rather than pass over every gradient again.
+        norm = getattr(trainer, "last_grad_norm", None)
+        if norm is None:
+            # DeepSpeed keeps gradients in its own buffers (p.grad is None) and runs its own overflow check.
+            grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        grad_bad = (~torch.isfinite(torch.as_tensor(norm, dtype=torch.float32))).float()
         dropped = self._dropped if self._dropped is not None else torch.zeros((), dtype=torch.int64)
         seen = torch.tensor(float(self._seen), device=device)
         stats = torch.stack([dropped.float().to(device), grad_bad.to(device), seen])

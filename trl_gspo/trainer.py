@@ -71,6 +71,11 @@ class GSPOTrainer(ResumableTraining, GuardedRewards, SamplerLogprobReuse, Traini
             self.add_callback(self._signal_checkpoint)
         self._init_sampler_logprob_reuse()
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        """HF's pre-clip gradient norm, kept for the non-finite guard's optimizer-step check (nonfinite.py)."""
+        self.last_grad_norm = super()._get_grad_norm(model, grad_norm)
+        return self.last_grad_norm
+
     # ------------------------------------------------------------------------------------------------ hooks
     def token_advantages(self, inputs: dict) -> torch.Tensor:
         """Advantages used by the loss: `(B,)` (one per completion, TRL's default) or `(B, T)` (one per token).
