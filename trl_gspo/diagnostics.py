@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import losses, metrics
+from . import metrics
 from .routing import RouterRecorder
 
 
@@ -32,17 +32,12 @@ class TrainingDiagnostics:
         # forward of the same modules with a PEFT adapter off, nor a forward that was skipped), or the loss's own.
         self._routing_records = None
 
-    def _record_diagnostics(self, mode, inputs, logps, old_logps, ratio, advantages, mask):
-        """Add this micro-batch's diagnostics to the logging window, without a host-device sync."""
+    def _record_diagnostics(self, mode, inputs, logps, old_logps, low, high, advantages, mask):
+        """Add this micro-batch's diagnostics to the logging window, without a host-device sync. `low`/`high`
+        are the loss's clip indicators (`GSPOTrainer._clip_indicators`)."""
         window = self._diagnostics[mode]
         lr, valid = metrics.token_log_ratios(logps, old_logps, mask)
         window.add_values("seq_ratio", metrics.sequence_log_ratio(lr, valid), valid.sum(-1) > 0)
-        ratio = ratio.detach()
-        if self.loss_type == "cispo":  # CISPO truncates the weight from above only
-            high = ((ratio > self.epsilon_high) & (advantages > 0)).float()
-            low = torch.zeros_like(high)
-        else:
-            low, high = losses.clip_indicators(ratio, advantages, self.epsilon_low, self.epsilon_high)
         window.add_means(metrics.clip_fraction_stats(low, high, mask))
         window.add_means(metrics.dispersion_stats(lr, valid, self.max_completion_length))
         for name, x in (("logps", logps), ("old_logps", old_logps), ("advantages", advantages)):

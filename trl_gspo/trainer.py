@@ -153,8 +153,9 @@ class GSPOTrainer(ResumableTraining, GuardedRewards, SamplerLogprobReuse, Traini
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        self._record_diagnostics(mode, inputs, logps, old_logps, ratio, advantages, mask)  # diagnostics.py
-        self._log_loss_metrics(mode, ratio, advantages, mask, entropies, per_token_kl)
+        low, high = self._clip_indicators(ratio, advantages)
+        self._record_diagnostics(mode, inputs, logps, old_logps, low, high, advantages, mask)  # diagnostics.py
+        self._log_loss_metrics(mode, low, high, mask, entropies, per_token_kl)
         if mode == "train":  # a NaN/inf ratio or loss: this micro-batch contributes nothing (see nonfinite.py)
             loss = self._nonfinite.guard_loss(loss, ratio, logps)
         return loss
@@ -221,7 +222,16 @@ class GSPOTrainer(ResumableTraining, GuardedRewards, SamplerLogprobReuse, Traini
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return coef * entropy
 
-    def _log_loss_metrics(self, mode, ratio, advantages, mask, entropies, per_token_kl):
+    def _clip_indicators(self, ratio, advantages) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float masks (low, high) of where the clip is active, shared by TRL's metrics and the diagnostics.
+        CISPO truncates the weight from above only, so its low side is empty."""
+        ratio = ratio.detach()
+        if self.loss_type == "cispo":
+            high = ((ratio > self.epsilon_high) & (advantages > 0)).float()
+            return torch.zeros_like(high), high
+        return losses.clip_indicators(ratio, advantages, self.epsilon_low, self.epsilon_high)
+
+    def _log_loss_metrics(self, mode, low, high, mask, entropies, per_token_kl):
         """TRL's loss metrics (same names), reduced across processes in one collective."""
         metrics = self._metrics[mode]
         mask = mask.float()
@@ -236,19 +246,18 @@ class GSPOTrainer(ResumableTraining, GuardedRewards, SamplerLogprobReuse, Traini
         if per_token_kl is not None:
             names.append("kl")
             stats += sum_and_count(per_token_kl)
-        if self.loss_type == "cispo":
+        cispo = self.loss_type == "cispo"
+        if cispo:
             names.append("cispo_clip_ratio")
-            stats += sum_and_count(((ratio > self.epsilon_high) & (advantages > 0)).float())
-            low = high = None
+            stats += sum_and_count(high)
         else:
-            low, high = losses.clip_indicators(ratio, advantages, self.epsilon_low, self.epsilon_high)
             names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
             for x in (low, high, torch.maximum(low, high)):
                 stats += sum_and_count(x)
         totals = self.accelerator.reduce(torch.stack(stats).detach(), reduction="sum").tolist()
         for i, name in enumerate(names):
             metrics[name].append(totals[2 * i] / max(totals[2 * i + 1], 1.0))
-        if low is not None:
+        if not cispo:
             low_per_seq = losses.masked_sequence_mean(low.expand_as(mask), mask) if low.size(1) > 1 else low[:, 0]
             high_per_seq = losses.masked_sequence_mean(high.expand_as(mask), mask) if high.size(1) > 1 else high[:, 0]
             gathered = self.accelerator.gather(torch.stack([low_per_seq, high_per_seq]).detach())
