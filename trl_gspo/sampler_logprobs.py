@@ -26,6 +26,7 @@ import logging
 import torch
 
 from . import fused_head
+from .losses import masked_sequence_mean
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +104,8 @@ def mismatch_stats(trainer_logps, sampler_logps, mask, epsilon_low: float, epsil
     mask = mask.bool() & ~torch.isnan(sampler_logps)
     delta = torch.where(mask, trainer_logps.detach().float() - sampler_logps.float(), 0.0)
     abs_delta = delta.abs()
-    lengths = mask.sum(-1)
-    has_tokens = lengths > 0
-    seq_log_ratio = delta.sum(-1) / lengths.clamp(min=1)
+    has_tokens = mask.sum(-1) > 0
+    seq_log_ratio = masked_sequence_mean(delta, mask)
     abs_seq = seq_log_ratio.abs() * has_tokens
     ratio = torch.exp(seq_log_ratio)
     outside = ((ratio < 1 - epsilon_low) | (ratio > 1 + epsilon_high)) & has_tokens
@@ -147,7 +147,7 @@ def length_normalized_is_ratio(old_logps, sampling_logps, mask, mode: str, clip_
     """
     valid = mask.bool() & ~torch.isnan(sampling_logps)
     diff = torch.where(valid, old_logps - sampling_logps, 0.0)
-    ratio = torch.exp(diff.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1))
+    ratio = torch.exp(masked_sequence_mean(diff, valid)).unsqueeze(-1)
     if mode == "sequence_truncate":
         return torch.clamp(ratio, min=clip_min, max=clip_max)
     if mode == "sequence_mask":
