@@ -139,6 +139,24 @@ def test_sigint_saves_checkpoint_then_raises_keyboardinterrupt(tmp_path):
     assert signal_module.getsignal(signal_module.SIGINT) is before  # handlers restored
 
 
+def test_checkpoint_on_signal_false_leaves_signals_to_the_process(tmp_path):
+    """Opting out: Ctrl-C interrupts at once with Python's own KeyboardInterrupt and nothing is saved."""
+    from transformers import TrainerCallback
+
+    class CtrlC(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                signal.raise_signal(signal.SIGINT)
+
+    trainer = make_trainer(tmp_path, max_steps=N, checkpoint_on_signal=False)
+    trainer.add_callback(CtrlC())
+    with pytest.raises(KeyboardInterrupt) as err:
+        trainer.train()
+    assert "Stopped by SIGINT" not in str(err.value)
+    assert checkpointing.last_complete_checkpoint(str(tmp_path)) is None
+    assert not any(name.startswith("checkpoint-") for name in os.listdir(tmp_path))
+
+
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     """2 processes (gloo): SIGTERM to rank 1 only. Both ranks must stop after the same step and save one complete
