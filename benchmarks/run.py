@@ -50,7 +50,7 @@ SHAPES = {
     "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=6, completion=8, warmup_rollouts=1,
                  measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64),  # fmt: skip
     "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=48, completion=32,
-                warmup_rollouts=1, measured_rollouts=2, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
+                warmup_rollouts=1, measured_rollouts=3, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
     "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=128, completion=512,
                  warmup_rollouts=1, measured_rollouts=2, reps=3, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
 }
@@ -165,8 +165,9 @@ def _param_flops_per_token(model) -> float:
     return 2.0 * n_params
 
 
-def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str) -> dict:
-    """Train one trainer for warmup + measured rollouts; returns seconds/step, tokens/s, peak memory, FLOPs."""
+def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str, gradient_checkpointing: bool = True) -> dict:
+    """Train one trainer for warmup + measured rollouts; returns seconds/step, tokens/s, peak memory, FLOPs, and
+    the time spent in the no-grad pi_old pass (`old_logprob_pass_seconds_per_step`, ~0 when it is skipped)."""
     import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -194,6 +195,7 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str)
         max_steps=n_rollouts * STEPS_PER_GENERATION,
         seed=0,
         dataloader_num_workers=0,
+        gradient_checkpointing=gradient_checkpointing,  # TRL's GRPOConfig default is True
         **LOSS_SETTINGS,
     )
     if kind == "stock":
@@ -202,8 +204,24 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str)
         args, trainer_cls = GSPOConfig(**common, old_logprobs_source=source), GSPOTrainer
     trainer = trainer_cls(model, counter, args=args, train_dataset=_dataset(shape), processing_class=tokenizer)
 
-    marks = {}
+    marks, pass_seconds = {}, [0.0]
     warmup_steps = shape["warmup_rollouts"] * STEPS_PER_GENERATION
+
+    # TRL's pi_old pass is its only no-grad call of this method here (beta=0: no reference pass); timing it in both
+    # trainers shows the share of a stock step that sampler reuse can remove. Same wrapper on both sides.
+    logprob_fn = trainer._get_per_token_logps_and_entropies
+
+    def timed_logprobs(*args, **kwargs):
+        if torch.is_grad_enabled():
+            return logprob_fn(*args, **kwargs)
+        start = time.perf_counter()
+        out = logprob_fn(*args, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        pass_seconds[0] += time.perf_counter() - start
+        return out
+
+    trainer._get_per_token_logps_and_entropies = timed_logprobs
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -211,10 +229,11 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str)
                 torch.cuda.synchronize()
             if state.global_step == warmup_steps:
                 marks["start"], marks["cpu_start"] = time.perf_counter(), time.process_time()
-                marks["tokens"] = counter.tokens
+                marks["tokens"], marks["pass_start"] = counter.tokens, pass_seconds[0]
                 marks["peak"] = PeakMemory(device).__enter__()
             elif state.global_step == args.max_steps:
                 marks["end"], marks["cpu_end"] = time.perf_counter(), time.process_time()
+                marks["pass_end"] = pass_seconds[0]
                 marks["peak"].__exit__(None, None, None)
 
     trainer.add_callback(Clock())
@@ -229,6 +248,7 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str)
         "completion_tokens_per_cpu_s": tokens / (marks["cpu_end"] - marks["cpu_start"]),
         "peak_memory_bytes": marks["peak"].peak_bytes,
         "completion_tokens": tokens,
+        "old_logprob_pass_seconds_per_step": (marks["pass_end"] - marks["pass_start"]) / measured_steps,
     }
     if device == "cuda":
         # Useful model FLOPs per rollout, same definition for both trainers (a recomputed pi_old is overhead, not
@@ -390,7 +410,9 @@ def _worker(spec: dict) -> dict:
 
     torch.manual_seed(0)
     if spec["task"] == "train":
-        return run_training(spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"])
+        return run_training(
+            spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"], spec["gradient_checkpointing"]
+        )
     if spec["task"] == "loss_path":
         return loss_path(spec["shape"], spec["device"], spec["iters"])
     return logprob_memory(spec["kind"], spec["vocab"], spec["tokens"], spec["device"])
@@ -422,16 +444,17 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir: str, log) -> dict:
+def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool) -> dict:
     runs = {"stock": [], "ours": []}
     for rep in range(reps):
         order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")  # ABBA: drift hits both sides alike
         for kind in order:
-            spec = dict(task="train", kind=kind, source=source, shape=shape, device=device, out_dir=out_dir)
+            spec = dict(task="train", kind=kind, source=source, shape=shape, device=device, out_dir=out_dir,
+                        gradient_checkpointing=gradient_checkpointing)  # fmt: skip
             runs[kind].append(_run_worker(spec))
             r = runs[kind][-1]
             log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, "
-                f"{r['cpu_seconds_per_step']:.4f} CPU s/step")
+                f"{r['cpu_seconds_per_step']:.4f} CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step")
     med = {k: {m: _median(v, m) for m in v[0]} for k, v in runs.items()}
     result = {
         "old_logprobs_source": source,
@@ -446,6 +469,11 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
             med["ours"]["completion_tokens_per_cpu_s"], med["stock"]["completion_tokens_per_cpu_s"]
         ),
         "ratio_peak_memory": _ratio(med["ours"]["peak_memory_bytes"], med["stock"]["peak_memory_bytes"]),
+        # Share of a stock step spent in TRL's no-grad pi_old pass: skipping that pass and nothing else would give
+        # ours/stock = 1 - share, the reference the sampler_logprobs ratio is read against.
+        "stock_old_logprob_pass_share": _ratio(
+            med["stock"]["old_logprob_pass_seconds_per_step"], med["stock"]["seconds_per_step"]
+        ),
         "runs": runs,
     }
     if "model_flops_per_s" in med["ours"]:
@@ -484,6 +512,8 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run with toy shapes (test suite)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per scenario (default: per shape)")
     parser.add_argument("--scenarios", default="loss_path,equal_settings,sampler_logprobs,logprob_memory")
+    parser.add_argument("--no-gradient-checkpointing", action="store_true",
+                        help="train both trainers without activation checkpointing (TRL's default is on)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak for MFU (TFLOP/s)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/<device>.json)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -501,6 +531,7 @@ def main(argv=None):
     if args.tiny and args.device == "cuda":
         shape["mem_vocab"], shape["mem_tokens"] = 4096, 64
     reps = args.reps or shape["reps"]
+    gc = not args.no_gradient_checkpointing
     device_name = "cpu"
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -527,6 +558,7 @@ def main(argv=None):
         "reps": reps,
         "shape": shape,
         "steps_per_generation": STEPS_PER_GENERATION,
+        "gradient_checkpointing": gc,
         "loss_settings": LOSS_SETTINGS,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "versions": {"torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
@@ -545,12 +577,12 @@ def main(argv=None):
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
         report["scenarios"]["equal_settings"] = compare(
-            "equal_settings", "recompute", shape, args.device, reps, work_dir, log
+            "equal_settings", "recompute", shape, args.device, reps, work_dir, log, gc
         )
     if "sampler_logprobs" in wanted:
         log("sampler_logprobs (old_logprobs_source='sampler')")
         report["scenarios"]["sampler_logprobs"] = compare(
-            "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log
+            "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log, gc
         )
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
@@ -562,7 +594,7 @@ def main(argv=None):
     with open(out, "w") as f:
         json.dump(report, f, indent=2)
     summary = {
-        name: {k: v for k, v in sc.items() if k.startswith("ratio") or k == "mfu"}
+        name: {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu"}
         for name, sc in report["scenarios"].items()
     }
     log(json.dumps(summary, indent=2))

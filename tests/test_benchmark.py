@@ -24,7 +24,7 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(out)
-    assert report["tiny"] is True and report["device"] == "cpu"
+    assert report["tiny"] is True and report["device"] == "cpu" and report["gradient_checkpointing"] is True
     assert set(report["scenarios"]) == {"loss_path", "equal_settings", "sampler_logprobs", "logprob_memory"}
     lp = report["scenarios"]["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
@@ -36,6 +36,8 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
             assert _positive(sc[side]["cpu_seconds_per_step"])
             assert sc[side]["completion_tokens"] > 0 and sc[side]["peak_memory_bytes"] >= 0
             assert len(sc["runs"][side]) == report["reps"]
+        assert sc["stock"]["old_logprob_pass_seconds_per_step"] > 0  # stock always recomputes pi_old here
+        assert 0 < sc["stock_old_logprob_pass_share"] < 1
         assert _positive(sc["ratio_seconds_per_step"]) and _positive(sc["ratio_completion_tokens_per_s"])
         ratio = sc["ours"]["seconds_per_step"] / sc["stock"]["seconds_per_step"]
         assert math.isclose(sc["ratio_seconds_per_step"], ratio)

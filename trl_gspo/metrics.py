@@ -97,13 +97,14 @@ def clip_fraction_stats(low: torch.Tensor, high: torch.Tensor, mask: torch.Tenso
     mask = mask.float()
     n = mask.sum(-1)
     nonempty = (n > 0).float()
-    out = {}
-    for kind, x in (("low", low), ("high", high), ("total", torch.maximum(low, high))):
-        clipped = x.float().expand_as(mask) * mask
-        out[f"clip_fraction/token/{kind}"] = _pair(clipped.sum(), mask.sum())
-        per_seq = clipped.sum(-1) / n.clamp(min=1.0)
-        out[f"clip_fraction/sequence/{kind}"] = _pair((per_seq * nonempty).sum(), nonempty.sum())
-    return out
+    # low, high, total stacked on a leading axis: a handful of ops per micro-batch instead of a loop of them
+    clipped = torch.stack(torch.broadcast_tensors(low.float(), high.float(), torch.maximum(low, high).float(), mask))
+    clipped = clipped[:3] * mask  # (3, B, T)
+    token = torch.stack([clipped.sum((1, 2)), mask.sum().expand(3)], -1)  # (3, 2)
+    per_seq = clipped.sum(-1) / n.clamp(min=1.0)  # (3, B)
+    sequence = torch.stack([(per_seq * nonempty).sum(-1), nonempty.sum().expand(3)], -1)
+    names = [f"clip_fraction/{level}/{kind}" for level in ("token", "sequence") for kind in ("low", "high", "total")]
+    return dict(zip(names, torch.cat([token, sequence]).to(torch.float64).unbind(0)))
 
 
 def length_buckets(max_length: int) -> list[tuple[int, int]]:
@@ -126,30 +127,35 @@ def dispersion_stats(lr: torch.Tensor, valid: torch.Tensor, max_length: int) -> 
     nonempty = (n > 0).float()
     seq = sequence_log_ratio(lr, valid)
     token_std = (losses.masked_sequence_mean((lr - seq[:, None]) ** 2, valid)).sqrt()
-    per_seq = {
-        "token_std": token_std,
-        "token_abs": (lr.abs() * valid).sum(-1),  # summed per sequence; divided by tokens, not sequences
-        "seq_abs": seq.abs(),
-        "sum_abs": (lr * valid).sum(-1).abs(),
-    }
-    overall = {"token_std": "token_logratio_std", "token_abs": "token_logratio_abs", "seq_abs": "seq_logratio_abs",
-               "sum_abs": "seq_logratio_sum_abs"}  # fmt: skip
-    out = {}
-    for key, name in overall.items():
-        count = n.sum() if key == "token_abs" else nonempty.sum()
-        out[f"ratio_dispersion/{name}"] = _pair((per_seq[key] * nonempty).sum(), count)
+    keys = ("token_std", "token_abs", "seq_abs", "sum_abs")
+    per_seq = torch.stack([
+        token_std,
+        (lr.abs() * valid).sum(-1),  # summed per sequence; divided by tokens, not sequences
+        seq.abs(),
+        (lr * valid).sum(-1).abs(),
+    ]).double() * nonempty.double()  # (4, B); empty sequences contribute nothing
+    # token_abs is a mean over tokens, the other three over sequences
+    is_token = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64, device=lr.device)
 
     buckets = length_buckets(max_length)
     # bucket index floor(log2 n), computed without a sync; empty sequences and lengths past the last bucket drop out
     index = torch.floor(torch.log2(n.clamp(min=1.0))).long().clamp(max=len(buckets) - 1)
     in_range = nonempty * (n <= buckets[-1][1]).float()
     one_hot = (index[:, None] == torch.arange(len(buckets), device=index.device)).double() * in_range[:, None].double()
-    seq_counts, tok_counts = one_hot.sum(0), (one_hot * n[:, None].double()).sum(0)
-    for key, values in per_seq.items():
-        sums = (one_hot * values[:, None].double()).sum(0)
-        counts = tok_counts if key == "token_abs" else seq_counts
-        for b, (lo, hi) in enumerate(buckets):
-            out[f"logratio_by_len/{lo:04d}-{hi:04d}/{key}"] = torch.stack([sums[b], counts[b]])
+    # column 0: every sequence (the overall metrics), then one column per bucket
+    groups = torch.cat([nonempty.double()[:, None], one_hot], 1)  # (B, 1 + buckets)
+    sums = per_seq @ groups  # (4, 1 + buckets)
+    seq_counts, tok_counts = groups.sum(0), n.double() @ groups
+    counts = torch.where(is_token[:, None] > 0, tok_counts, seq_counts)  # (4, 1 + buckets)
+    pairs = torch.stack([sums, counts], -1).unbind(0)  # 4 x (1 + buckets, 2)
+    overall = {"token_std": "token_logratio_std", "token_abs": "token_logratio_abs", "seq_abs": "seq_logratio_abs",
+               "sum_abs": "seq_logratio_sum_abs"}  # fmt: skip
+    out = {}
+    for key, rows in zip(keys, pairs):
+        rows = rows.unbind(0)
+        out[f"ratio_dispersion/{overall[key]}"] = rows[0]
+        for (lo, hi), row in zip(buckets, rows[1:]):
+            out[f"logratio_by_len/{lo:04d}-{hi:04d}/{key}"] = row
     return out
 
 
@@ -209,6 +215,7 @@ class MetricWindow:
 
     def __init__(self):
         self._additive: dict[str, tuple[str, torch.Tensor]] = {}  # name -> (kind, running tensor)
+        self._mean_groups: dict[tuple[str, ...], torch.Tensor] = {}  # names -> running (K, 2) [sum, count] rows
         self._values: dict[str, list[torch.Tensor]] = {}
         self._finalizers: dict[str, Callable[[torch.Tensor], dict[str, float]]] = {}
 
@@ -219,9 +226,16 @@ class MetricWindow:
         self._additive[name] = (kind, value)
 
     def add_means(self, partial: Partial):
-        """Pooled means: each value is ``tensor([sum, count])``; the window reports ``sum / count``."""
-        for name, pair in partial.items():
-            self._add("mean", name, pair)
+        """Pooled means: each value is ``tensor([sum, count])``; the window reports ``sum / count``.
+
+        The partial is kept as one stacked ``(K, 2)`` tensor per set of names (one add per call, not one per
+        name: this runs every micro-batch) and split into names at flush."""
+        if not partial:
+            return
+        names = tuple(partial)
+        rows = torch.stack([pair.detach().to(torch.float64) for pair in partial.values()])
+        running = self._mean_groups.get(names)
+        self._mean_groups[names] = rows if running is None else running + rows
 
     def add_sums(self, name: str, total: torch.Tensor):
         """A count or total reported as the window's sum (e.g. ``nonfinite/...``)."""
@@ -240,15 +254,18 @@ class MetricWindow:
         self._values.setdefault(name, []).append(values)
 
     def __bool__(self):
-        return bool(self._additive or self._values)
+        return bool(self._additive or self._mean_groups or self._values)
 
     def flush(self, accelerator=None, transforms: dict[str, Callable] | None = None) -> dict[str, float]:
         """Reduce across processes and return the window's metrics; ``transforms[name]`` maps gathered values
         before summarising (e.g. ``exp`` to report ratios from stored log-ratios)."""
+        for names, rows in self._mean_groups.items():
+            for name, pair in zip(names, rows.unbind(0)):
+                self._add("mean", name, pair)
         additive = self._additive
         values = {name: torch.cat(parts) for name, parts in self._values.items()}
         finalizers = dict(self._finalizers)
-        self._additive, self._values, self._finalizers = {}, {}, {}
+        self._additive, self._mean_groups, self._values, self._finalizers = {}, {}, {}, {}
         distributed = accelerator is not None and accelerator.num_processes > 1
         signature = sorted((name, kind, tuple(t.shape)) for name, (kind, t) in additive.items())
         value_names = sorted(values)
