@@ -13,6 +13,9 @@ Scenarios, each reported as ratios ours/stock of medians over repetitions (runs 
 - `logprob_memory`: peak memory of one loss forward+backward (the log-prob path) at vocab 151,936 (Qwen3) x 2,048
   completion tokens, each in a fresh process: stock `_compute_loss`, ours with defaults (TRL's own fused, chunked
   head), ours with `logprob_vocab_chunk_size=4096` (`ours_chunked`), and a naive full-fp32-logits reference.
+Both trainers' log-prob method is wrapped by one timer that sums its no-grad calls (with beta=0: TRL's pi_old pass);
+`stock_old_logprob_pass_share` = that time / step time in the stock runs, so 1 - share is what skipping the pass alone
+would give. `--no-gradient-checkpointing` trains both without TRL's default activation checkpointing.
 Seconds per optimizer step are averaged over whole rollout cycles (the step that generates and the 3 that reuse
 the rollout), since the pass being saved lives in the generating step. Memory: CPU peak RSS above the pre-run
 level (kernel high-water mark, reset through /proc/self/clear_refs; glibc is told to mmap blocks >= 64 KiB so

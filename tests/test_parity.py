@@ -145,3 +145,38 @@ def test_moe_aux_loss_parity(tiny_moe_dir, tokenizer, tmp_path):
     assert router, "router weights must receive gradient (aux loss)"
     for n in ref_grads:
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-7, msg=f"gradient of {n}")
+
+
+def _count_work(trainer_cls, config_cls, model, inputs, tmp_path, tokenizer):
+    """Model forwards and cross-process collectives (each followed by a host sync in TRL) in one `_compute_loss`."""
+    model = copy.deepcopy(model)
+    args = config_cls(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=B, num_generations=2,
+        max_completion_length=T, steps_per_generation=4, **CASES["sequence-grpo (GSPO)"],
+    )  # fmt: skip
+    trainer = trainer_cls(model, _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    counts = {"forward": 0, "collective": 0}
+    trainer.model.register_forward_hook(lambda *a: counts.__setitem__("forward", counts["forward"] + 1))
+    for name in ("gather", "reduce", "gather_for_metrics"):
+        original = getattr(trainer.accelerator, name)
+
+        def counted(*a, _original=original, **k):
+            counts["collective"] += 1
+            return _original(*a, **k)
+
+        setattr(trainer.accelerator, name, counted)
+    trainer._compute_loss(trainer.model, {k: v.clone() for k, v in inputs.items()}).backward()
+    return counts
+
+
+def test_loss_path_adds_no_forward_and_fewer_collectives_than_stock(tokenizer, tmp_path):
+    """The hooks and diagnostics must not add a pass or a per-micro-batch sync: one forward like stock, and TRL's
+    metrics from one gather (stock: a reduce or gather per metric). Diagnostics are reduced at log time only."""
+    model = build_tiny_model(tokenizer, seed=1)
+    inputs = _make_inputs(model, seed=2)
+    stock = _count_work(GRPOTrainer, GRPOConfig, model, inputs, tmp_path / "a", tokenizer)
+    ours = _count_work(GSPOTrainer, GSPOConfig, model, inputs, tmp_path / "b", tokenizer)
+    assert stock["forward"] == ours["forward"] == 1
+    assert stock["collective"] == 6 and ours["collective"] == 1

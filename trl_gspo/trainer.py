@@ -232,7 +232,8 @@ class GSPOTrainer(ResumableTraining, GuardedRewards, SamplerLogprobReuse, Traini
         return losses.clip_indicators(ratio, advantages, self.epsilon_low, self.epsilon_high)
 
     def _log_loss_metrics(self, mode, low, high, mask, entropies, per_token_kl):
-        """TRL's loss metrics (same names), reduced across processes in one collective."""
+        """TRL's loss metrics (same names and values) from one gather and one device-to-host copy per micro-batch;
+        stock TRL issues a reduce or gather, each followed by a sync, per metric (six for the clipped losses)."""
         metrics = self._metrics[mode]
         mask = mask.float()
 
@@ -241,6 +242,9 @@ class GSPOTrainer(ResumableTraining, GuardedRewards, SamplerLogprobReuse, Traini
                 return x.sum(), torch.tensor(float(x.size(0)), device=x.device)
             x = x.expand_as(mask)
             return (x * mask).sum(), mask.sum()
+
+        def per_sequence(x):  # (B,) mean over each completion's tokens, for the min/max over sequences
+            return losses.masked_sequence_mean(x.expand_as(mask), mask) if x.size(1) > 1 else x[:, 0]
 
         names, stats = ["entropy"], [*sum_and_count(entropies)]
         if per_token_kl is not None:
@@ -254,13 +258,14 @@ class GSPOTrainer(ResumableTraining, GuardedRewards, SamplerLogprobReuse, Traini
             names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
             for x in (low, high, torch.maximum(low, high)):
                 stats += sum_and_count(x)
-        totals = self.accelerator.reduce(torch.stack(stats).detach(), reduction="sum").tolist()
+        local = torch.stack(stats)
+        if not cispo:
+            local = torch.cat([local, per_sequence(low), per_sequence(high)])
+        gathered = self.accelerator.gather(local.detach().float()).view(self.accelerator.num_processes, -1).cpu()
+        totals = gathered[:, : len(stats)].sum(0).tolist()
         for i, name in enumerate(names):
             metrics[name].append(totals[2 * i] / max(totals[2 * i + 1], 1.0))
         if not cispo:
-            low_per_seq = losses.masked_sequence_mean(low.expand_as(mask), mask) if low.size(1) > 1 else low[:, 0]
-            high_per_seq = losses.masked_sequence_mean(high.expand_as(mask), mask) if high.size(1) > 1 else high[:, 0]
-            gathered = self.accelerator.gather(torch.stack([low_per_seq, high_per_seq]).detach())
-            metrics["clip_ratio/low_min"].append(gathered[0].min().item())
-            metrics["clip_ratio/high_max"].append(gathered[1].max().item())
-
+            per_seq = gathered[:, len(stats) :].view(gathered.size(0), 2, -1)  # (processes, low/high, B)
+            metrics["clip_ratio/low_min"].append(per_seq[:, 0].min().item())
+            metrics["clip_ratio/high_max"].append(per_seq[:, 1].max().item())
