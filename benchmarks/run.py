@@ -534,7 +534,7 @@ def main(argv=None):
     if args.tiny and args.device == "cuda":
         shape["mem_vocab"], shape["mem_tokens"] = 4096, 64
     reps = args.reps or shape["reps"]
-    gc = not args.no_gradient_checkpointing
+    gradient_checkpointing = not args.no_gradient_checkpointing
     device_name = "cpu"
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -561,7 +561,7 @@ def main(argv=None):
         "reps": reps,
         "shape": shape,
         "steps_per_generation": STEPS_PER_GENERATION,
-        "gradient_checkpointing": gc,
+        "gradient_checkpointing": gradient_checkpointing,
         "loss_settings": LOSS_SETTINGS,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "versions": {"torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
@@ -580,12 +580,12 @@ def main(argv=None):
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
         report["scenarios"]["equal_settings"] = compare(
-            "equal_settings", "recompute", shape, args.device, reps, work_dir, log, gc
+            "equal_settings", "recompute", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
     if "sampler_logprobs" in wanted:
         log("sampler_logprobs (old_logprobs_source='sampler')")
         report["scenarios"]["sampler_logprobs"] = compare(
-            "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log, gc
+            "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")

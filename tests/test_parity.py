@@ -58,8 +58,8 @@ def _make_inputs(model, seed=0, beta=False):
     return inputs
 
 
-def _loss_and_grads(trainer_cls, config_cls, model, settings, inputs, tmp_path, tokenizer):
-    model = copy.deepcopy(model)
+def _trainer(trainer_cls, config_cls, model, settings, tmp_path, tokenizer):
+    """A trainer in train mode on a copy of `model`, ready for `_compute_loss` on a hand-made batch."""
     args = config_cls(
         output_dir=str(tmp_path),
         use_cpu=True,
@@ -71,9 +71,14 @@ def _loss_and_grads(trainer_cls, config_cls, model, settings, inputs, tmp_path, 
         # Explicit: GRPOConfig and GSPOConfig default these differently.
         **{"steps_per_generation": 4, "epsilon": 0.01, "epsilon_high": 0.012, **settings},
     )
-    trainer = trainer_cls(model, _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
+    trainer = trainer_cls(copy.deepcopy(model), _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2  # exercise the accumulation normaliser
+    return trainer
+
+
+def _loss_and_grads(trainer_cls, config_cls, model, settings, inputs, tmp_path, tokenizer):
+    trainer = _trainer(trainer_cls, config_cls, model, settings, tmp_path, tokenizer)
     loss = trainer._compute_loss(trainer.model, {k: v.clone() for k, v in inputs.items()})
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -149,14 +154,7 @@ def test_moe_aux_loss_parity(tiny_moe_dir, tokenizer, tmp_path):
 
 def _count_work(trainer_cls, config_cls, model, inputs, tmp_path, tokenizer):
     """Model forwards and cross-process collectives (each followed by a host sync in TRL) in one `_compute_loss`."""
-    model = copy.deepcopy(model)
-    args = config_cls(
-        output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=B, num_generations=2,
-        max_completion_length=T, steps_per_generation=4, **CASES["sequence-grpo (GSPO)"],
-    )  # fmt: skip
-    trainer = trainer_cls(model, _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
+    trainer = _trainer(trainer_cls, config_cls, model, CASES["sequence-grpo (GSPO)"], tmp_path, tokenizer)
     counts = {"forward": 0, "collective": 0}
     trainer.model.register_forward_hook(lambda *a: counts.__setitem__("forward", counts["forward"] + 1))
     for name in ("gather", "reduce", "gather_for_metrics"):

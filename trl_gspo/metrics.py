@@ -98,8 +98,7 @@ def clip_fraction_stats(low: torch.Tensor, high: torch.Tensor, mask: torch.Tenso
     n = mask.sum(-1)
     nonempty = (n > 0).float()
     # low, high, total stacked on a leading axis: a handful of ops per micro-batch instead of a loop of them
-    clipped = torch.stack(torch.broadcast_tensors(low.float(), high.float(), torch.maximum(low, high).float(), mask))
-    clipped = clipped[:3] * mask  # (3, B, T)
+    clipped = torch.stack([x.float().expand_as(mask) for x in (low, high, torch.maximum(low, high))]) * mask
     token = torch.stack([clipped.sum((1, 2)), mask.sum().expand(3)], -1)  # (3, 2)
     per_seq = clipped.sum(-1) / n.clamp(min=1.0)  # (3, B)
     sequence = torch.stack([(per_seq * nonempty).sum(-1), nonempty.sum().expand(3)], -1)
@@ -127,15 +126,14 @@ def dispersion_stats(lr: torch.Tensor, valid: torch.Tensor, max_length: int) -> 
     nonempty = (n > 0).float()
     seq = sequence_log_ratio(lr, valid)
     token_std = (losses.masked_sequence_mean((lr - seq[:, None]) ** 2, valid)).sqrt()
-    keys = ("token_std", "token_abs", "seq_abs", "sum_abs")
+    overall = {"token_std": "token_logratio_std", "token_abs": "token_logratio_abs", "seq_abs": "seq_logratio_abs",
+               "sum_abs": "seq_logratio_sum_abs"}  # fmt: skip
     per_seq = torch.stack([
         token_std,
         (lr.abs() * valid).sum(-1),  # summed per sequence; divided by tokens, not sequences
         seq.abs(),
         (lr * valid).sum(-1).abs(),
-    ]).double() * nonempty.double()  # (4, B); empty sequences contribute nothing
-    # token_abs is a mean over tokens, the other three over sequences
-    is_token = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64, device=lr.device)
+    ]).double() * nonempty.double()  # (4, B), rows in `overall`'s order; empty sequences contribute nothing
 
     buckets = length_buckets(max_length)
     # bucket index floor(log2 n), computed without a sync; empty sequences and lengths past the last bucket drop out
@@ -146,14 +144,12 @@ def dispersion_stats(lr: torch.Tensor, valid: torch.Tensor, max_length: int) -> 
     groups = torch.cat([nonempty.double()[:, None], one_hot], 1)  # (B, 1 + buckets)
     sums = per_seq @ groups  # (4, 1 + buckets)
     seq_counts, tok_counts = groups.sum(0), n.double() @ groups
-    counts = torch.where(is_token[:, None] > 0, tok_counts, seq_counts)  # (4, 1 + buckets)
+    counts = torch.stack([seq_counts, tok_counts, seq_counts, seq_counts])  # token_abs is a mean over tokens
     pairs = torch.stack([sums, counts], -1).unbind(0)  # 4 x (1 + buckets, 2)
-    overall = {"token_std": "token_logratio_std", "token_abs": "token_logratio_abs", "seq_abs": "seq_logratio_abs",
-               "sum_abs": "seq_logratio_sum_abs"}  # fmt: skip
     out = {}
-    for key, rows in zip(keys, pairs):
+    for (key, name), rows in zip(overall.items(), pairs):
         rows = rows.unbind(0)
-        out[f"ratio_dispersion/{overall[key]}"] = rows[0]
+        out[f"ratio_dispersion/{name}"] = rows[0]
         for (lo, hi), row in zip(buckets, rows[1:]):
             out[f"logratio_by_len/{lo:04d}-{hi:04d}/{key}"] = row
     return out
