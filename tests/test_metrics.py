@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer, metrics
-from trl_gspo.routing import RouterRecorder, find_routers
+from trl_gspo.routing import RouterHooks, find_routers
 from trl_gspo.tiny import build_tiny_model
 
 # Three sequences of lengths 3, 1, 0 (empty), with known token log-ratios.
@@ -160,21 +160,25 @@ def test_per_microbatch_path_never_reads_a_value_back():
     assert window
 
 
-def test_router_recorder_matches_the_models_own_routing(tokenizer):
+def test_router_hooks_record_the_models_own_routing(tokenizer):
     model = build_tiny_model(tokenizer, moe=True, seed=0)
     assert len(find_routers(model)) == model.config.num_hidden_layers
-    assert RouterRecorder.for_model(build_tiny_model(tokenizer, seed=0)) is None  # dense: nothing to record
-    recorder = RouterRecorder.for_model(model)
+    assert RouterHooks.for_model(build_tiny_model(tokenizer, seed=0)) is None  # dense: nothing to record
+    hooks = RouterHooks.for_model(model)
     ids = torch.randint(4, len(tokenizer), (3, 6))
-    with recorder.recording():
-        out = model(input_ids=ids, output_router_logits=True)
-    topk = recorder.completion_topk(ids, logits_to_keep=2)
-    assert topk.shape == (3, 2, model.config.num_hidden_layers, model.config.num_experts_per_tok)
+    with hooks.forward_pass(3, 6) as observed:
+        model(input_ids=ids[:2])  # two consecutive row chunks, as TRL's chunked log-prob loop feeds them
+        model(input_ids=ids[2:])
+    assert observed.check() is None
+    topk = observed.native_routes()
+    assert topk.shape == (3, 6, model.config.num_hidden_layers, model.config.num_experts_per_tok)
+    out = model(input_ids=ids, output_router_logits=True)  # not observed: nothing recorded
     for layer, logits in enumerate(out.router_logits):  # the model's own router logits, (B * S, E)
-        expected = logits.view(3, 6, -1)[:, -2:].topk(model.config.num_experts_per_tok, dim=-1).indices
+        expected = logits.view(3, 6, -1).topk(model.config.num_experts_per_tok, dim=-1).indices
         assert torch.equal(topk[:, :, layer].long().sort(-1).values, expected.sort(-1).values)
-    model(input_ids=ids)  # not armed: nothing recorded
-    assert recorder.completion_topk(ids, 2) is None
+    with hooks.forward_pass(3, 6) as partial:
+        model(input_ids=ids[:2])  # a forward that covers only part of the batch is reported, not silently used
+    assert "saw [12, 12] tokens for a 3x6 batch" in partial.check()
 
 
 # ------------------------------------------------------------------------------------ through the trainer

@@ -9,6 +9,9 @@ from trl import GRPOConfig
 
 from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
 
+#: MoE routing replay modes (see routing_replay.py).
+ROUTING_REPLAY_MODES = ("none", "R2", "R3")
+
 logger = logging.getLogger(__name__)
 
 #: Loss types whose surrogate is the two-sided clipped ratio (their epsilons must lie in (0, 1)).
@@ -83,6 +86,16 @@ class GSPOConfig(GRPOConfig):
             TRL folds each `[tokens, chunk]` fp32 tile with ~8 tile-sized temporaries in the backward, so at a 151k
             vocabulary x 2k tokens the log-prob path peaks above the size of the full fp32 logits; 4096 cuts that
             peak ~6x (see `benchmarks/run.py`). With Triton (CUDA) the fold is in place and the default is fine.
+        routing_replay (`str`, *optional*, defaults to `"none"`):
+            MoE routing replay (see `routing_replay.py`). `"none"`: every forward routes natively (the GSPO paper's
+            setting). `"R2"`: record the top-k experts of every token in TRL's pi_old forward and force them in the
+            loss forward (the paper's "Routing Replay" baseline for GRPO); needs that forward, i.e. off-policy
+            mini-batches (`steps_per_generation > gradient_accumulation_steps` or `num_iterations > 1`) and
+            `old_logprobs_source="recompute"`. `"R3"`: record the sampler's routes while generating (transformers
+            `generate`, vLLM with `enable_return_routed_experts`, or a `rollout_func` returning `routed_experts`) and
+            force them in the pi_old and loss forwards, removing the sampler/trainer routing mismatch. Works with every
+            `importance_sampling_level`. Gate weights are recomputed from the current router logits at the forced
+            experts, so the router keeps training; the load-balancing loss stays on the router's own picks.
     """
 
     importance_sampling_level: str = field(
@@ -181,6 +194,16 @@ class GSPOConfig(GRPOConfig):
         },
     )
 
+    routing_replay: str = field(
+        default="none",
+        metadata={
+            "help": "MoE routing replay. 'none' (default, the GSPO paper: GSPO needs no replay). 'R2': replay the "
+            "experts chosen in TRL's pi_old forward in the loss forward (the paper's GRPO baseline). 'R3': replay the "
+            "sampler's experts in the pi_old and loss forwards (removes the sampler/trainer routing mismatch).",
+            "choices": list(ROUTING_REPLAY_MODES),
+        },
+    )
+
     def __post_init__(self):
         self._validate_counts()  # before TRL's __post_init__, which divides by some of these
         if self.steps_per_generation is None and self.generation_batch_size is None:
@@ -263,6 +286,7 @@ class GSPOConfig(GRPOConfig):
                 "'sequence'."
             )
         self._validate_old_logprobs_source()
+        self._validate_routing_replay()
         on_policy = self.num_iterations == 1 and self.steps_per_generation <= self.gradient_accumulation_steps
         if on_policy and level != "token":
             logger.warning(
@@ -325,3 +349,33 @@ class GSPOConfig(GRPOConfig):
                     "vllm_importance_sampling_length_normalized=True has no effect with old_logprobs_source='sampler' "
                     "(the correction is an identity and is turned off); unset one of them."
                 )
+
+    def _validate_routing_replay(self):
+        mode = self.routing_replay
+        if mode not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"routing_replay={mode!r} is not supported; allowed: {', '.join(ROUTING_REPLAY_MODES)}.")
+        if mode == "R2":
+            generate_every = self.steps_per_generation * self.num_iterations
+            old_pass = self.gradient_accumulation_steps % generate_every != 0 or (
+                self.use_vllm and self.vllm_importance_sampling_correction
+            )
+            if not old_pass:
+                raise ValueError(
+                    f"routing_replay='R2' records routes in TRL's pi_old forward, which does not run here: with "
+                    f"steps_per_generation={self.steps_per_generation} <= gradient_accumulation_steps="
+                    f"{self.gradient_accumulation_steps} and num_iterations={self.num_iterations} every mini-batch is "
+                    "on-policy, so the loss forward already routes exactly as pi_old did and replay would change "
+                    "nothing. Use several mini-batches per rollout (e.g. steps_per_generation = 4 * "
+                    "gradient_accumulation_steps) or routing_replay='none'."
+                )
+            if self.old_logprobs_source == "sampler":
+                raise ValueError(
+                    "routing_replay='R2' records routes in TRL's pi_old forward, which old_logprobs_source='sampler' "
+                    "skips. Use routing_replay='R3' (the sampler's routes, consistent with the sampler's log-probs) or "
+                    "old_logprobs_source='recompute'."
+                )
+        if mode == "R3" and self.use_transformers_continuous_batching:
+            raise ValueError(
+                "routing_replay='R3' needs the sampler's expert routes, which transformers continuous batching "
+                "(use_transformers_continuous_batching=True) does not expose; use generate, vLLM, or routing_replay='R2'."
+            )

@@ -45,12 +45,17 @@ METRIC_NAMES = {
     "with lo <= |y_i| <= hi tokens (power-of-two buckets)",
     "nonfinite/{logps,old_logps,advantages}": "number of non-finite values seen in the window (summed, not averaged); "
     "they are left out of every other diagnostic",
-    "moe/routing_shift": "MoE: fraction of (completion token, MoE layer) pairs whose top-k expert set under the "
-    "current policy differs from the old policy's (no routing replay)",
+    "moe/routing_shift": "MoE: fraction of (completion token, MoE layer) pairs whose top-k expert set picked by the "
+    "current router differs from the routes pi_old's forward used (under routing replay: what replay corrected)",
     "moe/routing_shift_any_layer": "MoE: fraction of completion tokens routed differently in at least one layer",
     "moe/expert_change": "MoE: fraction of activated experts replaced, 1 - |old & new| / k, per token and layer",
     "moe/expert_load_cv": "MoE: coefficient of variation (std / mean) of completion tokens per expert, per layer, "
     "averaged over layers; 0 is perfectly balanced",
+    "moe/replay/coverage": "routing replay: fraction of completion tokens whose recorded route was replayed in the "
+    "loss forward (the rest had none, e.g. the last sampled token, and routed natively)",
+    "moe/replay/route_mb": "routing replay: MiB of expert routes held for the current rollout batch, per process",
+    "moe/r3/sampler_mismatch{,_any_layer}": "R3: routing_shift on mini-batches still at the sampler's weights, i.e. "
+    "the (token, layer) pairs (tokens) where the trainer's router picks other experts than the sampler did",
 }
 
 
@@ -180,6 +185,12 @@ def routing_shift_stats(old_topk: torch.Tensor, new_topk: torch.Tensor, mask: to
         "moe/routing_shift_any_layer": _pair((changed.amax(-1) * m).sum(), m.sum()),
         "moe/expert_change": _pair(((1 - overlap / k) * m[..., None]).sum(), m.sum() * layers),
     }
+
+
+def replay_coverage_stats(replayed: torch.Tensor, mask: torch.Tensor) -> Partial:
+    """Share of valid completion tokens whose expert route was replayed (``replayed``, ``(B, T)`` bool)."""
+    m = mask.bool()
+    return {"moe/replay/coverage": _pair((replayed.bool() & m).sum(), m.sum())}
 
 
 def expert_load(topk: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torch.Tensor:

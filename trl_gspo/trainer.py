@@ -14,8 +14,9 @@ gradient-accumulation normalisation, MoE aux loss, metrics) follows TRL's semant
 checks loss and gradients against stock `GRPOTrainer` so drift is caught when the TRL pin moves.
 
 Features around the loss are mixins, one per module, each overriding TRL methods through `super()`:
-`ResumableTraining` (checkpointing.py), `GuardedRewards` (rewards_guard.py), `SamplerLogprobReuse`
-(sampler_logprobs.py) and `TrainingDiagnostics` (diagnostics.py). The non-finite guard is a callback
+`ResumableTraining` (checkpointing.py), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py: MoE
+routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py) and `TrainingDiagnostics`
+(diagnostics.py). The non-finite guard is a callback
 (nonfinite.py) plus one line at the end of the loss.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 from .diagnostics import TrainingDiagnostics
 from .nonfinite import NonFiniteGuard
 from .rewards_guard import GuardedRewards
+from .routing_replay import MoERouting
 from .sampler_logprobs import SamplerLogprobReuse
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
@@ -46,7 +48,9 @@ _FORWARD_KEYS = (
 )
 
 
-class GSPOTrainer(ResumableTraining, GuardedRewards, SamplerLogprobReuse, TrainingDiagnostics, GRPOTrainer):
+class GSPOTrainer(
+    ResumableTraining, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics, GRPOTrainer
+):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 
     Drop-in for `trl.GRPOTrainer`: same constructor, `args` must be a [`GSPOConfig`] (its defaults are the

@@ -1,0 +1,588 @@
+"""MoE routing replay (trl_gspo/routing.py, route_sources.py, routing_replay.py).
+
+Model level: on a tiny model of each supported architecture, replaying a router's own routes is bit-identical, and a
+replayed forward after an optimizer step equals a naive MoE forward written here with the experts forced by hand
+(log-probs and router gradients). Trainer level: R2 and R3 end to end, what is replayed where, and every error.
+"""
+
+import base64
+import io
+import types
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo.route_sources import place_routes, routes_from_engine
+from trl_gspo.routing import RouterHooks, RouteTable, route_dtype
+from trl_gspo.routing_replay import _capture_vllm_routes
+from trl_gspo.tiny import build_tiny_model, tiny_moe_config
+
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+VOCAB = 48
+B, S = 3, 7
+
+
+def moe_model(arch, seed=0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_moe_config(arch, VOCAB), dtype=torch.float32)
+    if arch == "gpt_oss":  # its router bias starts at zero; make it matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.router.bias.normal_(0, 0.5)
+    return model
+
+
+def token_logps(model, ids):
+    """Log-prob of each next token, (B, S-1)."""
+    logits = model(input_ids=ids).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def record(hooks, model, ids):
+    with torch.no_grad(), hooks.forward_pass(*ids.shape) as observed:
+        model(input_ids=ids)
+    assert observed.check() is None
+    return RouteTable(observed.native_routes().cpu(), torch.ones(ids.shape, dtype=torch.bool))
+
+
+def shifted(table, num_experts):
+    """Other, still distinct, experts for every token and layer."""
+    return RouteTable(((table.ids.long() + 1) % num_experts).to(table.ids.dtype), table.valid)
+
+
+# ------------------------------------------------------------------------------------------------- model level
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replaying_own_routes_is_bit_identical(arch, impl):
+    model = moe_model(arch)
+    model.set_experts_implementation(impl)
+    hooks = RouterHooks.for_model(model)
+    ids = torch.randint(3, VOCAB, (B, S))
+    with torch.no_grad():
+        native = token_logps(model, ids)
+        table = record(hooks, model, ids)
+        with hooks.forward_pass(B, S, replay=table) as replayed:
+            again = token_logps(model, ids)
+        with hooks.forward_pass(B, S, replay=shifted(table, hooks.num_experts)):
+            forced = token_logps(model, ids)
+    assert replayed.check() is None
+    assert torch.equal(again, native)
+    assert not torch.equal(forced, native)  # the replay is applied (so the equality above is not vacuous)
+    assert hooks.active is None  # no replay outside the block
+
+
+def _naive_block(arch, block, hidden, forced):
+    """The MoE block's output with each token's experts forced to `forced` [N, k], computed token by token from the
+    module's weights; gate weights from the current router logits by each architecture's published formula."""
+    x = hidden.reshape(-1, hidden.size(-1))
+    router = block.router if arch == "gpt_oss" else block.gate
+    if arch == "deepseek_v3":
+        logits = x.float() @ router.weight.float().T
+    else:
+        logits = x @ router.weight.T + (router.bias if arch == "gpt_oss" else 0)
+    picked = []
+    for t in range(x.size(0)):
+        e = forced[t]
+        if arch in ("qwen3_moe", "qwen2_moe", "mixtral"):
+            w = torch.softmax(logits[t].float(), -1)[e]
+            if arch == "mixtral" or block.gate.norm_topk_prob:
+                w = w / w.sum()
+        elif arch == "deepseek_v3":
+            w = torch.sigmoid(logits[t])[e]
+            w = w / (w.sum() + 1e-20) * router.routed_scaling_factor
+        else:  # gpt_oss
+            w = torch.softmax(logits[t][e], -1)
+        out = 0
+        for j in range(e.numel()):
+            experts = block.experts
+            if arch == "gpt_oss":
+                gate_up = x[t] @ experts.gate_up_proj[e[j]] + experts.gate_up_proj_bias[e[j]]
+                gate, up = gate_up[::2].clamp(max=experts.limit), gate_up[1::2].clamp(-experts.limit, experts.limit)
+                y = ((up + 1) * gate * torch.sigmoid(gate * experts.alpha)) @ experts.down_proj[e[j]]
+                y = y + experts.down_proj_bias[e[j]]
+            else:
+                gate, up = (experts.gate_up_proj[e[j]] @ x[t]).chunk(2)
+                y = experts.down_proj[e[j]] @ (torch.nn.functional.silu(gate) * up)
+            out = out + w[j].to(y.dtype) * y
+        picked.append(out)
+    routed = torch.stack(picked)
+    if arch == "qwen2_moe":
+        routed = routed + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    if arch == "deepseek_v3":
+        routed = routed + block.shared_experts(x)
+    return routed.view_as(hidden)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replay_after_an_update_matches_a_naive_forced_forward(arch):
+    """Record routes, take an optimizer step (so the router now prefers other experts for some tokens), then replay:
+    log-probs and router gradients equal a naive forward with those experts forced by hand."""
+    model = moe_model(arch)
+    model.set_experts_implementation("eager")
+    hooks = RouterHooks.for_model(model)
+    ids = torch.randint(3, VOCAB, (B, S))
+    old = record(hooks, model, ids)
+    (-token_logps(model, ids).mean()).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 5.0 * p.grad
+    model.zero_grad()
+    now = record(hooks, model, ids)
+    assert not torch.equal(now.ids.sort(-1).values, old.ids.sort(-1).values)  # routing moved: replay must matter
+
+    with hooks.forward_pass(B, S, replay=old):
+        replayed = token_logps(model, ids)
+    replayed.sum().backward()
+    grads = {r.module: r.module.weight.grad.clone() for r in hooks.routers}
+    model.zero_grad()
+
+    blocks = [r.module_parent for r in _with_parents(model, hooks)]
+    handles = [
+        block.register_forward_hook(
+            lambda module, args, output, layer=layer: _swap(output, _naive_block(arch, module, args[0],
+                                                                             old.ids[:, :, layer].reshape(-1, hooks.top_k).long()))  # fmt: skip
+        )
+        for layer, block in enumerate(blocks)
+    ]
+    try:
+        naive = token_logps(model, ids)
+        naive.sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(replayed, naive, rtol=1e-5, atol=1e-5)
+    for router in hooks.routers:
+        assert grads[router.module].abs().sum() > 0
+        torch.testing.assert_close(grads[router.module], router.module.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def _with_parents(model, hooks):
+    names = {module: name for name, module in model.named_modules()}
+    routers = []
+    for router in hooks.routers:
+        parent_name = names[router.module].rsplit(".", 1)[0]
+        routers.append(types.SimpleNamespace(module=router.module, module_parent=model.get_submodule(parent_name)))
+    return routers
+
+
+def _swap(output, new):
+    return (new, *output[1:]) if isinstance(output, tuple) else new
+
+
+def test_gradient_checkpointing_recomputes_on_the_replayed_routes():
+    model = moe_model("qwen3_moe")
+    model.train()
+    hooks = RouterHooks.for_model(model)
+    ids = torch.randint(3, VOCAB, (B, S))
+    forced = shifted(record(hooks, model, ids), hooks.num_experts)
+
+    def grads(checkpointing, keep):
+        model.zero_grad()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_disable()
+        with hooks.forward_pass(B, S, replay=forced, keep_for_recompute=keep) as observed:
+            loss = token_logps(model, ids).sum()
+        loss.backward()
+        hooks.release()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, observed
+
+    plain, _ = grads(False, keep=True)
+    checkpointed, observed = grads(True, keep=True)
+    assert observed.recompute_fires == [1] * hooks.num_layers  # each layer was recomputed, on the replayed routes
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert all(plain[f"model.layers.{i}.mlp.gate.weight"].abs().sum() > 0 for i in range(hooks.num_layers))
+    # what the test guards against: a recompute that routes natively no longer matches its forward (torch notices
+    # here because the expert kernel saves a different number of tensors; with other shapes it would not)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        grads(True, keep=False)
+
+
+def test_sentinel_positions_route_natively_and_bad_routes_raise():
+    model = moe_model("qwen3_moe")
+    hooks = RouterHooks.for_model(model)
+    ids = torch.randint(3, VOCAB, (B, S))
+    with torch.no_grad():
+        native = token_logps(model, ids)
+        other = shifted(record(hooks, model, ids), hooks.num_experts)
+        valid = torch.ones(B, S, dtype=torch.bool)
+        valid[1] = False  # row 1 has no routes at all: it must come out exactly as without replay
+        with hooks.forward_pass(B, S, replay=RouteTable(other.ids, valid)):
+            mixed = token_logps(model, ids)
+    # rounding only (the expert kernels batch other tokens with row 1's), while forced rows move by far more
+    torch.testing.assert_close(mixed[1], native[1], rtol=0, atol=1e-6)
+    assert (mixed[0] - native[0]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"Routes to replay have shape \(3, 6, 2, 2\), but this forward needs "
+                       r"\(batch, positions, MoE layers, top_k\) = \(3, 7, 2, 2\)"):  # fmt: skip
+        with hooks.forward_pass(B, S, replay=RouteTable(other.ids[:, :6], valid[:, :6])):
+            pass
+    with pytest.raises(ValueError, match=r"Routes to replay have shape \(3, 7, 1, 2\)"):
+        with hooks.forward_pass(B, S, replay=RouteTable(other.ids[:, :, :1], valid)):
+            pass
+
+
+def test_routes_are_stored_compactly():
+    assert route_dtype(8) == torch.uint8 and route_dtype(256) == torch.uint8
+    assert route_dtype(257) == torch.int16 and route_dtype(32768) == torch.int16
+    with pytest.raises(ValueError, match="num_experts=40000"):
+        route_dtype(40000)
+
+
+def test_the_load_balancing_loss_stays_on_the_routers_own_picks():
+    """Decision (routing_replay.py): under replay transformers' aux loss sees the router logits, i.e. the router's own
+    top-k, not the replayed experts. Checked against the Switch-style formula written here for both choices."""
+    model = moe_model("qwen3_moe")
+    hooks = RouterHooks.for_model(model)
+    ids = torch.randint(3, VOCAB, (B, S))
+    forced = shifted(record(hooks, model, ids), hooks.num_experts)
+    with torch.no_grad(), hooks.forward_pass(B, S, replay=forced) as observed:
+        out = model(input_ids=ids, output_router_logits=True)
+
+    def switch_loss(routes):  # routes [B, S, L, k]; pooled over layers: E * sum_e (share of picks) * (mean prob)
+        picks, probs = 0, 0
+        for layer, logits in enumerate(out.router_logits):
+            chosen = torch.nn.functional.one_hot(routes[:, :, layer].reshape(-1, hooks.top_k).long(), hooks.num_experts)
+            picks = picks + chosen.float().sum((0, 1))
+            probs = probs + torch.softmax(logits.float(), -1).sum(0)
+        rows = len(out.router_logits) * B * S
+        return hooks.num_experts * ((picks / rows) * (probs / rows)).sum()
+
+    torch.testing.assert_close(out.aux_loss, switch_loss(observed.native_routes()), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(out.aux_loss, switch_loss(forced.ids), rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- trainer level
+PROMPTS = ["copy 1 2 :", "add 3 4 5 6 =", "copy a :", "count 5 6 7 8 9"]  # different lengths: left padding
+
+
+def reward(completions, **kwargs):
+    return [float(len(c.split()) % 3) for c in completions]
+
+
+def make_trainer(tokenizer, tmp_path, model=None, trainer_cls=GSPOTrainer, **overrides):
+    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
+                    per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=5e-2,
+                    max_steps=4, logging_steps=1, disable_tqdm=True)  # fmt: skip
+    model = model if model is not None else build_tiny_model(tokenizer, moe=True, seed=0)
+    args = GSPOConfig(**{**settings, **overrides})
+    return trainer_cls(model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+                       processing_class=tokenizer)  # fmt: skip
+
+
+class UsedRoutes:
+    """Test-side probe: the experts the routers actually returned in each loss forward (a forward hook registered
+    after the trainer's own, so it sees the replayed output), with the micro-batch it ran on."""
+
+    def __init__(self, trainer):
+        self.trainer, self.loss_forwards, self._armed = trainer, [], False
+        for layer, router in enumerate(trainer._router_hooks.routers):
+            router.module.register_forward_hook(self._hook(layer))
+        compute = trainer._compute_loss
+
+        def compute_and_probe(model, inputs):
+            self.loss_forwards.append({"inputs": inputs, "used": {}})
+            self._armed = True
+            try:
+                return compute(model, inputs)
+            finally:
+                self._armed = False
+
+        trainer._compute_loss = compute_and_probe
+
+    def _hook(self, layer):
+        def hook(module, args, output):
+            if self._armed:
+                self.loss_forwards[-1]["used"].setdefault(layer, output[2].detach().clone())
+
+        return hook
+
+
+def test_r2_replays_recorded_routes_in_the_loss_forward(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R2")
+    probe = UsedRoutes(trainer)
+    trainer.train()
+    assert len(probe.loss_forwards) == 4  # 4 mini-batches of one rollout batch
+    for forward in probe.loss_forwards:
+        inputs = forward["inputs"]
+        old = inputs["old_routes"]
+        assert old.device.type == "cpu" and old.dtype == torch.uint8  # compact, off the accelerator
+        assert inputs["old_routes_valid"].all()
+        for layer, used in forward["used"].items():  # routes used == routes recorded, at every position
+            assert torch.equal(used, old[:, :, layer].reshape(-1, 2).long())
+    rows = [row for row in trainer.state.log_history if "moe/routing_shift" in row]
+    assert all(row["moe/replay/coverage"] == 1.0 for row in rows)
+    assert rows[0]["moe/routing_shift"] == 0  # on-policy mini-batch
+    assert any(row["moe/routing_shift"] > 0 for row in rows[1:])  # the router alone would have moved
+    assert trainer._router_hooks.active is None
+
+
+def test_r2_changes_nothing_on_policy_and_something_off_policy(tokenizer, tmp_path):
+    def logs(mode):
+        trainer = make_trainer(tokenizer, tmp_path / mode, routing_replay=mode)
+        trainer.train()
+        return [row for row in trainer.state.log_history if "loss" in row]
+
+    plain, replayed = logs("none"), logs("R2")
+    assert plain[0]["loss"] == replayed[0]["loss"] and plain[0]["grad_norm"] == replayed[0]["grad_norm"]
+    assert any(a["grad_norm"] != b["grad_norm"] for a, b in zip(plain[1:], replayed[1:]))
+
+
+def test_generate_after_a_replayed_step_routes_natively(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R2", max_steps=2)
+    trainer.train()  # step 2 is off-policy: its loss forward (and backward) ran under replay
+    assert trainer._router_hooks.active is None
+    model = trainer.model
+    prompt = tokenizer(["copy 1 2 :", "add 3 ="], return_tensors="pt", padding=True, padding_side="left")
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        hooked = model.generate(**prompt, **settings)
+        trainer._router_hooks.remove()
+        bare = model.generate(**prompt, **settings)
+    assert torch.equal(hooked, bare)
+
+
+def test_r3_generate_routes_match_a_reforward_position_by_position(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R3")
+    batch = [{"prompt": p} for p in PROMPTS for _ in range(4)]
+    trainer.model.train()
+    output = trainer._generate_and_score_completions(batch)
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+    mask = torch.cat([output["prompt_mask"], output["completion_mask"]], 1).bool()
+    assert output["prompt_mask"].sum(1).unique().numel() > 1  # prompts of different lengths: left padding
+    hooks = trainer._router_hooks
+    with torch.no_grad(), hooks.forward_pass(*ids.shape) as observed:
+        trainer.model(input_ids=ids, attention_mask=mask.long())
+    native, recorded, valid = observed.native_routes(), output["old_routes"], output["old_routes_valid"]
+    assert not valid[~mask].any()  # padding has no route
+    # every real token has one, except the last completion token when generate() never fed it back
+    lengths = output["completion_mask"].sum(1)
+    last = (output["prompt_ids"].size(1) + lengths - 1)
+    unfed = lengths == lengths.max()
+    expected = mask.clone()
+    expected[unfed, last[unfed]] = False
+    assert torch.equal(valid, expected)
+    assert torch.equal(recorded[valid].long().sort(-1).values, native[valid].long().sort(-1).values)
+
+
+def test_r3_trains_and_reports_sampler_mismatch(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R3")
+    probe = UsedRoutes(trainer)
+    trainer.train()
+    forward = probe.loss_forwards[-1]
+    old, valid = forward["inputs"]["old_routes"], forward["inputs"]["old_routes_valid"]
+    for layer, used in forward["used"].items():
+        keep = valid.reshape(-1)
+        assert torch.equal(used[keep], old[:, :, layer].reshape(-1, 2)[keep].long())
+    rows = [row for row in trainer.state.log_history if "moe/routing_shift" in row]
+    assert rows[0]["moe/r3/sampler_mismatch"] == 0  # fp32 generate vs forward on CPU: same experts
+    assert 0.5 < rows[0]["moe/replay/coverage"] < 1  # the last sampled token of full-length completions has none
+    assert rows[0]["moe/replay/route_mb"] > 0
+
+
+def test_r3_with_sampler_logprob_reuse(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R3", old_logprobs_source="sampler", max_steps=2)
+    trainer.train()
+    rows = [row for row in trainer.state.log_history if "moe/replay/coverage" in row]
+    assert len(rows) == 2 and rows[1]["moe/routing_shift"] > 0
+
+
+def test_replay_fails_loudly_when_a_kernel_bypasses_a_router(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R2", max_steps=2)
+    block = trainer.model.model.layers[1].mlp
+
+    def fused(hidden_states):  # a "fused kernel": routes and runs the experts without calling the router module
+        flat = hidden_states.view(-1, hidden_states.size(-1))
+        logits = flat @ block.gate.weight.T
+        weights, experts = torch.softmax(logits, -1).topk(2, dim=-1)
+        return block.experts(flat, experts, weights / weights.sum(-1, keepdim=True)).view_as(hidden_states)
+
+    block.forward = fused
+    with pytest.raises(RuntimeError, match=r"routing_replay='R2': the routers of MoE layers \[1\] saw \[0\] tokens"):
+        trainer.train()
+
+
+def test_replay_errors_name_the_field(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match=r"routing_replay='R2' needs a Mixture-of-Experts model, but 'qwen3' has no"):
+        make_trainer(tokenizer, tmp_path, model=build_tiny_model(tokenizer, seed=0), routing_replay="R2")
+    from transformers import OlmoeConfig
+
+    olmoe = AutoModelForCausalLM.from_config(OlmoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2, bos_token_id=None,
+    ))  # fmt: skip
+    with pytest.raises(ValueError, match=r"routing_replay='R3': this model's routers \(OlmoeTopKRouter, model_type="
+                       r"'olmoe'\) are not supported.*Supported: qwen3_moe, qwen2_moe, mixtral, deepseek_v3, gpt_oss"):
+        make_trainer(tokenizer, tmp_path, model=olmoe, routing_replay="R3")
+    make_trainer(tokenizer, tmp_path, model=olmoe, max_steps=1).train()  # metrics only: any MoE router works
+
+
+# ------------------------------------------------------------------------------------- engine layouts (R3)
+LAYERS, K, E = 2, 2, 8
+
+
+def engine_routes(rows, layers=LAYERS, dtype=np.int32, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.stack([[rng.choice(E, K, replace=False) for _ in range(layers)] for _ in range(rows)]).astype(dtype)
+
+
+def ingest(raw, p=3, c=4, moe_layers=(0, 1), decoder_layers=2):
+    return routes_from_engine(raw, p, c, list(moe_layers), decoder_layers, K, E, where="engine")
+
+
+def npy_base64(array):
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize("layout", ["array_p+c", "array_p+c-1", "int16", "uint8", "base64_npy", "lists", "split_pair",
+                                    "split_dict", "decoder_layers", "prefix_cache_hits"])  # fmt: skip
+def test_each_engine_layout_is_ingested(layout):
+    full = engine_routes(7)
+    expected = torch.from_numpy(full.astype(np.int64))
+    moe_layers, decoder_layers = (0, 1), 2
+    if layout == "array_p+c":
+        raw = full
+    elif layout == "array_p+c-1":
+        raw, expected = full[:6], expected.clone()
+        expected[6] = -1
+    elif layout in ("int16", "uint8"):
+        raw = full.astype(layout)
+    elif layout == "base64_npy":
+        raw = npy_base64(full[:6].astype(np.int16))
+        expected = expected.clone()
+        expected[6] = -1
+    elif layout == "lists":
+        raw = full.tolist()
+    elif layout == "split_pair":
+        raw = (full[:3], full[3:])
+    elif layout == "split_dict":
+        raw = {"prompt": full[:3], "completion": full[3:]}
+    elif layout == "decoder_layers":  # engine numbers layers by decoder layer; layer 0 is dense (DeepSeek-V3 style)
+        raw = np.concatenate([np.full((7, 1, K), 0, np.int32), full], axis=1)
+        moe_layers, decoder_layers = (1, 2), 3
+    else:  # vLLM marks prefix-cache hits with -1
+        raw = full.copy()
+        raw[:2] = -1
+        expected = expected.clone()
+        expected[:2] = -1
+    got = ingest(raw, moe_layers=moe_layers, decoder_layers=decoder_layers)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("raw, match", [
+    (engine_routes(5), r"routed_experts has 5 rows for 3 prompt \+ 4 completion tokens \(expected 7 or 6\)"),
+    (engine_routes(7, layers=3), r"has 3 layers; expected the 2 MoE layers or all 2 decoder layers"),
+    (engine_routes(7)[:, :, :1], r"has top_k=1, the model routes to 2 experts per token"),
+    (engine_routes(7) + 8, r"expert id \d+ >= num_experts=8 \(physical ids"),
+    (np.zeros((7, LAYERS, K), np.int32), r"repeats an expert within one token's top-2 \(an engine that returns zeros"),
+    (np.zeros((7, LAYERS, K), np.float32), r"must be an integer array \[tokens, layers, top_k\]"),
+    ({"prompt": engine_routes(3)}, r"must have keys 'prompt' and 'completion'"),
+    ("not-base64!", r"routed_experts is a string but not base64 .npy"),
+])  # fmt: skip
+def test_unknown_engine_layouts_are_rejected(raw, match):
+    with pytest.raises(ValueError, match=match):
+        ingest(raw)
+
+
+def test_place_routes_follows_left_padded_prompts_and_right_padded_completions():
+    routes = [torch.arange(5 * 2 * 2).view(5, 2, 2) % 8, torch.full((3, 2, 2), 1)]
+    routes[1][-1] = -1  # the last sampled token: no route
+    table = place_routes(routes, [2, 1], [3, 2], prompt_width=3, completion_width=4, dtype=torch.uint8)
+    assert table.ids.shape == (2, 7, 2, 2)
+    assert table.valid.tolist() == [[False, True, True, True, True, True, False],
+                                     [False, False, True, True, False, False, False]]  # fmt: skip
+    assert torch.equal(table.ids[0, 1:6].long(), routes[0])
+    with pytest.raises(ValueError, match="completion 0 has 5 routes for 2 prompt \\+ 3 completion tokens in a batch of 1"):
+        place_routes(routes, [2, 1], [3, 2], prompt_width=1, completion_width=4, dtype=torch.uint8)
+
+
+# -------------------------------------------------------------------------------- vLLM stand-in engines (R3)
+class StandInVLLM:
+    """Mimics TRL's `VLLMGeneration` closely enough for its trainer-side calls: `generate(prompts, images,
+    num_generations, profiler)` returning (prompt_ids, completion_ids, logprobs, token_ids), `sync_weights()`, and the
+    engine object TRL calls underneath (colocate: `llm.generate`; server: `vllm_client.generate` -> `_post`)."""
+
+    def __init__(self, mode, raw_for):
+        self.mode, self.raw_for, self.calls = mode, raw_for, 0
+        if mode == "colocate":
+            self.llm = types.SimpleNamespace(generate=self._engine)
+        else:
+            self.vllm_client = types.SimpleNamespace(_post=self._post)
+            self.vllm_client.generate = lambda prompts: self.vllm_client._post("http://stand-in/v1/completions",
+                                                                               json={"prompt": prompts})  # fmt: skip
+
+    def sync_weights(self):
+        pass
+
+    def _completions(self, prompts):
+        return [[5 + (i + j) % 10 for j in range(1 + i % 3)] + [2] for i in range(len(prompts))]
+
+    def _engine(self, prompts, **kwargs):
+        outputs = []
+        for i, (prompt, completion) in enumerate(zip(prompts, self._completions(prompts))):
+            ids = prompt["prompt_token_ids"]
+            raw = self.raw_for(len(ids), len(completion), i)
+            completion_output = types.SimpleNamespace(token_ids=completion, routed_experts=raw)
+            outputs.append(types.SimpleNamespace(prompt_token_ids=ids, outputs=[completion_output]))
+        return outputs
+
+    def _post(self, url, json):
+        completions = self._completions(json["prompt"])
+        return {"choices": [{"token_ids": c, "routed_experts": self.raw_for(len(p), len(c), i)}
+                            for i, (p, c) in enumerate(zip(json["prompt"], completions))]}  # fmt: skip
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        self.calls += 1
+        if self.mode == "colocate":
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts])
+            completions = [o.outputs[0].token_ids for o in outputs]
+        else:
+            completions = [c["token_ids"] for c in self.vllm_client.generate(prompts)["choices"]]
+        return prompts, completions, [[[-1.0]] * len(c) for c in completions], None
+
+
+@pytest.mark.parametrize("mode, layout", [("colocate", "array_p+c-1"), ("colocate", "split_pair"),
+                                          ("server", "base64_npy"), ("colocate", "decoder_layers")])  # fmt: skip
+def test_vllm_stand_in_routes_reach_the_rollout_batch(tokenizer, tmp_path, mode, layout):
+    made = {}
+
+    def raw_for(p, c, i):
+        full = engine_routes(p + c, seed=i)
+        made[i] = torch.from_numpy(full.astype(np.int64))
+        if layout == "split_pair":
+            return (full[:p], full[p:])
+        if layout == "decoder_layers":
+            return np.concatenate([full[:, :1], full[:, :1], full[:, 1:]], axis=1)  # [0, 0, 1]: unknown layout
+        made[i][-1] = -1
+        return npy_base64(full[:-1].astype(np.int16)) if layout == "base64_npy" else full[:-1]
+
+    model = build_tiny_model(tokenizer, moe=True, seed=0, num_experts=E)
+    trainer = make_trainer(tokenizer, tmp_path, model=model, routing_replay="R3")
+    trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, StandInVLLM(mode, raw_for), -1
+    trainer.vllm_importance_sampling_correction = False
+    _capture_vllm_routes(trainer)
+    batch = [{"prompt": p} for p in PROMPTS for _ in range(4)]
+    trainer.model.train()
+    if layout == "decoder_layers":  # 3 layers for a 2-layer model: neither MoE-only nor every decoder layer
+        with pytest.raises(ValueError, match=r"vLLM completion 0: routed_experts has 3 layers; expected the 2 MoE"):
+            trainer._generate_and_score_completions(batch)
+        return
+    output = trainer._generate_and_score_completions(batch)
+    assert trainer.vllm_generation.calls == 1
+    width = output["prompt_ids"].size(1)
+    prompt_lens = output["prompt_mask"].sum(1)
+    for i in range(len(batch)):
+        p = int(prompt_lens[i])
+        row = output["old_routes"][i, width - p : width - p + made[i].size(0)].long()
+        valid = output["old_routes_valid"][i, width - p : width - p + made[i].size(0)]
+        assert torch.equal(valid, (made[i] >= 0).all(-1).all(-1))
+        assert torch.equal(row[valid], made[i][valid])

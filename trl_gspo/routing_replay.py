@@ -1,0 +1,356 @@
+"""`MoERouting`: MoE routes observed in the forwards TRL runs, and replayed when `GSPOConfig.routing_replay` asks.
+
+    class GSPOTrainer(..., MoERouting, SamplerLogprobReuse, TrainingDiagnostics, GRPOTrainer): ...
+
+Which routes pi_old used, per rollout batch. After generation TRL runs at most two forwards over the rollout batch
+(pi_old, then the reference) and one loss forward per micro-batch. This mixin opens a :class:`routing.RouterPass` on
+exactly two of them: the first log-prob call inside `_generate_and_score_completions` when TRL needs pi_old (its
+no-grad pi_old pass; never the reference forward, which runs the same modules under PEFT), and the loss forward
+inside `compute_loss`. The routes pi_old's forward used ride along in the rollout batch as `old_routes` /
+`old_routes_valid` (compact ids and a validity mask; TRL shuffles and splits them with every other per-row tensor):
+
+| `routing_replay` | pi_old forward                    | loss forward                 | `old_routes` hold          |
+|------------------|-----------------------------------|------------------------------|----------------------------|
+| `"none"`         | native, recorded (completion)     | native                       | pi_old's own picks         |
+| `"R2"`           | native, recorded (prompt + compl.) | replays `old_routes`         | pi_old's own picks         |
+| `"R3"`           | replays the sampler's routes      | replays `old_routes`         | the sampler's picks        |
+
+R3's sampler routes come from transformers `generate` (recorded during prefill and decoding), from vLLM
+(`enable_return_routed_experts`, colocate and server mode) or from a `rollout_func` that returns `routed_experts`
+(`route_sources.py`). Positions without a route (padding, the last sampled token, prefix-cache hits) route natively.
+
+Replayed forwards keep their replay armed through the backward, so gradient checkpointing recomputes each layer on the
+same routes; `training_step` / `prediction_step` disarm it when they return, so `generate()` always routes natively.
+
+Metrics, through the diagnostics window (pooled per logging step): `moe/routing_shift` (+ `_any_layer`,
+`moe/expert_change`): the current router's own top-k vs the routes pi_old's forward used, per completion token and
+MoE layer, so under replay it shows what replay corrected; `moe/expert_load_cv` (native picks); `moe/replay/coverage`
+(share of completion tokens whose route was replayed); R3: `moe/r3/sampler_mismatch` (+ `_any_layer`), the same
+comparison on mini-batches still at the sampler's weights, i.e. sampler vs trainer routing; `moe/replay/route_mb`
+(routes held for the current rollout batch, per process).
+
+The MoE load-balancing loss stays native under replay: transformers computes it from the router logits (re-running
+top-k on them), and the replay hook returns those logits unchanged. Balancing the router's own choices is what keeps
+future rollouts balanced; the replayed routes are history the router can no longer change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from . import metrics
+from .route_sources import place_routes, routes_from_engine, routes_from_generate
+from .routing import RouterHooks, RouteTable
+
+logger = logging.getLogger(__name__)
+
+
+class MoERouting:
+    """`GSPOTrainer` mixin: MoE routing metrics, and routing replay (R2 / R3) when `routing_replay` asks for it."""
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        with _vllm_returns_routes(getattr(config, "routing_replay", "none") == "R3" and getattr(config, "use_vllm", False)):
+            super().__init__(*args, **kwargs)
+        self._router_hooks = RouterHooks.for_model(self.model)  # None for dense models
+        self._replay = self.args.routing_replay
+        self._moe_role = None  # "old" or "loss" while one of the two observed forwards is next; None otherwise
+        self._moe_inputs = None  # the micro-batch of the running loss forward
+        self._sampler_routes = None  # R3: per-completion routes of the rollout being scored (route_sources.py)
+        self._rollout_routes = None  # RouteTable of pi_old's routes for the rollout being scored
+        self._moe_rollout_step = None  # optimizer step the current rollout batch was sampled at
+        self._check_routing_replay()
+        if self._replay == "R3" and self.use_vllm:
+            _capture_vllm_routes(self)
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def _check_routing_replay(self):
+        mode = self._replay
+        if mode == "none":
+            return
+        name = getattr(self.model.config, "model_type", type(self.model).__name__)
+        if self._router_hooks is None:
+            raise ValueError(
+                f"routing_replay={mode!r} needs a Mixture-of-Experts model, but {name!r} has no expert routers; use "
+                "routing_replay='none' for dense models."
+            )
+        self._router_hooks.check_replay_supported("routing_replay", mode)
+        if mode == "R3" and getattr(self, "tools", None):
+            raise ValueError(
+                "routing_replay='R3' records the sampler's routes of one generation call; multi-turn tool completions "
+                "(tools / environment_factory) interleave tool output the sampler never routed. Use routing_replay='R2'."
+            )
+
+    # ------------------------------------------------------------------------------------ sampler routes (R3)
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        record = self._replay == "R3" and not self.use_vllm and not self.use_transformers_continuous_batching
+        with self._router_hooks.log_calls() if record else contextlib.nullcontext() as log:
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        if record:
+            lengths = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
+            self._sampler_routes = (routes_from_generate(log, len(prompt_ids), *lengths), *lengths)
+        elif self._replay == "R3" and self.use_vllm:
+            raw = self.vllm_generation.last_routed_experts  # set by _capture_vllm_routes
+            self._sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "vLLM")
+        return completion_ids, logprobs
+
+    def _generate(self, prompts):
+        outputs = super()._generate(prompts)
+        prompt_ids, completion_ids, extra_fields = outputs[0], outputs[1], outputs[5]
+        if self._replay == "R3" and self.rollout_func is not None:
+            raw = extra_fields.pop("routed_experts", None)  # not a reward-function column
+            if raw is None:
+                raise ValueError(
+                    "routing_replay='R3' with a rollout_func needs it to return 'routed_experts' (one [tokens, layers, "
+                    "top_k] array per completion, layouts as in trl_gspo.route_sources.routes_from_engine)."
+                )
+            self._sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "rollout_func")
+        if self._replay == "R3" and self._sampler_routes is None:
+            raise RuntimeError("routing_replay='R3' but this generation path returned no routes.")
+        return outputs
+
+    def _ingest(self, raw, prompt_ids, completion_ids, where):
+        hooks = self._router_hooks
+        if raw is None or len(raw) != len(completion_ids):
+            raise ValueError(
+                f"routing_replay='R3': {where} returned routes for {0 if raw is None else len(raw)} completions, the "
+                f"batch has {len(completion_ids)} (vLLM: start it with enable_return_routed_experts / "
+                "--enable-return-routed-experts)."
+            )
+        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        layers = [r.decoder_layer for r in hooks.routers]
+        routes = [
+            routes_from_engine(r, len(p), len(c), layers, config.num_hidden_layers, hooks.top_k, hooks.num_experts,
+                               f"{where} completion {i}")  # fmt: skip
+            for i, (r, p, c) in enumerate(zip(raw, prompt_ids, completion_ids, strict=True))
+        ]
+        return routes, [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
+
+    # ------------------------------------------------------------------------------------------ rollout batch
+    def _generate_and_score_completions(self, inputs):
+        self._router_hooks and self._router_hooks.release()
+        self._sampler_routes, self._rollout_routes = None, None
+        self._moe_role = "old" if self._router_hooks is not None and self._old_logps_pass_needed() else None
+        self._old_pass_logps = None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._moe_role = None
+        if self._replay == "R3":
+            table = self._rollout_table(output["prompt_ids"].size(1), output["completion_ids"].size(1))
+        elif self._old_pass_logps is not None and output.get("old_per_token_logps") is self._old_pass_logps:
+            table = self._rollout_routes  # recorded in the forward whose log-probs TRL kept as pi_old
+        else:
+            table = None  # no pi_old forward ran (on-policy, or pi_old from the sampler): no routes to pair with it
+        if table is not None:
+            output["old_routes"], output["old_routes_valid"] = table.ids, table.valid
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["moe/replay/route_mb"].append(table.nbytes / 2**20)
+        if self.model.training:
+            self._moe_rollout_step = self.state.global_step
+        self._sampler_routes, self._rollout_routes = None, None
+        return output
+
+    def _rollout_table(self, prompt_width, completion_width) -> RouteTable:
+        """R3: the sampler's routes in the rollout batch's layout (built once per rollout batch)."""
+        if self._rollout_routes is None:
+            routes, prompt_lens, completion_lens = self._sampler_routes
+            self._rollout_routes = place_routes(routes, prompt_lens, completion_lens, prompt_width, completion_width,
+                                                self._router_hooks.id_dtype)  # fmt: skip
+        return self._rollout_routes
+
+    # ------------------------------------------------------------------------------------------ the forwards
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._moe_role, self._moe_inputs = ("loss", inputs) if self._router_hooks is not None else (None, None)
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self._moe_role, self._moe_inputs = None, None
+
+    def training_step(self, *args, **kwargs):
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:  # the backward (and its checkpointing recompute) is done: generate() must route natively
+            self._router_hooks and self._router_hooks.release()
+
+    def prediction_step(self, *args, **kwargs):
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            self._router_hooks and self._router_hooks.release()
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        forward = super()._get_per_token_logps_and_entropies
+        role, self._moe_role = self._moe_role, None  # one observed forward per role
+        if role is None:
+            return forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        batch, width = input_ids.shape
+        replay = self._replay_table(role, width, logits_to_keep)
+        record = not (role == "old" and self._replay == "R3")  # R3's pi_old routes are the sampler's, already known
+        with self._router_hooks.forward_pass(
+            batch, width, record=record, replay=replay, keep_for_recompute=torch.is_grad_enabled()
+        ) as observed:
+            out = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if observed.cursor == [0] * len(observed.cursor) and observed.call is None:
+            return out  # no model call ran (pi_old came from the sampler's log-probs): nothing observed
+        problem = observed.check()
+        if problem is not None:
+            if self._replay != "none":  # replay would force routes onto the wrong tokens, or have none to force
+                raise RuntimeError(f"routing_replay={self._replay!r}: {problem}; routes cannot be replayed reliably.")
+            logger.warning("MoE routing metrics skipped for this forward: %s.", problem)
+            return out
+        native = observed.native_routes()
+        if role == "old":
+            self._old_pass_logps = out[0]
+            if not record:
+                return out
+            if self._replay == "none":  # metrics only need the completion part
+                native = native[:, -logits_to_keep:]
+            self._rollout_routes = RouteTable(native.cpu(), torch.ones(native.shape[:2], dtype=torch.bool))
+        else:
+            self._record_moe_metrics(native[:, -logits_to_keep:], replay, logits_to_keep)
+        return out
+
+    def _replay_table(self, role, width, logits_to_keep) -> RouteTable | None:
+        """Routes to force in this forward: R3's sampler routes in the pi_old pass; R2/R3's `old_routes` in the loss."""
+        if self._replay == "none":
+            return None
+        if role == "old":
+            return self._rollout_table(width - logits_to_keep, logits_to_keep) if self._replay == "R3" else None
+        ids, valid = self._moe_inputs.get("old_routes"), self._moe_inputs.get("old_routes_valid")
+        if ids is None:
+            raise RuntimeError(
+                f"routing_replay={self._replay!r} but this micro-batch carries no routes (TRL skipped the pi_old forward "
+                "they are recorded in?)."
+            )
+        return RouteTable(ids, valid)
+
+    def _record_moe_metrics(self, current, replay, width):
+        """Per micro-batch (device tensors only, no sync): shift, load, replay coverage, R3 sampler mismatch."""
+        window = self._diagnostics_window()
+        if window is None:
+            return
+        inputs = self._moe_inputs
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = mask.bool()
+        window.add_counts(
+            "moe/expert_load",
+            metrics.expert_load(current, mask, self._router_hooks.num_experts),
+            lambda load: {"moe/expert_load_cv": metrics.expert_load_cv(load)},
+        )
+        old = inputs.get("old_routes")
+        if old is None:
+            return
+        old = RouteTable(old, inputs["old_routes_valid"]).completion(width).to(current.device)
+        counted = mask & old.valid
+        shift = metrics.routing_shift_stats(old.ids, current, counted)
+        window.add_means(shift)
+        if replay is not None:
+            window.add_means(metrics.replay_coverage_stats(old.valid, mask))
+        if self._replay == "R3" and self.model.training and self.state.global_step == self._moe_rollout_step:
+            window.add_means({"moe/r3/sampler_mismatch": shift["moe/routing_shift"],
+                              "moe/r3/sampler_mismatch_any_layer": shift["moe/routing_shift_any_layer"]})  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------- vLLM (R3)
+@contextlib.contextmanager
+def _vllm_returns_routes(enabled: bool):
+    """While TRL builds its colocated vLLM engine, build it with `enable_return_routed_experts=True`.
+
+    TRL constructs `vllm.LLM(...)` inside `VLLMGeneration` with a fixed argument list; the name `LLM` is looked up in
+    TRL's module at that moment, so it is swapped for the duration of the trainer's construction only."""
+    module = None
+    if enabled:
+        try:
+            from trl.generation import vllm_generation as module
+        except ImportError:
+            module = None
+    llm = getattr(module, "LLM", None)
+    if llm is None:
+        yield
+        return
+
+    def llm_with_routes(*args, **kwargs):
+        return llm(*args, **{**kwargs, "enable_return_routed_experts": True})
+
+    module.LLM = llm_with_routes
+    try:
+        yield
+    finally:
+        module.LLM = llm
+
+
+def vllm_routes_from_outputs(request_outputs) -> list:
+    """Raw routes of every completion in vLLM `RequestOutput`s (colocate): `CompletionOutput.routed_experts`, with the
+    prompt's part prepended when the release returns it separately (`RequestOutput.prompt_routed_experts`)."""
+    raw = []
+    for request in request_outputs:
+        prompt_part = getattr(request, "prompt_routed_experts", None)
+        for completion in request.outputs:
+            routes = getattr(completion, "routed_experts", None)
+            raw.append(routes if prompt_part is None or routes is None else (prompt_part, routes))
+    return raw
+
+
+def vllm_routes_from_choices(choices: list[dict]) -> list:
+    """Raw routes of every completion in a vLLM OpenAI-server response (server mode): `choices[i]["routed_experts"]`."""
+    return [choice.get("routed_experts") for choice in choices]
+
+
+def _capture_vllm_routes(trainer):
+    """Keep the routes vLLM returns with each `VLLMGeneration.generate` call in `vllm_generation.last_routed_experts`
+    (this process's completions, in TRL's order), by wrapping the engine / client calls TRL makes on this instance."""
+    generation = trainer.vllm_generation
+    seen = {"raw": None}
+    if getattr(generation, "mode", None) == "colocate":
+        llm_generate = generation.llm.generate
+
+        def generate_and_keep(*args, **kwargs):
+            outputs = llm_generate(*args, **kwargs)
+            seen["raw"] = vllm_routes_from_outputs(outputs)
+            return outputs
+
+        generation.llm.generate = generate_and_keep
+    else:  # server: TRL's client posts to vLLM's /v1/completions and keeps only ids and log-probs
+        client = generation.vllm_client
+        post = client._post
+
+        def post_and_keep(url, *args, **kwargs):
+            response = post(url, *args, **kwargs)
+            if isinstance(response, dict) and "choices" in response:
+                seen["raw"] = vllm_routes_from_choices(response["choices"])
+            return response
+
+        client._post = post_and_keep
+    generate = generation.generate
+
+    def generate_with_routes(prompts, *args, **kwargs):
+        seen["raw"] = None
+        out = generate(prompts, *args, **kwargs)
+        raw = seen["raw"]
+        accelerator = trainer.accelerator
+        if generation.mode == "server":  # the main process generated for all: share, then keep this process's slice
+            from accelerate.utils import broadcast_object_list
+
+            box = [raw]
+            broadcast_object_list(box, from_process=0)
+            start = accelerator.process_index * len(prompts)
+            raw = None if box[0] is None else box[0][start : start + len(prompts)]
+        elif getattr(generation, "tensor_parallel_size", 1) > 1 and raw is not None:  # every TP rank generated the group's
+            rank = torch.distributed.get_rank(group=generation.tp_group)
+            raw = raw[rank * len(prompts) : (rank + 1) * len(prompts)]
+        if raw is None or any(r is None for r in raw):
+            raise ValueError(
+                "routing_replay='R3' with vLLM: the engine returned no routed_experts. Colocate: trl-gspo builds the "
+                "engine with enable_return_routed_experts=True (needs vLLM >= 0.14). Server: start the server with "
+                "--enable-return-routed-experts (e.g. `trl vllm-serve --model ... --enable-return-routed-experts`)."
+            )
+        generation.last_routed_experts = raw
+        return out
+
+    generation.generate = generate_with_routes
