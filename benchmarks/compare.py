@@ -18,6 +18,15 @@ learning rate) is the task's config. Writes to `--output-dir`:
 
 Another task: `--task module:attr` naming an object with the demo module's functions (`make_demo_dataset`,
 `demo_reward`, `demo_config`, `build_demo_model`, optional `evaluate`).
+
+MoE routing replay experiment (`--experiment routing-replay`): arms GRPO, GRPO+R2, GRPO+R3, GSPO, GSPO+R3 on a tiny
+Qwen3-MoE only, in a regime fixed before any result was looked at, to expose routing volatility (ROUTING_EXPERIMENT:
+16 experts top-2, 8 mini-batches per rollout, an 8-digit copy task so completions are 8 tokens, the learning rate
+picked from a pilot that measured only the routing shift after one update, aiming at the paper's ~10%, 600 steps),
+5 seeds per arm. A run *collapses* (COLLAPSE) if an optimizer step was skipped for a non-finite gradient, or if its training reward
+averaged over the last 20% of steps ends below its average over the first 20 steps. Adds to summary.json per arm:
+collapse count, routing shift, token clip fraction, replay coverage and, for R3, the sampler/trainer route mismatch;
+`routing_replay.md` holds the table and `routing_replay.png` the reward and shift curves.
 """
 
 from __future__ import annotations
@@ -30,21 +39,108 @@ import math
 import os
 import re
 import statistics
+import sys
 import time
 from collections import defaultdict
 
 #: name -> GSPOConfig overrides. Clip ranges are the paper's for each method.
+GRPO = dict(importance_sampling_level="token", epsilon=0.2, epsilon_high=0.27)
+GSPO = dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
 VARIANTS = {
-    "GRPO": dict(importance_sampling_level="token", epsilon=0.2, epsilon_high=0.27),
-    "GSPO": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+    "GRPO": GRPO,
+    "GSPO": GSPO,
     "GSPO-token": dict(importance_sampling_level="sequence_token", epsilon=3e-4, epsilon_high=4e-4),
+    # MoE routing replay arms (MoE models only): the paper's GRPO baseline, and R3 for both methods
+    "GRPO+R2": {**GRPO, "routing_replay": "R2"},
+    "GRPO+R3": {**GRPO, "routing_replay": "R3"},
+    "GSPO+R3": {**GSPO, "routing_replay": "R3"},
 }
+DEFAULT_VARIANTS = ("GRPO", "GSPO", "GSPO-token")
+COLORS = {"GRPO": "tab:red", "GSPO": "tab:blue", "GSPO-token": "tab:green", "GRPO+R2": "tab:orange",
+          "GRPO+R3": "tab:purple", "GSPO+R3": "tab:cyan"}  # fmt: skip
 CLIP_KEY = "clip_fraction/token/total"
 UPDATES_KEY = "updates_since_rollout"
 SHIFT_KEY = "moe/routing_shift"
 #: Where a band whose lowest seed is 0 ends on the log-scale clip plot (below the axis' bottom).
 LOG_FLOOR = 1e-5
 BUCKET_RE = re.compile(r"^logratio_by_len/(\d+)-(\d+)/(\w+)$")
+
+
+#: The routing-replay experiment's regime (see the module docstring). Fixed before looking at any reward or collapse.
+ROUTING_EXPERIMENT = dict(
+    variants=("GRPO", "GRPO+R2", "GRPO+R3", "GSPO", "GSPO+R3"),
+    seeds=(0, 1, 2, 3, 4),
+    num_digits=8,
+    moe=dict(num_experts=16, num_experts_per_tok=2),
+    num_prompts=2000,
+    # learning_rate from the pilot (GSPO, seed 0, 48 steps, routing metrics only): share of activated experts replaced
+    # one update after the rollout (moe/expert_change) 0.016 at 1e-4, 0.037 at 3e-4, 0.109 at 1e-3 -> 1e-3 (paper: ~10%).
+    # 600 steps: ~2 minutes per run on this 2-core CPU.
+    overrides=dict(steps_per_generation=8, max_completion_length=8, per_device_train_batch_size=16, num_generations=8,
+                   learning_rate=1e-3),
+    max_steps=600,
+)
+COLLAPSE = "a non-finite (skipped) optimizer step, or mean training reward over the last 20% of steps below the mean over the first 20 steps"
+
+
+def collapsed(rows) -> bool:
+    """COLLAPSE applied to one run's logged rows."""
+    if any((row.get("nonfinite/skipped_steps") or 0) > 0 for row in rows):
+        return True
+    rewards = [row["reward"] for row in rows if isinstance(row.get("reward"), (int, float))]
+    if len(rewards) < 25:
+        return False
+    start, end = statistics.fmean(rewards[:20]), statistics.fmean(rewards[-max(1, len(rewards) // 5) :])
+    return end < start
+
+
+class CopyTask:
+    """The demo's copy task with `num_digits` digits per prompt (longer completions) and MoE config overrides, in the
+    task interface `run` expects. Held-out prompts are digit strings whose digit sum is a multiple of 7; training
+    never draws them."""
+
+    def __init__(self, num_digits: int, moe_overrides: dict | None = None):
+        self.num_digits, self.moe_overrides = num_digits, moe_overrides or {}
+        from trl_gspo import demo
+
+        self.demo = demo
+        self.demo_reward, self.demo_config = demo.demo_reward, demo.demo_config
+
+    def make_demo_dataset(self, num_prompts: int, seed: int = 0, split: str = "train"):
+        import random
+
+        from datasets import Dataset
+
+        rng, rows = random.Random(f"{split}-{seed}"), []
+        while len(rows) < num_prompts:
+            digits = [str(rng.randrange(10)) for _ in range(self.num_digits)]
+            if (sum(map(int, digits)) % 7 == 0) == (split == "test"):
+                rows.append(digits)
+        return Dataset.from_dict({"prompt": [f"copy {' '.join(d)} :" for d in rows], "target": [" ".join(d) for d in rows]})
+
+    def build_demo_model(self, seed: int = 0, moe: bool = False):
+        from trl_gspo.tiny import build_tiny_model, build_tokenizer
+
+        tokenizer = build_tokenizer()
+        return build_tiny_model(tokenizer, moe=moe, seed=seed, **(self.moe_overrides if moe else {})), tokenizer
+
+    def evaluate(self, model, tokenizer, dataset, batch_size: int = 100) -> float:
+        import torch
+
+        was_training = model.training
+        model.eval()
+        tokenizer.padding_side = "left"
+        scores = []
+        with torch.no_grad():
+            for start in range(0, len(dataset), batch_size):
+                batch = dataset[start : start + batch_size]
+                enc = tokenizer(batch["prompt"], return_tensors="pt", padding=True).to(model.device)
+                out = model.generate(**enc, do_sample=False, max_new_tokens=self.num_digits,
+                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1) :], skip_special_tokens=True)
+                scores += self.demo_reward(texts, batch["target"])
+        model.train(was_training)
+        return sum(scores) / len(scores)
 
 
 def load_task(spec: str | None):
@@ -57,7 +153,8 @@ def load_task(spec: str | None):
 
 def train_one(task, variant: str, seed: int, moe: bool, output_dir: str, num_prompts: int, eval_prompts: int,
               overrides: dict):  # fmt: skip
-    """Train one (variant, seed, model) run; returns (rows of logged metrics, held-out reward or None)."""
+    """Train one (variant, seed, model) run; returns (rows of logged metrics, held-out reward after and before
+    training, or None)."""
     from trl_gspo import GSPOTrainer
 
     args = task.demo_config(output_dir, seed=seed, report_to="none", save_strategy="no", logging_steps=1,
@@ -65,16 +162,18 @@ def train_one(task, variant: str, seed: int, moe: bool, output_dir: str, num_pro
     model, tokenizer = task.build_demo_model(seed=seed, moe=moe)
     dataset = task.make_demo_dataset(num_prompts, seed=seed)
     trainer = GSPOTrainer(model, task.demo_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
-    trainer.train()
-    held_out = None
+    held_out = held_out_before = None
     if eval_prompts and hasattr(task, "evaluate"):
         held_out_set = task.make_demo_dataset(eval_prompts, seed=seed, split="test")
+        held_out_before = task.evaluate(trainer.model, tokenizer, held_out_set)
+    trainer.train()
+    if eval_prompts and hasattr(task, "evaluate"):
         held_out = task.evaluate(trainer.model, tokenizer, held_out_set)
     rows = [dict(row) for row in trainer.state.log_history if "step" in row and "train_runtime" not in row]
     spg, ga = trainer.args.steps_per_generation * trainer.args.num_iterations, trainer.args.gradient_accumulation_steps
     for row in rows:  # 0: the rollout's first mini-batch, trained on-policy (ratio 1); n: n optimizer steps later
         row[UPDATES_KEY] = ((row["step"] - 1) * ga % spg) // ga
-    return rows, held_out
+    return rows, held_out, held_out_before
 
 
 def _by_step(rows, key):
@@ -85,6 +184,11 @@ def _by_step(rows, key):
         if isinstance(value, (int, float)) and not math.isnan(value):
             out[row["step"]].append(value)
     return dict(sorted(out.items()))
+
+
+def _min_max(values):
+    values = [v for v in values if isinstance(v, (int, float))]
+    return [min(values), max(values)] if values else None
 
 
 def _mean(values):
@@ -125,6 +229,12 @@ def summarize(results: dict) -> dict:
             "train_reward_first": _mean(next(iter(reward_steps.values()), [])),
             "train_reward_last10pct": _mean([v for s in last for v in reward_steps[s]]),
             "held_out_reward": _mean(run["held_out"] for run in runs),
+            "held_out_reward_before": _mean(run.get("held_out_before") for run in runs),
+            "held_out_reward_min_max": _min_max(run["held_out"] for run in runs),
+            "collapsed": sum(collapsed(run["rows"]) for run in runs),
+            "replay_coverage_mean": _mean(r.get("moe/replay/coverage") for r in rows),
+            "r3_sampler_mismatch_mean": _mean(r.get("moe/r3/sampler_mismatch") for r in rows),
+            "r3_sampler_mismatch_any_layer_mean": _mean(r.get("moe/r3/sampler_mismatch_any_layer") for r in rows),
             "train_seconds_mean": _mean(run["seconds"] for run in runs),
         }
     return summary
@@ -149,7 +259,7 @@ def plot(results: dict, output_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(VARIANTS, ("tab:red", "tab:blue", "tab:green")))
+    colors = COLORS
     written = []
 
     def band(ax, runs, key, variant, log=False, label=None, off_policy=False):
@@ -264,9 +374,10 @@ def write_data(results: dict, output_dir: str) -> tuple[str, str]:
     return csv_path, json_path
 
 
-def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=tuple(VARIANTS), task=None, max_steps=200,
-        num_prompts=1000, eval_prompts=200, overrides=None, log=print) -> dict:  # fmt: skip
-    """Train every (model, variant, seed), write data and plots, return the summary."""
+def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=DEFAULT_VARIANTS, task=None, max_steps=200,
+        num_prompts=1000, eval_prompts=200, overrides=None, log=print, resume=False) -> dict:  # fmt: skip
+    """Train every (model, variant, seed), write data and plots, return the summary. With `resume`, runs whose
+    `runs/<name>/result.json` exists are read back instead of trained again."""
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; allowed: {', '.join(VARIANTS)}")
@@ -277,19 +388,31 @@ def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=tuple(VARIANT
     results = defaultdict(list)
     for model, seed in plan:
         for variant in variants:
-            start = time.perf_counter()
+            if model == "dense" and "routing_replay" in VARIANTS[variant]:
+                continue  # routing replay needs expert routers
             run_dir = os.path.join(output_dir, "runs", f"{model}-{variant}-{seed}")
-            moe = model == "moe"
-            rows, held_out = train_one(task, variant, seed, moe, run_dir, num_prompts, eval_prompts, overrides)
-            seconds = time.perf_counter() - start
-            results[(model, variant)].append({"seed": seed, "rows": rows, "held_out": held_out, "seconds": seconds})
+            saved = os.path.join(run_dir, "result.json")
+            if resume and os.path.exists(saved):
+                with open(saved) as f:
+                    result = json.load(f)
+            else:
+                start = time.perf_counter()
+                rows, held_out, before = train_one(task, variant, seed, model == "moe", run_dir, num_prompts,
+                                                   eval_prompts, overrides)  # fmt: skip
+                result = {"seed": seed, "rows": rows, "held_out": held_out, "held_out_before": before,
+                          "seconds": time.perf_counter() - start}  # fmt: skip
+                os.makedirs(run_dir, exist_ok=True)
+                with open(saved, "w") as f:
+                    json.dump(result, f)
+            results[(model, variant)].append(result)
+            rows, held_out = result["rows"], result["held_out"]
             clip = _mean(r.get(CLIP_KEY) for r in rows)
             clip = "n/a" if clip is None else f"{clip:.4g}"
             held = "n/a" if held_out is None else f"{held_out:.3f}"
-            log(f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {seconds:.0f}s, mean token clip fraction "
-                f"{clip}, held-out reward {held}")
+            log(f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {result['seconds']:.0f}s, mean token "
+                f"clip fraction {clip}, held-out reward {held}, collapsed {collapsed(rows)}")
     write_data(results, output_dir)
-    runs = [{"model": m, "variant": v, "seed": run["seed"], "held_out": run["held_out"], "seconds": run["seconds"]}
+    runs = [{"model": m, "variant": v, **{k: run[k] for k in ("seed", "held_out", "held_out_before", "seconds")}}
             for (m, v), group in results.items() for run in group]  # fmt: skip
     with open(os.path.join(output_dir, "runs.json"), "w") as f:
         json.dump({"overrides": overrides, "runs": runs}, f, indent=2)
@@ -297,12 +420,82 @@ def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=tuple(VARIANT
 
 
 def report(results: dict, output_dir: str, overrides: dict) -> dict:
-    """summary.json and the plots from the per-run results."""
+    """summary.json and the plots from the per-run results (plus the routing-replay table when replay arms ran)."""
     summary = summarize(results)
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
-        json.dump({"variants": VARIANTS, "overrides": overrides, "results": summary}, f, indent=2)
+        json.dump({"variants": VARIANTS, "overrides": overrides, "collapse": COLLAPSE, "results": summary}, f, indent=2)
     plot(results, output_dir)
+    if any("routing_replay" in VARIANTS[v] for _, v in results):
+        with open(os.path.join(output_dir, "routing_replay.md"), "w") as f:
+            f.write(routing_table(summary, results))
+        plot_routing(results, output_dir)
     return summary
+
+
+def routing_table(summary: dict, results: dict) -> str:
+    """Markdown table of the routing-replay arms (MoE runs)."""
+
+    def fmt(value, digits=3):
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| arm | seeds | collapsed | held-out reward before -> after (min..max) | train reward first -> last 10% "
+             "| token clip fraction | routing shift (mini-batches 2-8) | shift 1 / 4 / 7 updates after rollout "
+             "| replay coverage | R3 sampler/trainer mismatch (token x layer / any layer) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for (model, variant), runs in results.items():
+        if model != "moe":
+            continue
+        row = summary[f"{model}/{variant}"]
+        shift = row["routing_shift_by_updates_since_rollout"]
+        by_n = " / ".join(fmt(shift.get(n), 3) for n in (1, 4, 7))
+        low_high = row["held_out_reward_min_max"] or [None, None]
+        lines.append(
+            f"| {variant} | {len(runs)} | {row['collapsed']}/{len(runs)} | {fmt(row['held_out_reward_before'])} -> "
+            f"{fmt(row['held_out_reward'])} ({fmt(low_high[0])}..{fmt(low_high[1])}) | {fmt(row['train_reward_first'])} "
+            f"-> {fmt(row['train_reward_last10pct'])} | {fmt(row['clip_fraction_token_mean_off_policy'], 4)} | "
+            f"{fmt(row['routing_shift_mean_off_policy'])} | {by_n} | {fmt(row['replay_coverage_mean'])} | "
+            f"{fmt(row['r3_sampler_mismatch_mean'], 4)} / {fmt(row['r3_sampler_mismatch_any_layer_mean'], 4)} |"
+        )
+    return "\n".join(lines) + f"\n\nCollapse: {COLLAPSE}.\n"
+
+
+def plot_routing(results: dict, output_dir: str) -> str:
+    """routing_replay.png: MoE training reward (mean, band = min..max over seeds) and routing shift per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    arms = [v for m, v in results if m == "moe"]
+    nseeds = max(len(results[("moe", v)]) for v in arms)
+    block = max(1, max(len(run["rows"]) for v in arms for run in results[("moe", v)]) // 40)
+    for ax, key, label, off_policy in ((axes[0], "reward", "training reward", False),
+                                       (axes[1], SHIFT_KEY, "routing shift vs pi_old's routes", True)):  # fmt: skip
+        for variant in arms:
+            per_seed = []
+            for run in results[("moe", variant)]:
+                rows = [r for r in run["rows"] if r[UPDATES_KEY]] if off_policy else run["rows"]
+                blocks = defaultdict(list)
+                for step, values in _by_step(rows, key).items():
+                    blocks[(step - 1) // block].extend(values)
+                per_seed.append({b: statistics.fmean(v) for b, v in blocks.items()})
+            xs = sorted({b for seed in per_seed for b in seed})
+            if not xs:
+                continue
+            values = [[seed[b] for seed in per_seed if b in seed] for b in xs]
+            steps = [b * block + (block + 1) / 2 for b in xs]
+            ax.plot(steps, [statistics.fmean(v) for v in values], color=COLORS[variant], label=variant, lw=1.2)
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=COLORS[variant], alpha=0.15)
+        ax.set(xlabel="optimizer step", ylabel=label,
+               title=f"{label} (MoE)\n{block}-step averages, mean, band = min..max of {nseeds} seeds")  # fmt: skip
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(output_dir, "routing_replay.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def replot(output_dir: str) -> dict:
@@ -326,7 +519,12 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--moe-seeds", type=int, nargs="*", default=None,
                         help="seeds for the MoE model (default: --seeds; the flag alone: no MoE runs)")  # fmt: skip
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--experiment", choices=["routing-replay"], default=None,
+                        help="routing-replay: the MoE routing replay experiment (ROUTING_EXPERIMENT; overrides "
+                        "--seeds, --moe-seeds, --variants and the task)")  # fmt: skip
+    parser.add_argument("--learning-rate", type=float, default=None)
+    parser.add_argument("--resume", action="store_true", help="reuse finished runs found in --output-dir")
     parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo)")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--max-completion-length", type=int, default=8,
@@ -340,10 +538,20 @@ def main(argv=None):
         print(json.dumps(replot(args.output_dir), indent=2))
         return
     overrides = {"max_completion_length": args.max_completion_length}
+    seeds, moe_seeds, variants, task = args.seeds, args.moe_seeds, args.variants, args.task
+    if args.experiment == "routing-replay":
+        spec = ROUTING_EXPERIMENT
+        seeds, moe_seeds, variants = [], list(spec["seeds"]), list(spec["variants"])
+        task = CopyTask(spec["num_digits"], spec["moe"])
+        overrides, args.num_prompts = dict(spec["overrides"]), spec["num_prompts"]
+        if "--max-steps" not in (argv if argv is not None else sys.argv):
+            args.max_steps = spec["max_steps"]
+    if args.learning_rate is not None:
+        overrides["learning_rate"] = args.learning_rate
     if args.tiny:
         overrides.update(per_device_train_batch_size=4, num_generations=4)
-    summary = run(args.output_dir, args.seeds, args.moe_seeds, args.variants, args.task, args.max_steps,
-                  args.num_prompts, args.eval_prompts, overrides)  # fmt: skip
+    summary = run(args.output_dir, seeds, moe_seeds, variants, task, args.max_steps, args.num_prompts,
+                  args.eval_prompts, overrides, resume=args.resume)  # fmt: skip
     print(json.dumps(summary, indent=2))
 
 
