@@ -45,6 +45,14 @@ def _config(**kwargs):
     ({"loss_type": "luspo", "importance_sampling_level": "token"}, r"luspo.*needs importance_sampling_level='sequence'"),
     ({"loss_type": "vespo"}, r"vespo.*set importance_sampling_level='token' \(got 'sequence'\)"),
     ({"loss_type": "sapo", "importance_sampling_level": "sequence_token"}, r"sapo.*no 'sequence_token' level"),
+    ({"routing_replay": "R1"}, r"routing_replay='R1' is not supported; allowed: none, R2, R3"),
+    ({"routing_replay": "R2", "steps_per_generation": 2, "gradient_accumulation_steps": 2, "num_generations": 4},
+     r"routing_replay='R2' records routes in TRL's pi_old forward, which does not run here: with "
+     r"steps_per_generation=2 <= gradient_accumulation_steps=2.*replay would change nothing"),
+    ({"routing_replay": "R2", "old_logprobs_source": "sampler"},
+     r"routing_replay='R2' records routes in TRL's pi_old forward, which old_logprobs_source='sampler' skips"),
+    ({"routing_replay": "R3", "use_transformers_continuous_batching": True},
+     r"old_logprobs_source|routing_replay='R3' needs the sampler's expert routes"),
 ])
 def test_bad_config_is_rejected_with_field_value_and_allowed(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -55,6 +63,8 @@ def test_good_configs_still_build():
     assert _config().importance_sampling_level == "sequence"
     assert _config(max_log_ratio=None, nonfinite_reward="none", max_consecutive_nonfinite=1).max_log_ratio is None
     assert _config(loss_type="dapo", allow_token_sum_with_sequence_level=True).loss_type == "dapo"
+    assert _config(routing_replay="R2").routing_replay == "R2"  # 4 mini-batches per rollout: pi_old forward runs
+    assert _config(routing_replay="R3", steps_per_generation=2, num_generations=8).routing_replay == "R3"  # on-policy
 
 
 @pytest.fixture(scope="module")

@@ -586,3 +586,22 @@ def test_vllm_stand_in_routes_reach_the_rollout_batch(tokenizer, tmp_path, mode,
         valid = output["old_routes_valid"][i, width - p : width - p + made[i].size(0)]
         assert torch.equal(valid, (made[i] >= 0).all(-1).all(-1))
         assert torch.equal(row[valid], made[i][valid])
+
+
+def test_vllm_smoke_script_dry_run(tmp_path):
+    """benchmarks/vllm_routes_smoke.py (the GPU check of vLLM's route layout) runs its whole path on CPU."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "vllm_routes_smoke.py")
+    spec = importlib.util.spec_from_file_location("vllm_routes_smoke", path)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    report = smoke.main(["--dry-run", "--max-tokens", "6", "--out", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+    assert len(report["completions"]) == 4
+    for entry in report["completions"]:
+        assert entry["shape"][0] == entry["prompt_tokens"] + entry["completion_tokens"] - 1
+        assert entry["rows_with_route"] == entry["shape"][0]
+    assert report["mismatch_token_layer"] == 0.0  # same fp32 weights on CPU: generate and forward route alike
