@@ -51,6 +51,8 @@ def _config(**kwargs):
      r"steps_per_generation=2 <= gradient_accumulation_steps=2.*replay would change nothing"),
     ({"routing_replay": "R2", "old_logprobs_source": "sampler"},
      r"routing_replay='R2' records routes in TRL's pi_old forward, which old_logprobs_source='sampler' skips"),
+    ({"routing_replay": "R2", "use_liger_kernel": True}, r"routing_replay='R2' replays routes in TRL's log-prob "
+     r"forward, which use_liger_kernel=True replaces"),
     ({"routing_replay": "R3", "use_transformers_continuous_batching": True},
      r"old_logprobs_source|routing_replay='R3' needs the sampler's expert routes"),
 ])

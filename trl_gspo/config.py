@@ -374,6 +374,11 @@ class GSPOConfig(GRPOConfig):
                     "skips. Use routing_replay='R3' (the sampler's routes, consistent with the sampler's log-probs) or "
                     "old_logprobs_source='recompute'."
                 )
+        if mode != "none" and self.use_liger_kernel:
+            raise ValueError(
+                f"routing_replay={mode!r} replays routes in TRL's log-prob forward, which use_liger_kernel=True replaces "
+                "by Liger's fused loss; set use_liger_kernel=False or routing_replay='none'."
+            )
         if mode == "R3" and self.use_transformers_continuous_batching:
             raise ValueError(
                 "routing_replay='R3' needs the sampler's expert routes, which transformers continuous batching "

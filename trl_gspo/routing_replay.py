@@ -133,7 +133,7 @@ class MoERouting:
 
     # ------------------------------------------------------------------------------------------ rollout batch
     def _generate_and_score_completions(self, inputs):
-        self._router_hooks and self._router_hooks.release()
+        self._release_routes()
         self._sampler_routes, self._rollout_routes = None, None
         self._moe_role = "old" if self._router_hooks is not None and self._old_logps_pass_needed() else None
         self._old_pass_logps = None
@@ -176,13 +176,17 @@ class MoERouting:
         try:
             return super().training_step(*args, **kwargs)
         finally:  # the backward (and its checkpointing recompute) is done: generate() must route natively
-            self._router_hooks and self._router_hooks.release()
+            self._release_routes()
 
     def prediction_step(self, *args, **kwargs):
         try:
             return super().prediction_step(*args, **kwargs)
         finally:
-            self._router_hooks and self._router_hooks.release()
+            self._release_routes()
+
+    def _release_routes(self):
+        if self._router_hooks is not None:
+            self._router_hooks.release()
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         forward = super()._get_per_token_logps_and_entropies
