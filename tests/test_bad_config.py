@@ -44,7 +44,6 @@ def _config(**kwargs):
     ({"loss_type": "cispo", "epsilon_high": 5.0}, r"loss_type='cispo' sums token losses"),
     ({"loss_type": "luspo", "importance_sampling_level": "token"}, r"luspo.*needs importance_sampling_level='sequence'"),
     ({"loss_type": "vespo"}, r"vespo.*set importance_sampling_level='token' \(got 'sequence'\)"),
-    ({"loss_type": "sapo", "importance_sampling_level": "sequence_token"}, r"sapo.*no 'sequence_token' level"),
 ])
 def test_bad_config_is_rejected_with_field_value_and_allowed(kwargs, match):
     with pytest.raises(ValueError, match=match):

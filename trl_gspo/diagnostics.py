@@ -26,7 +26,8 @@ class TrainingDiagnostics:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._diagnostics = {"train": metrics.MetricWindow(), "eval": metrics.MetricWindow()}
-        self._router_recorder = RouterRecorder.for_model(self.model)  # None for dense models
+        # None for dense models, and with `diagnostics=False` (then no router hook is ever installed)
+        self._router_recorder = RouterRecorder.for_model(self.model) if self.args.diagnostics else None
         # While a list, every log-prob forward appends (its log-probs, the completion tokens' top-k experts). The
         # log-probs tensor identifies the forward: the one whose output became pi_old's log-probs (not a reference
         # forward of the same modules with a PEFT adapter off, nor a forward that was skipped), or the loss's own.
@@ -34,7 +35,9 @@ class TrainingDiagnostics:
 
     def _record_diagnostics(self, mode, inputs, logps, old_logps, low, high, advantages, mask):
         """Add this micro-batch's diagnostics to the logging window, without a host-device sync. `low`/`high`
-        are the loss's clip indicators (`GSPOTrainer._clip_indicators`)."""
+        are the loss's clip indicators (`GSPOTrainer._clip_indicators`). Nothing with `diagnostics=False`."""
+        if not self.args.diagnostics:
+            return
         window = self._diagnostics[mode]
         lr, valid = metrics.token_log_ratios(logps, old_logps, mask)
         window.add_values("seq_ratio", metrics.sequence_log_ratio(lr, valid), valid.sum(-1) > 0)
