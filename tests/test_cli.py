@@ -57,6 +57,9 @@ def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, ca
     assert [int(r["step"]) for r in rows] == [1, 2]
     assert {"reward", "loss", "clip_ratio/region_mean", "entropy"} <= set(rows[0])
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = (out / "README.md").read_text()  # the saved model's card names the method, its paper and tags
+    assert "trained with GSPO" in card and "2507.18071" in card and "zheng2025gspo" in card
+    assert "- gspo" in card and "- trl-gspo" in card and "GSPO-token" not in card
 
 
 @pytest.mark.slow
@@ -138,6 +141,8 @@ def test_trainer_class_next_to_the_recipe_runs_when_launched_from_elsewhere(tmp_
     module = sys.modules.pop("beside_recipe")
     assert Path(module.__file__).parent == recipe_dir and module.BesideRecipeTrainer.calls > 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "trained with GSPO-token" in card and "- gspo-token" in card and "2507.18071" in card
 
 
 def test_trainer_class_that_does_not_resolve_names_both_places(tmp_path, tiny_model_dir, copy_jsonl, monkeypatch):
@@ -281,3 +286,15 @@ def test_builtin_reward_names_resolve_to_trl_functions():
     assert resolve_reward("accuracy_reward") is accuracy_reward
     assert resolve_reward("think_format_reward") is think_format_reward
     assert resolve_reward("trl_gspo.demo.demo_reward") is demo_reward
+
+
+def test_model_card_fields_per_variant():
+    from trl import GRPOTrainer
+
+    from trl_gspo.model_card import card_fields
+
+    assert card_fields("sequence", "grpo", GRPOTrainer._paper)[0::2] == ("GSPO", ["trl", "trl-gspo", "gspo"])
+    name, paper, tags = card_fields("sequence_token", "luspo", GRPOTrainer._paper)
+    assert name == "GSPO-token (luspo loss)" and paper["id"] == "2507.18071" and "gspo-token" in tags
+    name, paper, tags = card_fields("token", "grpo", GRPOTrainer._paper)
+    assert name == "GRPO" and paper is GRPOTrainer._paper and "grpo" in tags
