@@ -499,7 +499,11 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
 
 
 def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
+    from trl_gspo import fused_head
+
     runs = {"stock": [], "ours": [], "ours_chunked": [], "naive": []}
+    if not fused_head.available():  # TRL < 1.15 has no fused head, so no tile size to set
+        del runs["ours_chunked"]
     for rep in range(reps):
         order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
         for kind in order:
@@ -515,7 +519,7 @@ def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
         "peak_memory_bytes": med,
         "ratio_ours_over_stock": _ratio(med["ours"], med["stock"]),
         "ours_chunked_logprob_vocab_chunk_size": MEMORY_CHUNK,
-        "ratio_ours_chunked_over_stock": _ratio(med["ours_chunked"], med["stock"]),
+        "ratio_ours_chunked_over_stock": _ratio(med["ours_chunked"], med["stock"]) if "ours_chunked" in med else None,
         "ratio_stock_over_naive_full_logits": _ratio(med["stock"], med["naive"]),
         "full_fp32_logits_bytes": shape["mem_vocab"] * shape["mem_tokens"] * 4,
         "runs": runs,

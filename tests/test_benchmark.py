@@ -46,6 +46,9 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
         ratio = sc["ours"]["seconds_per_step"] / sc["stock"]["seconds_per_step"]
         assert math.isclose(sc["ratio_seconds_per_step"], ratio)
     mem = report["scenarios"]["logprob_memory"]
-    assert set(mem["peak_memory_bytes"]) == {"stock", "ours", "ours_chunked", "naive"}
+    from trl_gspo import fused_head
+
+    chunked = {"ours_chunked"} if fused_head.available() else set()  # TRL < 1.15: no fused head to tile
+    assert set(mem["peak_memory_bytes"]) == {"stock", "ours", "naive"} | chunked
     assert all(v >= 0 for v in mem["peak_memory_bytes"].values())  # tiny sizes may fit in freed heap
     assert mem["full_fp32_logits_bytes"] == mem["vocab"] * mem["completion_tokens"] * 4
