@@ -35,7 +35,7 @@ make_demo_dataset(32).to_json("copy.jsonl")
 PY
 trl-gspo train --config qwen3_1p7b_gspo_token --max_steps 1 \
     --model_name_or_path tiny-model --dtype float32 --dataset_name copy.jsonl --reward_funcs demo_reward \
-    --use_cpu true --bf16 false --activation_checkpointing false --per_device_train_batch_size 4 \
+    --use_cpu true --bf16 false --gradient_checkpointing false --per_device_train_batch_size 4 \
     --num_generations 4 --gradient_accumulation_steps 1 --steps_per_generation 4 --max_completion_length 4 \
     --save_strategy no --output_dir recipe-out --disable_tqdm true
 test -f recipe-out/model.safetensors && grep -q "trained with GSPO-token" recipe-out/README.md

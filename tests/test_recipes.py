@@ -54,7 +54,7 @@ def test_recipe_parses_into_valid_configs(recipe, gpu_recipes_parse_on_cpu):
         for name in script_args.reward_funcs:
             assert callable(resolve_reward(name))
         assert not args.trust_remote_code
-        assert args.bf16 and args.activation_checkpointing
+        assert args.bf16 and args.gradient_checkpointing
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -84,7 +84,7 @@ def test_lora_recipe_builds_a_lora_config_with_8bit_optimizer(gpu_recipes_parse_
     lora = get_peft_config(model_args)
     assert lora is not None and lora.r == 16 and lora.lora_alpha == 32
     assert set(lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    assert args.optim.value == "paged_adamw_8bit" and args.bf16 and args.activation_checkpointing
+    assert args.optim.value == "paged_adamw_8bit" and args.bf16 and args.gradient_checkpointing
 
 
 def test_vllm_recipe_uses_vllm_and_server_mode_flag_overrides(gpu_recipes_parse_on_cpu):
