@@ -26,6 +26,7 @@ from pathlib import Path
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
+from . import trl_compat
 from .config import GSPOConfig
 
 
@@ -229,7 +230,7 @@ def demo(argv: list[str]) -> int:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
     result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
                       args=args, peft_config=get_peft_config(model_args))  # fmt: skip
-    result["trainer"].end()  # trackers and process group, as `trl grpo` does
+    trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does
     return 0
 
 
@@ -343,7 +344,7 @@ def train(argv: list[str]) -> int:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
     trainer.accelerator.print(f"Model saved to {args.output_dir}")
-    trainer.end()
+    trl_compat.end_training(trainer)
     return 0
 
 

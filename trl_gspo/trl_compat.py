@@ -1,4 +1,5 @@
-"""The supported TRL releases, and every TRL-internal difference between them, in one place.
+"""The supported TRL releases, and every TRL-internal difference between them (and the few differences of the
+transformers `Trainer` underneath that our code touches), in one place.
 
 `GSPOTrainer` subclasses `trl.GRPOTrainer` and owns one private method of it, `_compute_loss`; the mixins override
 a few more private methods. Private names can change in any TRL release, so the range below is what the test matrix
@@ -11,7 +12,7 @@ older log their metrics differently again. Those semantics are not ours, so they
 trained with a silently different loss.
 
 Private TRL names the package relies on (`GRPOTrainer` methods and attributes unless a module is named), and how they
-differ from 1.10.0 to 1.16.0:
+differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range):
 
 | name | used by | difference across the range |
 | --- | --- | --- |
@@ -26,6 +27,7 @@ differ from 1.10.0 to 1.16.0:
 | `_metrics`, `_entropy_bonus_enabled`, `_last_world_entropy`, `_entropy_window_stats`, `aux_loss_enabled`, `router_aux_loss_coef` | trainer, mixins | none; `GRPOConfig.router_aux_loss_coef` defaults to 0.001 up to 1.13 and to the model config's value from 1.14 (we read the trainer attribute TRL resolved) |
 | `trl.trainer.utils.is_async_callable` | rewards_guard, via `is_async_callable` here | from 1.14; before, TRL decides with `inspect.iscoroutinefunction` |
 | old-policy log-prob pass condition | sampler_logprobs, via `old_logprob_pass_needed` here | none |
+| `transformers.Trainer.end()` (TRL's base class) | cli, via `end_training` here | transformers >= 5.19 only |
 
 A new TRL-internal use (a mixin overriding another private method, a hook on TRL's old-policy pass) belongs in this
 table, and a difference across the range gets a helper here, not a version check at the call site.
@@ -95,6 +97,14 @@ def fused_logprob_head_module():
     from trl.trainer import utils as trl_utils
 
     return trl_utils if hasattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE") else None
+
+
+def end_training(trainer) -> None:
+    """Finish the trackers and destroy the process group at the end of a CLI run, as `trl grpo` does: transformers
+    >= 5.19 has `Trainer.end()` for that; older releases have no such method and leave both to interpreter exit."""
+    end = getattr(trainer, "end", None)
+    if end is not None:
+        end()
 
 
 def old_logprob_pass_needed(trainer) -> bool:
