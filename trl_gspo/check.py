@@ -10,6 +10,7 @@ metric), which means the installed TRL changed semantics under `GSPOTrainer._com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import tempfile
 import time
@@ -59,6 +60,28 @@ def run_parity(log=print) -> dict[str, list[str]]:
     return results
 
 
+@contextlib.contextmanager
+def _quiet():
+    """Silence the libraries' notes about the toy settings and their progress bars, restoring both afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    loggers = [logging.getLogger(name) for name in ("transformers", "trl", "trl_gspo", "accelerate", "datasets")]
+    levels = [logger.level for logger in loggers]
+    bars = hf_logging.is_progress_bar_enabled()
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _line(name: str, found: list[str]) -> str:
     if not found:
         return f"  ok       {name}"
@@ -77,19 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<13} {version}")
     print(f"Supported TRL: {trl_compat.SUPPORTED_TRL} (tested {trl_compat.MIN_TRL} to {trl_compat.NEWEST_TESTED_TRL}.x)")
     print("Parity with the installed stock trl.GRPOTrainer (loss, every gradient, TRL's metrics), tiny model on CPU:")
-    from transformers.utils import logging as hf_logging
-
-    for name in ("transformers", "trl", "trl_gspo", "accelerate", "datasets"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # config notes about the toy settings are noise here
-    hf_logging.disable_progress_bar()
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-    except ImportError:  # older huggingface_hub: bars stay, harmless
-        pass
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _quiet():
         results = run_parity()
     failed = [name for name, found in results.items() if found]
     seconds = time.perf_counter() - start
