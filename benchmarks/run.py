@@ -8,8 +8,10 @@ Stock is `trl.GRPOTrainer(importance_sampling_level="sequence")` with the GSPO l
 epsilon=3e-4, epsilon_high=4e-4, beta=0, steps_per_generation=4); ours is `GSPOTrainer` with the same values.
 Scenarios, each reported as ratios ours/stock of medians over repetitions (runs alternate stock/ours, ABBA):
 - `equal_settings`: ours with `old_logprobs_source="recompute"`, i.e. the same work as stock (overhead check).
+- `equal_settings_no_diagnostics`: the same with `diagnostics=False` (GSPO's per-micro-batch diagnostics off).
 - `sampler_logprobs`: ours with `old_logprobs_source="sampler"` (pi_old from generation, no extra forward).
-- `loss_path`: `_compute_loss` + backward alone, stock vs ours alternating in one process (hook/metric overhead).
+- `loss_path`: `_compute_loss` + backward alone, stock vs ours (diagnostics on and off) alternating in one process
+  (hook/metric overhead).
 - `logprob_memory`: peak memory of one loss forward+backward (the log-prob path) at vocab 151,936 (Qwen3) x 2,048
   completion tokens, each in a fresh process: stock `_compute_loss`, ours with defaults (TRL's own fused, chunked
   head), ours with `logprob_vocab_chunk_size=4096` (`ours_chunked`), and a naive full-fp32-logits reference.
@@ -168,7 +170,8 @@ def _param_flops_per_token(model) -> float:
     return 2.0 * n_params
 
 
-def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str, gradient_checkpointing: bool = True) -> dict:
+def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str, gradient_checkpointing: bool = True,
+                 diagnostics: bool = True) -> dict:  # fmt: skip
     """Train one trainer for warmup + measured rollouts; returns seconds/step, tokens/s, peak memory, FLOPs, and
     the time spent in the no-grad pi_old pass (`old_logprob_pass_seconds_per_step`, ~0 when it is skipped)."""
     import torch
@@ -204,7 +207,7 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
     if kind == "stock":
         args, trainer_cls = GRPOConfig(**common), GRPOTrainer
     else:
-        args, trainer_cls = GSPOConfig(**common, old_logprobs_source=source), GSPOTrainer
+        args, trainer_cls = GSPOConfig(**common, old_logprobs_source=source, diagnostics=diagnostics), GSPOTrainer
     trainer = trainer_cls(model, counter, args=args, train_dataset=_dataset(shape), processing_class=tokenizer)
 
     marks, pass_seconds = {}, [0.0]
@@ -364,11 +367,13 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
     }
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
     trainers = {}
-    for kind, trainer_cls, config_cls in (("stock", GRPOTrainer, GRPOConfig), ("ours", GSPOTrainer, GSPOConfig)):
+    variants = (("stock", GRPOTrainer, GRPOConfig, {}), ("ours", GSPOTrainer, GSPOConfig, {}),
+                ("ours_no_diagnostics", GSPOTrainer, GSPOConfig, {"diagnostics": False}))  # fmt: skip
+    for kind, trainer_cls, config_cls, extra in variants:
         args = config_cls(
             output_dir="/tmp/trl-gspo-bench-loss", use_cpu=device == "cpu", bf16=device == "cuda", report_to=[],
             per_device_train_batch_size=B, num_generations=shape["num_generations"], max_completion_length=T,
-            steps_per_generation=STEPS_PER_GENERATION, **LOSS_SETTINGS,
+            steps_per_generation=STEPS_PER_GENERATION, **LOSS_SETTINGS, **extra,
         )  # fmt: skip
         dataset = Dataset.from_dict({"prompt": ["a"] * 4})
         trainers[kind] = trainer_cls(
@@ -383,9 +388,9 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), T,
         )  # fmt: skip
     inputs["old_per_token_logps"] = logps + 1e-3 * torch.randn(logps.shape, generator=g).to(device)
-    times = {"stock": [], "ours": []}
+    times = {kind: [] for kind in trainers}
     for i in range(iters + 2):  # the first two rounds warm up allocator and kernels, then alternate
-        for kind in ("stock", "ours") if i % 2 == 0 else ("ours", "stock"):
+        for kind in list(trainers) if i % 2 == 0 else list(trainers)[::-1]:
             trainer = trainers[kind]
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -402,8 +407,13 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
         "iters": iters,
         "stock": med["stock"],
         "ours": med["ours"],
+        "ours_no_diagnostics": med["ours_no_diagnostics"],
         "ratio_seconds": _ratio(med["ours"]["seconds"], med["stock"]["seconds"]),
         "ratio_cpu_seconds": _ratio(med["ours"]["cpu_seconds"], med["stock"]["cpu_seconds"]),
+        "ratio_seconds_no_diagnostics": _ratio(med["ours_no_diagnostics"]["seconds"], med["stock"]["seconds"]),
+        "ratio_cpu_seconds_no_diagnostics": _ratio(
+            med["ours_no_diagnostics"]["cpu_seconds"], med["stock"]["cpu_seconds"]
+        ),
     }
 
 
@@ -414,7 +424,8 @@ def _worker(spec: dict) -> dict:
     torch.manual_seed(0)
     if spec["task"] == "train":
         return run_training(
-            spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"], spec["gradient_checkpointing"]
+            spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"], spec["gradient_checkpointing"],
+            spec.get("diagnostics", True),
         )
     if spec["task"] == "loss_path":
         return loss_path(spec["shape"], spec["device"], spec["iters"])
@@ -447,13 +458,14 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool) -> dict:
+def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool,
+            diagnostics: bool = True) -> dict:  # fmt: skip
     runs = {"stock": [], "ours": []}
     for rep in range(reps):
         order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")  # ABBA: drift hits both sides alike
         for kind in order:
             spec = dict(task="train", kind=kind, source=source, shape=shape, device=device, out_dir=out_dir,
-                        gradient_checkpointing=gradient_checkpointing)  # fmt: skip
+                        gradient_checkpointing=gradient_checkpointing, diagnostics=diagnostics)  # fmt: skip
             runs[kind].append(_run_worker(spec))
             r = runs[kind][-1]
             log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, "
@@ -461,6 +473,7 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
     med = {k: {m: _median(v, m) for m in v[0]} for k, v in runs.items()}
     result = {
         "old_logprobs_source": source,
+        "diagnostics": diagnostics,
         "stock": med["stock"],
         "ours": med["ours"],
         "ratio_seconds_per_step": _ratio(med["ours"]["seconds_per_step"], med["stock"]["seconds_per_step"]),
@@ -486,7 +499,11 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
 
 
 def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
+    from trl_gspo import fused_head
+
     runs = {"stock": [], "ours": [], "ours_chunked": [], "naive": []}
+    if not fused_head.available():  # TRL < 1.15 has no fused head, so no tile size to set
+        del runs["ours_chunked"]
     for rep in range(reps):
         order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
         for kind in order:
@@ -502,7 +519,7 @@ def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
         "peak_memory_bytes": med,
         "ratio_ours_over_stock": _ratio(med["ours"], med["stock"]),
         "ours_chunked_logprob_vocab_chunk_size": MEMORY_CHUNK,
-        "ratio_ours_chunked_over_stock": _ratio(med["ours_chunked"], med["stock"]),
+        "ratio_ours_chunked_over_stock": _ratio(med["ours_chunked"], med["stock"]) if "ours_chunked" in med else None,
         "ratio_stock_over_naive_full_logits": _ratio(med["stock"], med["naive"]),
         "full_fp32_logits_bytes": shape["mem_vocab"] * shape["mem_tokens"] * 4,
         "runs": runs,
@@ -514,7 +531,9 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run with toy shapes (test suite)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per scenario (default: per shape)")
-    parser.add_argument("--scenarios", default="loss_path,equal_settings,sampler_logprobs,logprob_memory")
+    parser.add_argument(
+        "--scenarios", default="loss_path,equal_settings,equal_settings_no_diagnostics,sampler_logprobs,logprob_memory"
+    )
     parser.add_argument("--no-gradient-checkpointing", action="store_true",
                         help="train both trainers without activation checkpointing (TRL's default is on)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak for MFU (TFLOP/s)")
@@ -576,12 +595,20 @@ def main(argv=None):
         iters = 5 if args.tiny else 200
         spec = dict(task="loss_path", shape=shape, device=args.device, iters=iters)
         report["scenarios"]["loss_path"] = _run_worker(spec)
-        log(f"  ratio ours/stock: {report['scenarios']['loss_path']['ratio_cpu_seconds']:.4f} (cpu time)")
+        lp = report["scenarios"]["loss_path"]
+        log(f"  ratio ours/stock: {lp['ratio_cpu_seconds']:.4f} (cpu time), diagnostics off: "
+            f"{lp['ratio_cpu_seconds_no_diagnostics']:.4f}")  # fmt: skip
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
         report["scenarios"]["equal_settings"] = compare(
             "equal_settings", "recompute", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
+    if "equal_settings_no_diagnostics" in wanted:
+        log("equal_settings_no_diagnostics (old_logprobs_source='recompute', diagnostics=False)")
+        report["scenarios"]["equal_settings_no_diagnostics"] = compare(
+            "equal_settings_no_diagnostics", "recompute", shape, args.device, reps, work_dir, log,
+            gradient_checkpointing, diagnostics=False,
+        )  # fmt: skip
     if "sampler_logprobs" in wanted:
         log("sampler_logprobs (old_logprobs_source='sampler')")
         report["scenarios"]["sampler_logprobs"] = compare(

@@ -44,7 +44,6 @@ def _config(**kwargs):
     ({"loss_type": "cispo", "epsilon_high": 5.0}, r"loss_type='cispo' sums token losses"),
     ({"loss_type": "luspo", "importance_sampling_level": "token"}, r"luspo.*needs importance_sampling_level='sequence'"),
     ({"loss_type": "vespo"}, r"vespo.*set importance_sampling_level='token' \(got 'sequence'\)"),
-    ({"loss_type": "sapo", "importance_sampling_level": "sequence_token"}, r"sapo.*no 'sequence_token' level"),
     ({"routing_replay": "R1"}, r"routing_replay='R1' is not supported; allowed: none, R2, R3"),
     ({"routing_replay": "R2", "steps_per_generation": 2, "gradient_accumulation_steps": 2, "num_generations": 4},
      r"routing_replay='R2' records routes in TRL's pi_old forward, which does not run here: with "

@@ -2,13 +2,15 @@
 
 import csv
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from datasets import DatasetDict
 
-from trl_gspo.cli import RecipeError, main, parse
+from trl_gspo import cli
+from trl_gspo.cli import SHIPPED, RecipeError, main, parse
 from trl_gspo.demo import copy_score, demo_reward, make_demo_dataset
 from trl_gspo.rewards import math_accuracy_reward, resolve_reward
 
@@ -44,7 +46,7 @@ def test_demo_dataset_held_out_digits_never_appear_in_training():
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, capsys, moe):
     out = tmp_path / "demo"
-    argv = ["demo", "--config", str(ROOT / "recipes/demo.yaml"), "--output_dir", str(out), *FAST,
+    argv = ["demo", "--config", "demo", "--output_dir", str(out), *FAST,  # a shipped recipe, by name
             "--num_train_prompts", "32", "--num_eval_prompts", "16", "--moe", str(moe).lower()]  # fmt: skip
     assert main(argv) == 0
     assert "held-out reward (greedy, 16 unseen prompts): before" in capsys.readouterr().out
@@ -55,6 +57,9 @@ def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, ca
     assert [int(r["step"]) for r in rows] == [1, 2]
     assert {"reward", "loss", "clip_ratio/region_mean", "entropy"} <= set(rows[0])
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = (out / "README.md").read_text()  # the saved model's card names the method, its paper and tags
+    assert "trained with GSPO" in card and "2507.18071" in card and "zheng2025gspo" in card
+    assert "- gspo" in card and "- trl-gspo" in card and "GSPO-token" not in card
 
 
 @pytest.mark.slow
@@ -108,13 +113,81 @@ def test_train_runs_from_every_local_dataset_form(tmp_path, tiny_model_dir, copy
     assert model.config.model_type == "qwen3"
 
 
-def test_train_gspo_token_with_the_recipes_per_token_advantage_trainer(tmp_path, tiny_model_dir, copy_jsonl,
-                                                                       monkeypatch):  # fmt: skip
-    monkeypatch.chdir(ROOT)  # trainer_class names a repo-relative module, as in recipes/qwen3_1p7b_gspo_token.yaml
-    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl, importance_sampling_level="sequence_token",
-                           trainer_class="recipes.per_token_advantages.RepetitionPenaltyTrainer")  # fmt: skip
+BESIDE_RECIPE = """
+from trl_gspo import GSPOTrainer
+
+
+class BesideRecipeTrainer(GSPOTrainer):
+    calls = 0
+
+    def token_advantages(self, inputs):
+        type(self).calls += 1
+        return super().token_advantages(inputs)
+"""
+
+
+def test_trainer_class_next_to_the_recipe_runs_when_launched_from_elsewhere(tmp_path, tiny_model_dir, copy_jsonl,
+                                                                            monkeypatch):  # fmt: skip
+    recipe_dir, elsewhere = tmp_path / "my_recipes", tmp_path / "elsewhere"
+    recipe_dir.mkdir(), elsewhere.mkdir()
+    (recipe_dir / "beside_recipe.py").write_text(BESIDE_RECIPE)
+    keys = yaml.safe_load(open(_train_recipe(tmp_path, tiny_model_dir, copy_jsonl)))
+    recipe = _write_recipe(recipe_dir / "gspo_token.yaml", **keys, importance_sampling_level="sequence_token",
+                           trainer_class="beside_recipe.BesideRecipeTrainer")  # fmt: skip
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the recipe's folder on it; undone after the test
+    monkeypatch.delitem(sys.modules, "beside_recipe", raising=False)
     assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
+    module = sys.modules.pop("beside_recipe")
+    assert Path(module.__file__).parent == recipe_dir and module.BesideRecipeTrainer.calls > 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "trained with GSPO-token" in card and "- gspo-token" in card and "2507.18071" in card
+
+
+def test_trainer_class_that_does_not_resolve_names_both_places(tmp_path, tiny_model_dir, copy_jsonl, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl, trainer_class="nowhere_module.Trainer")
+    with pytest.raises(RecipeError, match="trainer_class: cannot import module 'nowhere_module'"):
+        cli.train(["--config", recipe])
+
+
+# ------------------------------------------------------------------------------- shipped files by name
+def test_config_and_accelerate_config_resolve_by_name_and_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.resolve_shipped("demo", "recipe") == SHIPPED["recipe"] / "demo.yaml"
+    assert cli.resolve_shipped("recipes/demo.yaml", "recipe") == SHIPPED["recipe"] / "demo.yaml"
+    assert cli.resolve_shipped("zero2.yaml", "accelerate config") == SHIPPED["accelerate config"] / "zero2.yaml"
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "demo.yaml").write_text("max_steps: 3\n")
+    assert cli.resolve_shipped("recipes/demo.yaml", "recipe") == tmp_path / "recipes" / "demo.yaml"  # a file wins
+    with pytest.raises(RecipeError, match=r"accelerate config 'zero22': no such file.*Did you mean 'zero2'\?"):
+        cli.resolve_shipped("zero22", "accelerate config")
+
+
+def test_accelerate_config_relaunches_under_accelerate_with_the_shipped_file(monkeypatch):
+    calls = []
+    monkeypatch.setattr("subprocess.call", lambda cmd: calls.append(cmd) or 0)
+    argv = ["--config", "demo", "--accelerate_config", "zero2", "--num_processes", "2", "--max_steps", "3"]
+    assert main(["demo", *argv]) == 0
+    (cmd,) = calls
+    assert cmd[1:] == ["-m", "accelerate.commands.launch", "--config_file", str(SHIPPED["accelerate config"] / "zero2.yaml"),
+                       "--num_processes", "2", "-m", "trl_gspo", "demo", "--config", "demo", "--max_steps", "3"]  # fmt: skip
+
+
+def test_recipes_command_copies_out_lists_and_refuses_to_overwrite(tmp_path, capsys):
+    assert main(["recipes", str(tmp_path)]) == 0
+    shipped = {p.name for kind in SHIPPED.values() for p in kind.iterdir() if p.suffix in (".yaml", ".py")}
+    copied = {p.name for p in (tmp_path / "recipes").iterdir()} | {p.name for p in (tmp_path / "accelerate_configs").iterdir()}
+    assert copied == shipped and "per_token_advantages.py" in copied
+    (tmp_path / "recipes" / "demo.yaml").write_text("edited")
+    assert main(["recipes", str(tmp_path)]) == 2
+    assert "would overwrite" in capsys.readouterr().err and (tmp_path / "recipes" / "demo.yaml").read_text() == "edited"
+    assert main(["recipes", str(tmp_path), "--force"]) == 0
+    assert (tmp_path / "recipes" / "demo.yaml").read_text() == (SHIPPED["recipe"] / "demo.yaml").read_text()
+    assert main(["recipes", "--list"]) == 0
+    assert "qwen3_1p7b_gspo_token" in capsys.readouterr().out
 
 
 def test_python_dash_m_entry_point(tmp_path):
@@ -213,3 +286,15 @@ def test_builtin_reward_names_resolve_to_trl_functions():
     assert resolve_reward("accuracy_reward") is accuracy_reward
     assert resolve_reward("think_format_reward") is think_format_reward
     assert resolve_reward("trl_gspo.demo.demo_reward") is demo_reward
+
+
+def test_model_card_fields_per_variant():
+    from trl import GRPOTrainer
+
+    from trl_gspo.model_card import card_fields
+
+    assert card_fields("sequence", "grpo", GRPOTrainer._paper)[0::2] == ("GSPO", ["trl", "trl-gspo", "gspo"])
+    name, paper, tags = card_fields("sequence_token", "luspo", GRPOTrainer._paper)
+    assert name == "GSPO-token (luspo loss)" and paper["id"] == "2507.18071" and "gspo-token" in tags
+    name, paper, tags = card_fields("token", "grpo", GRPOTrainer._paper)
+    assert name == "GRPO" and paper is GRPOTrainer._paper and "grpo" in tags

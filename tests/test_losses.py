@@ -180,3 +180,31 @@ def test_log_ratio_clamp_keeps_ratio_finite_and_is_identity_inside_the_bound():
     assert log_w.grad[0] == 0 and log_w.grad[-1] == 0  # saturated: no gradient
     assert log_w.grad[1:4].tolist() == pytest.approx([math.exp(-5), 1.0, math.exp(5)])
     assert torch.isinf(losses.importance_ratio(torch.tensor([1e4]), max_log_ratio=None)).all()
+
+
+def naive_sapo_sequence_loss(logps, old, mask, adv, tau_pos=1.0, tau_neg=1.05):
+    """SAPO on GSPO's sequence ratio: J = (1/G) sum_i (4/tau_i) sigmoid(tau_i (s_i - 1)) A_i; loss = -J."""
+    total = 0.0
+    for i in range(logps.shape[0]):
+        valid = [t for t in range(logps.shape[1]) if mask[i, t] > 0]
+        if not valid:
+            continue
+        s = torch.exp(sum(logps[i, t] - old[i, t] for t in valid) / len(valid))
+        tau = tau_pos if adv[i] > 0 else tau_neg
+        total = total + 4 / tau / (1 + torch.exp(-tau * (s - 1))) * adv[i]
+    return -total / logps.shape[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("scale", [1e-3, 0.3])
+def test_sapo_on_the_sequence_ratio_matches_naive_reference(seed, scale):
+    def ours_sapo(logps, old, mask, adv):
+        ratio = losses.importance_ratio(losses.sequence_log_weights(logps, old, mask))
+        return losses.sequence_mean_loss(losses.sapo_loss(ratio, adv.unsqueeze(1), 1.0, 1.05), mask)
+
+    logps, old, mask, adv = _batch(seed, scale=scale)
+    ref_loss, ref_grad = _value_and_grad(naive_sapo_sequence_loss, logps, old, mask, adv)
+    loss, grad = _value_and_grad(ours_sapo, logps, old, mask, adv)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
+    assert grad.abs().sum() > 0

@@ -194,12 +194,12 @@ CORE = ["seq_ratio/mean", "seq_ratio/std", "seq_ratio/min", "seq_ratio/max", "se
 MOE = ["moe/routing_shift", "moe/routing_shift_any_layer", "moe/expert_change", "moe/expert_load_cv"]
 
 
-def _train(tokenizer, tmp_path, level, moe):
+def _train(tokenizer, tmp_path, level, moe, **extra):
     model = build_tiny_model(tokenizer, moe=moe, seed=0)
     args = GSPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=3e-3,
-        max_steps=4, logging_steps=1, **LEVELS[level],
+        max_steps=4, logging_steps=1, **LEVELS[level], **extra,
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": ["copy 1 2 :", "add 3 4 =", "copy a b :", "count 5 6"] * 4})
 
@@ -229,6 +229,17 @@ def test_metrics_reach_the_logs_for_every_variant(level, tokenizer, tmp_path):
     assert rows[0]["seq_ratio/std"] == 0 and rows[0]["seq_ratio/mean"] == 1
     assert any(row["seq_ratio/std"] > 0 for row in rows[1:])
     assert any(k.startswith("logratio_by_len/") for k in rows[-1])
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_diagnostics_false_switches_them_off_and_keeps_trls_metrics(moe, tokenizer, tmp_path):
+    rows = _train(tokenizer, tmp_path, "sequence", moe=moe, diagnostics=False)
+    ours = [k for row in rows for k in row if k.startswith(("seq_ratio/", "clip_fraction/", "ratio_dispersion/",
+                                                            "logratio_by_len/", "moe/", "nonfinite/logps"))]  # fmt: skip
+    assert ours == []
+    assert all({"clip_ratio/region_mean", "entropy", "loss", "nonfinite/microbatches"} <= row.keys() for row in rows)
+    if moe:
+        assert all("aux_loss" in row for row in rows)  # TRL's MoE loss term is untouched
 
 
 def test_moe_metrics_only_for_moe_and_routing_moves_after_updates(tokenizer, tmp_path):

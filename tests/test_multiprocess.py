@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trl_gspo.cli import SHIPPED
+
 ROOT = Path(__file__).resolve().parent.parent
 # Seen on these machines: after a rank has finished (and printed its marker), libstdc++ can abort it at interpreter
 # exit with this message. That is a teardown crash, not a training failure: tolerated only when every rank printed
@@ -39,7 +41,7 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_DISABLED": "true"}  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
-           "--config_file", str(ROOT / "accelerate_configs" / config), "--num_processes", "2",
+           "--config_file", str(SHIPPED["accelerate config"] / config), "--num_processes", "2",
            "--mixed_precision", "no", "--main_process_port", str(_free_port()),
            str(ROOT / "tests" / "cpu_launch.py"), "demo", "--output_dir", str(output_dir), "--max_steps", "2",
            "--num_train_prompts", "64", "--num_eval_prompts", "16", "--logging_steps", "1",

@@ -209,3 +209,51 @@ def test_all_equal_rewards_train_finitely(tmp_path):
     logs = [h for h in trainer.state.log_history if "loss" in h and "nonfinite/microbatches" in h]
     assert all(h["loss"] == 0.0 and h["grad_norm"] == 0.0 and h["nonfinite/microbatches"] == 0 for h in logs)
     assert logs[0]["frac_reward_zero_std"] == 1.0
+
+
+# ------------------------------------------------------------------- SAPO, VESPO and evaluation, guarded too
+def test_sapo_keeps_the_log_ratio_clamp_where_stock_trl_gives_nan_gradients(tmp_path):
+    """SAPO runs through the rebuilt loss: with old log-probs 1e4 below the current ones, stock TRL's exp overflows
+    and its gradient is NaN (sigmoid'(inf) * inf); ours is clamped at max_log_ratio and stays finite."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    batch = _batch(old_shift=-1e4)
+    ours = make_trainer(tmp_path / "a", loss_type="sapo", importance_sampling_level="token")
+    loss, grads = _loss_and_grads(ours, batch)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    assert ours._nonfinite._dropped.item() == 0
+
+    tokenizer_model = make_trainer(tmp_path / "c")  # same tiny model and tokenizer, in a stock trainer
+    args = GRPOConfig(output_dir=str(tmp_path / "b"), use_cpu=True, bf16=False, report_to=[], loss_type="sapo",
+                      per_device_train_batch_size=4, num_generations=2, max_completion_length=6)  # fmt: skip
+    stock = GRPOTrainer(tokenizer_model.model, tokenizer_model.reward_funcs, args=args,
+                        train_dataset=tokenizer_model.train_dataset, processing_class=tokenizer_model.processing_class)  # fmt: skip
+    _, stock_grads = _loss_and_grads(stock, batch)
+    assert any(not torch.isfinite(g).all() for g in stock_grads.values()), "stock TRL stayed finite: test is moot"
+
+
+def test_vespo_loss_is_guarded_on_its_own_loss(tmp_path):
+    """VESPO runs TRL's own loss code: a NaN in the current log-probs makes its loss NaN; the guard drops it."""
+    trainer = make_trainer(tmp_path, trainer_cls=NaNLogpsTrainer, loss_type="vespo", importance_sampling_level="token")
+    NaNLogpsTrainer.nan_steps, NaNLogpsTrainer.poison_old = (trainer._step,), False
+    try:
+        loss, _ = _loss_and_grads(trainer, _batch())
+    finally:
+        NaNLogpsTrainer.nan_steps = ()
+    assert loss.item() == 0.0 and trainer._nonfinite._dropped.item() == 1
+
+
+def test_evaluation_losses_are_guarded_and_counted(tmp_path):
+    """A non-finite evaluation micro-batch adds 0 to eval_loss and shows in eval_nonfinite/microbatches."""
+    trainer = make_trainer(tmp_path, per_device_eval_batch_size=4, eval_strategy="no")
+    good, bad = _batch(), _batch(old_shift=float("nan"))
+    trainer.model.eval()
+    with torch.no_grad():
+        for batch, expect_dropped in ((good, 0.0), (bad, 1.0)):
+            inputs = {k: v for k, v in batch.items() if k != "old_shift"}
+            inputs["old_per_token_logps"] = torch.full(inputs["completion_ids"].shape, batch["old_shift"])
+            loss = trainer._compute_loss(trainer.model, inputs)
+            assert torch.isfinite(loss)
+            assert trainer._metrics["eval"]["nonfinite/microbatches"][-1] == expect_dropped
+    assert loss.item() == 0.0
+    assert trainer._nonfinite._seen == 0, "evaluation must not count toward the training step's micro-batches"

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_gspo.cli import parse, resolve_trainer_class
+from trl_gspo.cli import SHIPPED, parse, resolve_shipped, resolve_trainer_class
 from trl_gspo.rewards import resolve_reward
 
-ROOT = Path(__file__).resolve().parent.parent
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+RECIPES_DIR, ACCELERATE_DIR = SHIPPED["recipe"], SHIPPED["accelerate config"]  # inside the package: they ship with it
+RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted(ACCELERATE_DIR.glob("*.yaml"))
 
 
 @pytest.fixture
@@ -24,7 +24,6 @@ def gpu_recipes_parse_on_cpu(monkeypatch):
     import transformers.training_args as training_args
 
     monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)
-    monkeypatch.chdir(ROOT)  # recipes name repo-relative modules (trainer_class) like their commands do
 
 
 def _command(recipe: Path) -> str:
@@ -55,7 +54,7 @@ def test_recipe_parses_into_valid_configs(recipe, gpu_recipes_parse_on_cpu):
         for name in script_args.reward_funcs:
             assert callable(resolve_reward(name))
         assert not args.trust_remote_code
-        assert args.bf16 and args.activation_checkpointing
+        assert args.bf16 and args.gradient_checkpointing
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -63,32 +62,33 @@ def test_recipe_header_says_how_to_run_it(recipe):
     header = _header(recipe)
     for needed in ("Command", "Hardware", "Wall time"):
         assert needed in header, f"{recipe.name}: header lacks {needed!r}"
-    assert f"recipes/{recipe.name}" in header or recipe.stem == "demo" and "trl-gspo demo" in header
-    for config in re.findall(r"--config_file (\S+)", header):  # a stale command would name a missing file
-        assert (ROOT / config).is_file(), f"{recipe.name} names {config}, which does not exist"
+    assert f"--config {recipe.stem}" in header, f"{recipe.name}: header has no command naming it"
+    for config in re.findall(r"--accelerate_config (\S+)", header):  # a stale command would name a missing file
+        assert resolve_shipped(config, "accelerate config").is_file(), f"{recipe.name} names {config}"
+    assert "accelerate_configs/" not in header and "--config_file" not in header, "use the names, as users do"
 
 
 def test_moe_recipe_is_the_papers_setting(gpu_recipes_parse_on_cpu):
-    _, args, model_args, *_ = parse("train", ["--config", str(ROOT / "recipes/qwen3_30b_a3b_moe_zero3.yaml")])
+    _, args, model_args, *_ = parse("train", ["--config", str(RECIPES_DIR / "qwen3_30b_a3b_moe_zero3.yaml")])
     assert model_args.model_name_or_path == "Qwen/Qwen3-30B-A3B"
     assert args.importance_sampling_level == "sequence" and args.loss_type == "grpo"
     assert args.steps_per_generation // args.gradient_accumulation_steps == 4
-    header = _header(ROOT / "recipes/qwen3_30b_a3b_moe_zero3.yaml")
+    header = _header(RECIPES_DIR / "qwen3_30b_a3b_moe_zero3.yaml")
     assert "multi_node.yaml" in header and "zero3" in header
 
 
 def test_lora_recipe_builds_a_lora_config_with_8bit_optimizer(gpu_recipes_parse_on_cpu):
     from trl import get_peft_config
 
-    _, args, model_args, *_ = parse("train", ["--config", str(ROOT / "recipes/qwen3_4b_lora_24gb.yaml")])
+    _, args, model_args, *_ = parse("train", ["--config", str(RECIPES_DIR / "qwen3_4b_lora_24gb.yaml")])
     lora = get_peft_config(model_args)
     assert lora is not None and lora.r == 16 and lora.lora_alpha == 32
     assert set(lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    assert args.optim.value == "paged_adamw_8bit" and args.bf16 and args.activation_checkpointing
+    assert args.optim.value == "paged_adamw_8bit" and args.bf16 and args.gradient_checkpointing
 
 
 def test_vllm_recipe_uses_vllm_and_server_mode_flag_overrides(gpu_recipes_parse_on_cpu):
-    recipe = str(ROOT / "recipes/qwen3_4b_math_vllm.yaml")
+    recipe = str(RECIPES_DIR / "qwen3_4b_math_vllm.yaml")
     _, args, *_ = parse("train", ["--config", recipe])
     assert args.use_vllm and args.vllm_mode == "colocate"
     _, args, *_ = parse("train", ["--config", recipe, "--vllm_mode", "server"])
@@ -98,14 +98,14 @@ def test_vllm_recipe_uses_vllm_and_server_mode_flag_overrides(gpu_recipes_parse_
 def test_gspo_token_recipe_trainer_class_overrides_the_documented_hook(gpu_recipes_parse_on_cpu):
     from trl_gspo import GSPOTrainer
 
-    script_args, args, *_ = parse("train", ["--config", str(ROOT / "recipes/qwen3_1p7b_gspo_token.yaml")])
+    script_args, args, *_ = parse("train", ["--config", str(RECIPES_DIR / "qwen3_1p7b_gspo_token.yaml")])
     assert args.importance_sampling_level == "sequence_token"
-    cls = resolve_trainer_class(script_args.trainer_class)
+    cls = resolve_trainer_class(script_args.trainer_class, (str(RECIPES_DIR),))  # next to the recipe, as the CLI does
     assert issubclass(cls, GSPOTrainer) and cls.token_advantages is not GSPOTrainer.token_advantages
 
 
 def test_repetition_penalty_token_advantages_on_a_crafted_batch(gpu_recipes_parse_on_cpu):
-    RepetitionPenaltyTrainer = resolve_trainer_class("recipes.per_token_advantages.RepetitionPenaltyTrainer")
+    RepetitionPenaltyTrainer = resolve_trainer_class("per_token_advantages.RepetitionPenaltyTrainer", (str(RECIPES_DIR),))
     ids = torch.tensor([[5, 6, 5, 6, 5, 0], [1, 2, 3, 4, 1, 2]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
     fake = SimpleNamespace(ngram=2, penalty=0.5)
@@ -179,7 +179,7 @@ def test_deepspeed_section_passes_deepspeeds_own_validation(config, monkeypatch,
     _launch_env(config, monkeypatch)
     plugin = DeepSpeedPlugin()
     plugin.set_mixed_precision("bf16")
-    _, args, *_ = parse("train", ["--config", str(ROOT / "recipes/qwen3_30b_a3b_moe_zero3.yaml")])
+    _, args, *_ = parse("train", ["--config", str(RECIPES_DIR / "qwen3_30b_a3b_moe_zero3.yaml")])
     hf_config = HfTrainerDeepSpeedConfig(plugin.deepspeed_config)
     hf_config.trainer_config_process(args)
     filled = json.loads(json.dumps(hf_config.config))

@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo import fused_head
 from trl_gspo import sampler_logprobs as sl
 from trl_gspo.tiny import build_tiny_model
 
@@ -227,6 +228,10 @@ def test_config_validation(tmp_path, caplog):
 
 
 # ------------------------------------------------------------------------------- fused-head vocab chunk
+NO_FUSED_HEAD = "TRL < 1.15 has no fused log-prob head (it computes full logits)"
+
+
+@pytest.mark.skipif(not fused_head.available(), reason=NO_FUSED_HEAD)
 def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path):
     """A vocabulary split into 5 tiles gives the log-probs, entropies and gradients of a plain full-logits pass."""
     from trl.trainer import utils as trl_utils
@@ -259,6 +264,12 @@ def test_vocab_chunk_validation(tmp_path):
             _config(tmp_path, logprob_vocab_chunk_size=bad)
 
 
+@pytest.mark.skipif(fused_head.available(), reason="this TRL has the fused log-prob head")
+def test_vocab_chunk_refused_without_fused_head(tmp_path):
+    with pytest.raises(ValueError, match="logprob_vocab_chunk_size=4096 sets the tile of TRL's fused log-prob head"):
+        _config(tmp_path, logprob_vocab_chunk_size=4096)
+
+
 # ------------------------------------------------------------------------ the vLLM flow, with a stand-in
 SAMPLER_GAP = -2e-3  # the stand-in engine scores every token 2e-3 nats lower than the trainer does
 
@@ -267,13 +278,11 @@ class _FakeVLLMTrainer(GSPOTrainer):
     """Takes TRL's vLLM branches (`use_vllm=True` set after init) but samples with transformers `generate` and
     returns per-token log-probs shifted by SAMPLER_GAP, as an engine with slightly different numerics would."""
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(self, *args, **kwargs):  # TRL's arguments vary across releases (trl_compat.py)
         self.use_vllm = False  # just for the stock generate path
         try:
             with sl.SamplerLogprobRecorder(self.model, self.temperature) as rec:
-                completion_ids, _ = GRPOTrainer._generate_single_turn(
-                    self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-                )
+                completion_ids, _ = GRPOTrainer._generate_single_turn(self, *args, **kwargs)
         finally:
             self.use_vllm = True
         return completion_ids, [[x + SAMPLER_GAP for x in row] for row in rec.completion_logprobs(completion_ids)]

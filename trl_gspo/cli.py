@@ -1,10 +1,14 @@
 """`trl-gspo` command line, on TRL's `TrlParser` like `trl grpo`.
 
-    trl-gspo demo  [--config recipes/demo.yaml] [--flag value ...]   # offline demo: tiny model, no downloads
-    trl-gspo train --config recipe.yaml [--flag value ...]           # any model / dataset / reward
+    trl-gspo demo    [--config demo] [--flag value ...]                   # offline demo: tiny model, no downloads
+    trl-gspo train   --config RECIPE [--accelerate_config zero2] [--flag value ...]   # any model / dataset / reward
+    trl-gspo check                                                        # versions + parity with stock GRPOTrainer
+    trl-gspo recipes [DEST] [--list] [--force]                            # copy the shipped recipes out for editing
 
-Both run in the current process; for several GPUs or DeepSpeed wrap them in accelerate:
-`accelerate launch --config_file accelerate_configs/zero2.yaml -m trl_gspo train --config recipe.yaml`.
+`--config` and `--accelerate_config` take a path, or the name of a file shipped in `trl_gspo/recipes/` or
+`trl_gspo/accelerate_configs/` (a path that exists wins, so copies made by `trl-gspo recipes` are used from then
+on). Without `--accelerate_config` the command runs in the current process (what `accelerate launch -m trl_gspo
+train ...` runs on each rank); with it, the command relaunches itself under `accelerate launch`, like `trl grpo`.
 A recipe's keys are the fields of `GSPOConfig` (every `GRPOConfig`/`TrainingArguments` field), TRL's `ModelConfig`
 (model, dtype, `use_peft`, `lora_*`), TRL's dataset mixture (`datasets:`) and the script arguments below; command
 line flags override the recipe. Unlike TRL's parser, a key no class knows is an error (with the closest valid key),
@@ -15,12 +19,14 @@ from __future__ import annotations
 
 import difflib
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
+from . import trl_compat
 from .config import GSPOConfig
 
 
@@ -50,7 +56,8 @@ class GSPOScriptArguments(ScriptArguments):
         default=None,
         metadata={
             "help": "Dotted import path of a GSPOTrainer subclass to train with, e.g. one overriding the "
-            "token_advantages hook for GSPO-token (see recipes/per_token_advantages.py). Default: GSPOTrainer."
+            "token_advantages hook for GSPO-token (see recipes/per_token_advantages.py). Modules next to the recipe "
+            "file and in the working directory are importable. Default: GSPOTrainer."
         },
     )
 
@@ -62,6 +69,86 @@ class DemoArguments:
     num_train_prompts: int = field(default=2000, metadata={"help": "Training prompts drawn for the copy task."})
     num_eval_prompts: int = field(default=200, metadata={"help": "Held-out prompts (digits never seen in training)."})
     moe: bool = field(default=False, metadata={"help": "Use a tiny Qwen3-MoE (4 experts, top-2) instead of dense."})
+
+
+# ----------------------------------------------------------------------------------------- shipped files
+PACKAGE_DIR = Path(__file__).resolve().parent
+SHIPPED = {"recipe": PACKAGE_DIR / "recipes", "accelerate config": PACKAGE_DIR / "accelerate_configs"}
+
+
+def shipped_names(kind: str) -> list[str]:
+    return sorted(path.stem for path in SHIPPED[kind].glob("*.yaml"))
+
+
+def resolve_shipped(value: str, kind: str) -> Path:
+    """`value` as an existing file, else the shipped `kind` ("recipe" / "accelerate config") of that name.
+
+    `zero2`, `zero2.yaml` and `accelerate_configs/zero2.yaml` all name the shipped ZeRO-2 config when no such file
+    exists here: the last form is what `trl-gspo recipes` copies out, so a command works before and after copying.
+    """
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.resolve()
+    folder = SHIPPED[kind]
+    if path.parent in (Path("."), Path(folder.name)):
+        candidate = folder / f"{path.stem if path.suffix in ('.yaml', '.yml') else path.name}.yaml"
+        if candidate.is_file():
+            return candidate
+    close = difflib.get_close_matches(path.stem, shipped_names(kind), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise RecipeError(
+        f"{kind} {value!r}: no such file, and no shipped {kind} of that name.{hint} Shipped: "
+        f"{', '.join(shipped_names(kind))} (`trl-gspo recipes --list`)."
+    )
+
+
+def _take_option(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+    """Remove `--flag VALUE` / `--flag=VALUE` from argv; returns (VALUE or None, the rest)."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == flag:
+            if i + 1 >= len(argv):
+                raise RecipeError(f"{flag} needs a value.")
+            value, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return value, rest
+
+
+def resolve_config_argument(argv: list[str]) -> tuple[list[str], Path | None]:
+    """Replace the value of `--config` by the recipe file it names; returns (argv, recipe path or None)."""
+    value, rest = _take_option(argv, "--config")
+    if value is None:
+        return argv, None
+    recipe = resolve_shipped(value, "recipe")
+    return ["--config", str(recipe), *rest], recipe
+
+
+#: `accelerate launch` options `--accelerate_config` runs accept besides the config (none is a recipe key).
+LAUNCH_OPTIONS = ("--num_processes", "--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port",
+                  "--mixed_precision")  # fmt: skip
+
+
+def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
+    """With `--accelerate_config NAME|PATH` in argv, rerun `trl-gspo COMMAND` under `accelerate launch` and return
+    its exit code (like `trl grpo --accelerate_config zero2`); without it, None (run in this process)."""
+    config, argv = _take_option(argv, "--accelerate_config")
+    if config is None:
+        return None
+    launch = ["--config_file", str(resolve_shipped(config, "accelerate config"))]
+    for option in LAUNCH_OPTIONS:
+        value, argv = _take_option(argv, option)
+        if value is not None:
+            launch += [option, value]
+    import subprocess
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "trl_gspo", command, *argv]
+    return subprocess.call(cmd)
 
 
 class GSPOParser(TrlParser):
@@ -134,12 +221,16 @@ def demo(argv: list[str]) -> int:
 
     from .demo import DEMO_ARGS, run_demo
 
+    launched = launch_with_accelerate("demo", argv)
+    if launched is not None:
+        return launched
+    argv, _ = resolve_config_argument(argv)
     demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
     result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
                       args=args, peft_config=get_peft_config(model_args))  # fmt: skip
-    result["trainer"].end()  # trackers and process group, as `trl grpo` does
+    trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does
     return 0
 
 
@@ -162,10 +253,10 @@ def load_any_dataset(name: str, config: str | None = None, streaming: bool = Fal
     return load_dataset(name, name=config, streaming=streaming)
 
 
-def resolve_rewards(script_args) -> list:
+def resolve_rewards(script_args, search_dirs: tuple = ()) -> list:
     from .rewards import resolve_reward
 
-    funcs = [resolve_reward(name) for name in script_args.reward_funcs or []]
+    funcs = [resolve_reward(name, search_dirs) for name in script_args.reward_funcs or []]
     if script_args.reward_model_name_or_path:
         funcs.append(script_args.reward_model_name_or_path)
     if not funcs:
@@ -188,15 +279,16 @@ def check_columns(dataset, reward_funcs, split: str) -> None:
             raise RecipeError(f"reward {name!r} needs dataset column(s) {missing}; split {split!r} has {columns}.")
 
 
-def resolve_trainer_class(path: str | None):
-    """`trainer_class` -> a GSPOTrainer subclass, imported by dotted path (never evaluated)."""
+def resolve_trainer_class(path: str | None, search_dirs: tuple = ()):
+    """`trainer_class` -> a GSPOTrainer subclass, imported by dotted path (never evaluated); modules in
+    `search_dirs` (the recipe's folder) and in the working directory are importable."""
     from .rewards import import_object
     from .trainer import GSPOTrainer
 
     if path is None:
         return GSPOTrainer
     try:
-        cls = import_object(path)
+        cls = import_object(path, search_dirs)
     except ValueError as err:
         raise RecipeError(f"trainer_class: {err}") from err
     if not (isinstance(cls, type) and issubclass(cls, GSPOTrainer)):
@@ -207,14 +299,19 @@ def resolve_trainer_class(path: str | None):
 def train(argv: list[str]) -> int:
     from trl import get_dataset, get_peft_config, get_quantization_config
 
+    launched = launch_with_accelerate("train", argv)
+    if launched is not None:
+        return launched
+    argv, recipe = resolve_config_argument(argv)
+    search_dirs = (str(recipe.parent),) if recipe is not None else ()  # a recipe's own modules sit next to it
     script_args, args, model_args, mixture = parse("train", argv)
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
     try:
-        reward_funcs = resolve_rewards(script_args)
+        reward_funcs = resolve_rewards(script_args, search_dirs)
     except ValueError as err:
         raise RecipeError(str(err)) from err
-    trainer_cls = resolve_trainer_class(script_args.trainer_class)
+    trainer_cls = resolve_trainer_class(script_args.trainer_class, search_dirs)
     if mixture.datasets:
         dataset = get_dataset(mixture)
     elif script_args.dataset_name:
@@ -247,18 +344,54 @@ def train(argv: list[str]) -> int:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
     trainer.accelerator.print(f"Model saved to {args.output_dir}")
-    trainer.end()
+    trl_compat.end_training(trainer)
     return 0
 
 
-COMMANDS = {"demo": demo, "train": train}
-USAGE = """usage: trl-gspo {demo,train} [--config RECIPE.yaml] [--key value ...]
+# -------------------------------------------------------------------------------------------------- recipes
+def recipes(argv: list[str]) -> int:
+    """Copy the shipped recipes and accelerate configs to DEST/recipes and DEST/accelerate_configs for editing."""
+    import argparse
 
-  demo    train a tiny model offline on a digit-copy task (CPU, ~1 min on 2 cores); prints held-out reward before/after
-  train   GSPO on any model/dataset/reward described by a recipe (see recipes/)
+    parser = argparse.ArgumentParser(prog="trl-gspo recipes", description=recipes.__doc__)
+    parser.add_argument("dest", nargs="?", default=".", help="folder to copy into (default: the working directory)")
+    parser.add_argument("--list", action="store_true", help="only list the shipped files and where they are")
+    parser.add_argument("--force", action="store_true", help="overwrite files that already exist in DEST")
+    options = parser.parse_args(argv)
+    files = [path for folder in SHIPPED.values() for path in sorted(folder.iterdir()) if path.suffix in (".yaml", ".py")]
+    if options.list:
+        for kind, folder in SHIPPED.items():
+            print(f"{kind}s ({folder}):  {', '.join(shipped_names(kind))}")
+        return 0
+    dest = Path(options.dest)
+    targets = [dest / path.parent.name / path.name for path in files]
+    existing = [str(target) for target in targets if target.exists()]
+    if existing and not options.force:
+        raise RecipeError(f"would overwrite {', '.join(existing)}; pass --force, or copy into another folder.")
+    for path, target in zip(files, targets):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    print(f"copied {len(files)} files to {dest / 'recipes'} and {dest / 'accelerate_configs'}; commands such as "
+          f"`trl-gspo train --config recipes/<name>.yaml` now use these copies.")  # fmt: skip
+    return 0
 
-`trl-gspo COMMAND --help` lists every key. Multi-GPU / DeepSpeed:
-  accelerate launch --config_file accelerate_configs/zero2.yaml -m trl_gspo train --config recipes/<recipe>.yaml
+
+def check(argv: list[str]) -> int:
+    from .check import main as check_main
+
+    return check_main(argv)
+
+
+COMMANDS = {"demo": demo, "train": train, "check": check, "recipes": recipes}
+USAGE = """usage: trl-gspo {demo,train,check,recipes} [...]
+
+  demo     train a tiny model offline on a digit-copy task (CPU, ~1 min on 2 cores); prints held-out reward before/after
+  train    GSPO on any model/dataset/reward described by a recipe: --config NAME|PATH [--accelerate_config NAME|PATH]
+  check    print the installed versions and compare our loss and gradients with the installed stock GRPOTrainer
+  recipes  copy the shipped recipes and accelerate configs out for editing (--list to list them)
+
+`trl-gspo COMMAND --help` lists every key. Shipped recipes: trl-gspo recipes --list. Multi-GPU / DeepSpeed:
+  trl-gspo train --config qwen3_1p7b_math_zero2 --accelerate_config zero2
 """
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from . import fused_head
 from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
 
 #: MoE routing replay modes (see routing_replay.py).
@@ -18,9 +19,10 @@ logger = logging.getLogger(__name__)
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 #: Loss types that sum tokens over the batch, so a per-sequence weight gets multiplied by the sequence length.
 TOKEN_SUM_LOSS_TYPES = ("dapo", "bnpo", "dr_grpo", "cispo")
-#: Loss types TRL implements without a clipped ratio; GSPOTrainer runs TRL's own code for them, unchanged.
-TRL_NATIVE_LOSS_TYPES = ("sapo", "vespo")
-KNOWN_LOSS_TYPES = CLIPPED_LOSS_TYPES + ("cispo",) + TRL_NATIVE_LOSS_TYPES
+#: Loss types with no importance ratio to hook (VESPO weights sequences by its own clamped gamma function):
+#: GSPOTrainer runs TRL's own code for them, under the non-finite guard.
+TRL_NATIVE_LOSS_TYPES = ("vespo",)
+KNOWN_LOSS_TYPES = CLIPPED_LOSS_TYPES + ("cispo", "sapo") + TRL_NATIVE_LOSS_TYPES
 #: Where pi_old comes from: TRL's extra forward pass, or the sampler's own log-probs (see sampler_logprobs.py).
 OLD_LOGPROBS_SOURCES = ("recompute", "sampler")
 #: Mini-batch updates per rollout batch in the paper's setting.
@@ -81,6 +83,11 @@ class GSPOConfig(GRPOConfig):
             With vLLM, `old_logprobs_source="recompute"` and a `sequence_*` `vllm_importance_sampling_mode`, use
             `exp(mean_t(log pi_old - log pi_vllm))` as the sampler-trainer correction instead of TRL's
             `exp(sum_t ...)`, which grows with length and masks or truncates long completions.
+        diagnostics (`bool`, *optional*, defaults to `True`):
+            Record the GSPO diagnostics (`seq_ratio/*`, `clip_fraction/*`, `ratio_dispersion/*`, `logratio_by_len/*`,
+            `nonfinite/{logps,old_logps,advantages}`, and `moe/*` router recording on MoE models) on every
+            micro-batch. They add no device sync (reduced at log time) but cost ~0.7 ms of tensor ops per micro-batch
+            (see `benchmarks/run.py`); `False` turns them off. TRL's own metrics and the non-finite guard stay.
         logprob_vocab_chunk_size (`int` or `None`, *optional*, defaults to `None`):
             Vocabulary columns per tile of TRL's fused log-prob head (`None`: TRL's 32768). Without Triton (CPU),
             TRL folds each `[tokens, chunk]` fp32 tile with ~8 tile-sized temporaries in the backward, so at a 151k
@@ -124,7 +131,7 @@ class GSPOConfig(GRPOConfig):
             "help": "How token losses are aggregated. 'grpo' (default): mean per sequence, then over sequences, "
             "which is GSPO's objective. Token-sum types ('dapo', 'bnpo', 'dr_grpo', 'cispo') weight sequences by "
             "length and need allow_token_sum_with_sequence_level with a sequence level. 'luspo' needs 'sequence'; "
-            "'sapo' and 'vespo' run TRL's own loss code and need 'token' or 'sequence' ('vespo': 'token').",
+            "'sapo' (soft gate instead of a clip) takes any level; 'vespo' runs TRL's own loss code and needs 'token'.",
             "choices": list(KNOWN_LOSS_TYPES),
         },
     )
@@ -183,6 +190,14 @@ class GSPOConfig(GRPOConfig):
             "help": "Length-normalise TRL's sequence-level vLLM importance-sampling correction (mean instead of sum "
             "of token log-ratios), GSPO-consistent and stable on long completions. Only for sequence_* modes with "
             "old_logprobs_source='recompute' (with 'sampler' the correction is an identity and is turned off)."
+        },
+    )
+    diagnostics: bool = field(
+        default=True,
+        metadata={
+            "help": "Log GSPO's per-micro-batch diagnostics (sequence-ratio spread, clip fractions, ratio dispersion "
+            "by length, non-finite counts, MoE routing shift): what shows whether GSPO behaves. They cost ~0.7 ms of "
+            "tensor ops per micro-batch, so False turns them off for the last bit of speed; TRL's metrics remain."
         },
     )
     logprob_vocab_chunk_size: int | None = field(
@@ -280,11 +295,6 @@ class GSPOConfig(GRPOConfig):
                 f"loss_type='vespo' computes its own sequence-level weights and ignores importance_sampling_level; set "
                 f"importance_sampling_level='token' (got {level!r})."
             )
-        if loss_type == "sapo" and level == "sequence_token":
-            raise ValueError(
-                "loss_type='sapo' runs TRL's own loss code, which has no 'sequence_token' level; use 'token' or "
-                "'sequence'."
-            )
         self._validate_old_logprobs_source()
         self._validate_routing_replay()
         on_policy = self.num_iterations == 1 and self.steps_per_generation <= self.gradient_accumulation_steps
@@ -301,6 +311,12 @@ class GSPOConfig(GRPOConfig):
         chunk = self.logprob_vocab_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"logprob_vocab_chunk_size={chunk!r} must be a positive int, or None for TRL's default.")
+        if chunk is not None and not fused_head.available():
+            raise ValueError(
+                f"logprob_vocab_chunk_size={chunk!r} sets the tile of TRL's fused log-prob head, which the installed "
+                "TRL does not have (it arrived in TRL 1.15; older releases compute the completion logits in full). "
+                "Leave it None, or upgrade TRL."
+            )
         source = self.old_logprobs_source
         if source not in OLD_LOGPROBS_SOURCES:
             raise ValueError(

@@ -96,7 +96,10 @@ def evaluate(model, tokenizer, dataset, batch_size: int = 100) -> float:
     for start in range(0, len(dataset), batch_size):
         batch = dataset[start : start + batch_size]
         enc = tokenizer(batch["prompt"], return_tensors="pt", padding=True).to(model.device)
-        out = model.generate(**enc, do_sample=False, max_new_tokens=NUM_DIGITS, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(  # ids and mask only: older tokenizers also return token_type_ids, which Qwen3 refuses
+            input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=False,
+            max_new_tokens=NUM_DIGITS, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1) :], skip_special_tokens=True)
         scores += demo_reward(texts, batch["target"])
     model.train(was_training)

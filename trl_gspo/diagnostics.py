@@ -23,13 +23,16 @@ class TrainingDiagnostics:
         super().__init__(*args, **kwargs)
         self._diagnostics = {"train": metrics.MetricWindow(), "eval": metrics.MetricWindow()}
 
-    def _diagnostics_window(self) -> metrics.MetricWindow:
-        """The logging window of the current mode, for statistics recorded outside the loss."""
-        return self._diagnostics["train" if self.model.training else "eval"]
+    def _diagnostics_window(self) -> metrics.MetricWindow | None:
+        """The logging window of the current mode, for statistics recorded outside the loss (None when
+        `diagnostics=False`)."""
+        return self._diagnostics["train" if self.model.training else "eval"] if self.args.diagnostics else None
 
     def _record_diagnostics(self, mode, inputs, logps, old_logps, low, high, advantages, mask):
         """Add this micro-batch's diagnostics to the logging window, without a host-device sync. `low`/`high`
-        are the loss's clip indicators (`GSPOTrainer._clip_indicators`)."""
+        are the loss's clip indicators (`GSPOTrainer._clip_indicators`). Nothing with `diagnostics=False`."""
+        if not self.args.diagnostics:
+            return
         window = self._diagnostics[mode]
         lr, valid = metrics.token_log_ratios(logps, old_logps, mask)
         window.add_values("seq_ratio", metrics.sequence_log_ratio(lr, valid), valid.sum(-1) > 0)

@@ -117,6 +117,18 @@ def cispo_loss(ratio: torch.Tensor, advantages: torch.Tensor, logps: torch.Tenso
     return -ratio.clamp(max=epsilon_max).detach() * advantages * logps
 
 
+def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float) -> torch.Tensor:
+    """SAPO's soft-gated surrogate (Gao et al., 2025, arXiv 2511.20347): a sigmoid gate instead of a hard clip.
+
+        loss = -(4 / tau) * sigmoid(tau * (r - 1)) * A,    tau = temperature_pos if A > 0 else temperature_neg
+
+    At ``r = 1`` the gate's slope is 1, like the plain surrogate ``r * A``; far from 1 it flattens, so off-policy
+    samples fade out smoothly. Shapes broadcast like :func:`clipped_surrogate_loss`.
+    """
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+
+
 def clip_indicators(
     ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Two layers, both free of host-device syncs on the per-micro-batch path:
 
-1. Micro-batch (`guard_loss`, called at the end of `GSPOTrainer._compute_loss`): `ok = isfinite(loss) &
+1. Micro-batch (`guard_loss`, called at the end of `GSPOTrainer._compute_loss`, in training and evaluation, for
+   every loss type; VESPO, which runs TRL's own loss code, is guarded on its loss alone): `ok = isfinite(loss) &
    all(isfinite(ratio))` stays on the device. The loss returned for backward is `where(ok, loss, 0)` and a hook on
    the per-token log-probs replaces their gradient by `where(ok, grad, 0)`, so a bad micro-batch sends exactly zero
    into the model (a NaN inside the loss graph would otherwise survive `0 * NaN` in the backward). For a finite
@@ -43,16 +44,28 @@ class NonFiniteGuard(TrainerCallback):
         self._abort_message = None
 
     # --------------------------------------------------------------------------------------- micro-batch layer
-    def guard_loss(self, loss: torch.Tensor, ratio: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
-        """The loss to backpropagate: unchanged when finite, a zero-gradient 0 when the loss or the ratio is not."""
-        if not logps.requires_grad:
-            return loss
-        ok = torch.isfinite(loss) & torch.isfinite(ratio).all()
-        # Registered after the forward, when `ok` is known; it gates every loss path through the log-probs.
-        logps.register_hook(lambda grad: torch.where(ok, grad, torch.zeros_like(grad)))
-        dropped = (~ok).to(torch.int64)
-        self._dropped = dropped if self._dropped is None else self._dropped + dropped
-        self._seen += 1
+    def guard_loss(self, loss: torch.Tensor, mode: str, ratio=None, logps=None) -> torch.Tensor:
+        """The loss to use: unchanged when finite, a zero-gradient 0 when the loss or the ratio is not.
+
+        Training: counted for the optimizer-step layer below. With `logps` (the rebuilt loss), a gradient hook zeroes
+        what flows back into the model too; without (VESPO, TRL's own code) a NaN reaching the gradients is left to
+        the optimizer-step check. Evaluation: the micro-batch adds 0 to `eval_loss` and is counted in
+        `eval_nonfinite/microbatches` (one reduce per evaluation batch; evaluation is off the hot path).
+        """
+        ok = torch.isfinite(loss)
+        if ratio is not None:
+            ok = ok & torch.isfinite(ratio).all()
+        if mode == "train":
+            if logps is not None and logps.requires_grad:
+                # Registered after the forward, when `ok` is known; it gates every loss path through the log-probs.
+                logps.register_hook(lambda grad: torch.where(ok, grad, torch.zeros_like(grad)))
+            dropped = (~ok).to(torch.int64)
+            self._dropped = dropped if self._dropped is None else self._dropped + dropped
+            self._seen += 1
+        else:
+            accelerator = self.trainer.accelerator
+            dropped = accelerator.reduce((~ok).float().reshape(1), reduction="sum")
+            self.trainer._metrics[mode]["nonfinite/microbatches"].append(dropped.item())
         return torch.where(ok, loss, torch.zeros_like(loss))
 
     # ---------------------------------------------------------------------------------- optimizer-step layer

@@ -76,14 +76,16 @@ def _registry() -> dict[str, Callable]:
     }
 
 
-def import_object(path: str):
-    """`pkg.module.attr` -> the attribute, via importlib only. The working directory is importable, as with
-    `trl grpo`, so a recipe can name a module that sits next to it. Raises ValueError naming what is missing."""
+def import_object(path: str, search_dirs: tuple = ()):
+    """`pkg.module.attr` -> the attribute, via importlib only. Modules in `search_dirs` (the CLI passes the recipe's
+    folder) and in the working directory (as with `trl grpo`) are importable, so a recipe can name a module that
+    sits next to it wherever it is launched from. Raises ValueError naming what is missing."""
     module_name, _, attr = path.rpartition(".")
     if not module_name:
         raise ValueError(f"{path!r} is not a dotted import path (expected 'package.module.name').")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    for folder in (*search_dirs, os.getcwd()):  # kept on sys.path: dataloader workers and pickling import it again
+        if folder not in sys.path:
+            sys.path.append(folder)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -93,14 +95,14 @@ def import_object(path: str):
     return getattr(module, attr)
 
 
-def resolve_reward(name: str) -> Callable:
+def resolve_reward(name: str, search_dirs: tuple = ()) -> Callable:
     """A registered reward name or a dotted import path (`pkg.module.func`) -> the callable. Raises ValueError."""
     registry = _registry()
     if name in registry:
         return registry[name]
     if "." in name:
         try:
-            func = import_object(name)
+            func = import_object(name, search_dirs)
         except ValueError as err:
             raise ValueError(f"reward_funcs: reward {name!r}: {err}") from err
         if not callable(func):

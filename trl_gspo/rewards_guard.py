@@ -22,7 +22,8 @@ import numbers
 
 import torch
 from torch import nn
-from trl.trainer.utils import is_async_callable
+
+from .trl_compat import is_async_callable
 
 logger = logging.getLogger(__name__)
 

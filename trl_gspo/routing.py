@@ -92,8 +92,9 @@ class Router:
 
 
 def find_routers(model: torch.nn.Module) -> list[Router]:
-    """The router modules of ``model`` in forward order. Empty for dense models (no submodule declares
-    ``router_logits`` among its recordable outputs)."""
+    """The router modules of ``model`` in forward order: those the model declares as recording ``router_logits``, or,
+    where it declares none (DeepSeek-V3 before transformers 5.23), the modules of a router class in GATE_WEIGHTS.
+    Empty for dense models."""
     targets = []
     for module in model.modules():
         recorder = getattr(module, "_can_record_outputs", None) or {}
@@ -104,6 +105,8 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
             targets.append((spec, None, 0))
         else:
             targets.append((getattr(spec, "target_class", None), getattr(spec, "class_name", None), spec.index or 0))
+    if not targets:
+        targets = [(None, class_name, 0) for class_name in GATE_WEIGHTS]
     routers = []
     for name, module in model.named_modules():
         for cls, class_name, index in targets:

@@ -41,7 +41,7 @@ import logging
 
 import torch
 
-from . import metrics
+from . import metrics, trl_compat
 from .route_sources import place_routes, routes_from_engine, routes_from_generate
 from .routing import RouterHooks, RouteTable
 
@@ -55,8 +55,10 @@ class MoERouting:
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         with _vllm_returns_routes(getattr(config, "routing_replay", "none") == "R3" and getattr(config, "use_vllm", False)):
             super().__init__(*args, **kwargs)
-        self._router_hooks = RouterHooks.for_model(self.model)  # None for dense models
         self._replay = self.args.routing_replay
+        # None for dense models, and with diagnostics=False and no replay (then no router hook is ever installed)
+        observe = self.args.diagnostics or self._replay != "none"
+        self._router_hooks = RouterHooks.for_model(self.model) if observe else None
         self._moe_role = None  # "old" or "loss" while one of the two observed forwards is next; None otherwise
         self._moe_inputs = None  # the micro-batch of the running loss forward
         self._sampler_routes = None  # R3: per-completion routes of the rollout being scored (route_sources.py)
@@ -85,12 +87,10 @@ class MoERouting:
             )
 
     # ------------------------------------------------------------------------------------ sampler routes (R3)
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # arguments vary across TRL releases (trl_compat)
         record = self._replay == "R3" and not self.use_vllm and not self.use_transformers_continuous_batching
         with self._router_hooks.log_calls() if record else contextlib.nullcontext() as log:
-            completion_ids, logprobs = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         if record:
             lengths = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
             self._sampler_routes = (routes_from_generate(log, len(prompt_ids), *lengths), *lengths)
@@ -135,7 +135,8 @@ class MoERouting:
     def _generate_and_score_completions(self, inputs):
         self._release_routes()
         self._sampler_routes, self._rollout_routes = None, None
-        self._moe_role = "old" if self._router_hooks is not None and self._old_logps_pass_needed() else None
+        needed = self._router_hooks is not None and trl_compat.old_logprob_pass_needed(self)
+        self._moe_role = "old" if needed else None
         self._old_pass_logps = None
         try:
             output = super()._generate_and_score_completions(inputs)
@@ -320,17 +321,18 @@ def _capture_vllm_routes(trainer):
             return outputs
 
         generation.llm.generate = generate_and_keep
-    else:  # server: TRL's client posts to vLLM's /v1/completions and keeps only ids and log-probs
-        client = generation.vllm_client
-        post = client._post
+    else:  # server: TRL's client keeps only ids and log-probs of vLLM's response; read the routes on the way
 
-        def post_and_keep(url, *args, **kwargs):
-            response = post(url, *args, **kwargs)
+        def keep(response):
             if isinstance(response, dict) and "choices" in response:
                 seen["raw"] = vllm_routes_from_choices(response["choices"])
-            return response
 
-        client._post = post_and_keep
+        if not trl_compat.watch_vllm_server_responses(generation.vllm_client, keep):
+            raise ValueError(
+                f"routing_replay='R3' with vllm_mode='server': this TRL ({trl_compat.installed_trl_version()}) talks to "
+                "`trl vllm-serve`'s own endpoint, whose responses carry no expert routes. Use vllm_mode='colocate', "
+                "a TRL whose client calls vLLM's server directly (1.14.2 and 1.16 do), or routing_replay='R2'."
+            )
     generate = generation.generate
 
     def generate_with_routes(prompts, *args, **kwargs):

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from . import fused_head
+from . import fused_head, trl_compat
 from .losses import masked_sequence_mean
 
 logger = logging.getLogger(__name__)
@@ -171,28 +171,17 @@ class SamplerLogprobReuse:
         self._rollout_global_step = None  # optimizer step the current rollout batch was sampled at
         self._warned_no_sampler_logps = False
 
-    def _old_logps_pass_needed(self) -> bool:
-        """TRL 1.16's condition for its no-grad pi_old forward in `_generate_and_score_completions`."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
-
     def _reuses_sampler_logps(self) -> bool:
-        return self.args.old_logprobs_source == "sampler" and self._old_logps_pass_needed()
+        return self.args.old_logprobs_source == "sampler" and trl_compat.old_logprob_pass_needed(self)
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(self, *args, **kwargs):  # arguments vary across TRL releases (trl_compat.py)
         if not self._reuses_sampler_logps() or self.use_vllm or self.use_transformers_continuous_batching:
             # vLLM already returns the sampled tokens' log-probs; otherwise stock TRL generation, untouched.
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+            return super()._generate_single_turn(*args, **kwargs)
         module = self.accelerator.unwrap_model(self.model)  # the module generate() calls (DDP/FSDP/DeepSpeed off)
         module = module.get_base_model() if hasattr(module, "get_base_model") else module  # PEFT: the HF model
         with SamplerLogprobRecorder(module, self.temperature) as recorder:
-            completion_ids, _ = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+            completion_ids, _ = super()._generate_single_turn(*args, **kwargs)
         return completion_ids, recorder.completion_logprobs(completion_ids)
 
     def _generate(self, prompts):

@@ -21,10 +21,13 @@ routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py)
 """
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 from trl import GRPOTrainer
 
-from . import checkpointing, losses
+from . import checkpointing, losses, model_card
 from .checkpointing import ResumableTraining
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 from .diagnostics import TrainingDiagnostics
@@ -66,6 +69,10 @@ class GSPOTrainer(
                 f"GSPOTrainer needs args=GSPOConfig(...), got {type(args).__name__}. A plain GRPOConfig carries "
                 "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
             )
+        # Model card (name, paper, tags) of the variant trained; set before TRL's __init__ tags the model with them.
+        self._name, self._paper, self._tag_names = model_card.card_fields(
+            args.importance_sampling_level, args.loss_type, GRPOTrainer._paper
+        )
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
         self._guard_reward_funcs()
         self._nonfinite = NonFiniteGuard(self, args.max_consecutive_nonfinite)
@@ -74,6 +81,18 @@ class GSPOTrainer(
         if self._signal_checkpoint is not None:
             self.add_callback(self._signal_checkpoint)
         self._init_sampler_logprob_reuse()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """`Trainer.save_model`, plus TRL's model card (naming the variant, its paper and tags) next to the weights;
+        checkpoints and `push_to_hub` write theirs through TRL already."""
+        super().save_model(output_dir, _internal_call)
+        if _internal_call or not self.args.should_save:
+            return
+        output_dir = output_dir or self.args.output_dir
+        self.create_model_card(model_name=os.path.basename(os.path.normpath(output_dir)))  # into args.output_dir
+        card = os.path.join(self.args.output_dir, "README.md")
+        if os.path.abspath(output_dir) != os.path.abspath(self.args.output_dir) and os.path.exists(card):
+            shutil.copyfile(card, os.path.join(output_dir, "README.md"))
 
     def _get_grad_norm(self, model, grad_norm=None):
         """HF's pre-clip gradient norm, kept for the non-finite guard's optimizer-step check (nonfinite.py)."""
@@ -97,16 +116,19 @@ class GSPOTrainer(
         return losses.LOG_WEIGHT_FUNCTIONS[self.importance_sampling_level](logps, old_logps, mask)
 
     def policy_loss(self, ratio, advantages, logps) -> torch.Tensor:
-        """Hook 2: per-token (or per-sequence) policy loss from the ratio: the two-sided clipped surrogate, or CISPO."""
+        """Hook 2: per-token (or per-sequence) policy loss from the ratio: the two-sided clipped surrogate, CISPO or
+        SAPO's soft gate."""
         if self.loss_type == "cispo":
             return losses.cispo_loss(ratio, advantages, logps, self.epsilon_high)
+        if self.loss_type == "sapo":
+            return losses.sapo_loss(ratio, advantages, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg)
         return losses.clipped_surrogate_loss(ratio, advantages, self.epsilon_low, self.epsilon_high, self.args.delta)
 
     # --------------------------------------------------------------------------------------------- the loss
     def _compute_loss(self, model, inputs):
-        if self.loss_type in TRL_NATIVE_LOSS_TYPES:  # SAPO/VESPO have no clipped ratio to hook: TRL's code as is
-            return super()._compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"
+        if self.loss_type in TRL_NATIVE_LOSS_TYPES:  # VESPO has no ratio to hook: TRL's code, guarded (nonfinite.py)
+            return self._nonfinite.guard_loss(super()._compute_loss(model, inputs), mode)
         completion_ids = inputs["completion_ids"]
         mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
 
@@ -160,9 +182,7 @@ class GSPOTrainer(
         low, high = self._clip_indicators(ratio, advantages)
         self._record_diagnostics(mode, inputs, logps, old_logps, low, high, advantages, mask)  # diagnostics.py
         self._log_loss_metrics(mode, low, high, mask, entropies, per_token_kl)
-        if mode == "train":  # a NaN/inf ratio or loss: this micro-batch contributes nothing (see nonfinite.py)
-            loss = self._nonfinite.guard_loss(loss, ratio, logps)
-        return loss
+        return self._nonfinite.guard_loss(loss, mode, ratio, logps)  # NaN/inf: the micro-batch counts for nothing
 
     # ------------------------------------------------------------------------------------------- internals
     def _checked_advantages(self, inputs, mask) -> torch.Tensor:
@@ -188,7 +208,7 @@ class GSPOTrainer(
 
     def _aggregate(self, per_token_loss, mask, inputs, mode) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce the per-token loss as `loss_type` says; returns (loss to backpropagate, unscaled policy loss)."""
-        if self.loss_type == "grpo":
+        if self.loss_type in ("grpo", "sapo"):
             loss = losses.sequence_mean_loss(per_token_loss, mask)
         elif self.loss_type == "luspo":
             loss = losses.sequence_sum_loss(per_token_loss, mask)
@@ -228,8 +248,11 @@ class GSPOTrainer(
 
     def _clip_indicators(self, ratio, advantages) -> tuple[torch.Tensor, torch.Tensor]:
         """Float masks (low, high) of where the clip is active, shared by TRL's metrics and the diagnostics.
-        CISPO truncates the weight from above only, so its low side is empty."""
+        CISPO truncates the weight from above only, so its low side is empty; SAPO's soft gate never clips."""
         ratio = ratio.detach()
+        if self.loss_type == "sapo":
+            zeros = torch.zeros_like(ratio * advantages)
+            return zeros, zeros
         if self.loss_type == "cispo":
             high = ((ratio > self.epsilon_high) & (advantages > 0)).float()
             return torch.zeros_like(high), high
@@ -254,22 +277,22 @@ class GSPOTrainer(
         if per_token_kl is not None:
             names.append("kl")
             stats += sum_and_count(per_token_kl)
-        cispo = self.loss_type == "cispo"
-        if cispo:
+        clipped = self.loss_type not in ("cispo", "sapo")  # TRL logs no clip metric for SAPO's soft gate
+        if self.loss_type == "cispo":
             names.append("cispo_clip_ratio")
             stats += sum_and_count(high)
-        else:
+        elif clipped:
             names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
             for x in (low, high, torch.maximum(low, high)):
                 stats += sum_and_count(x)
         local = torch.stack(stats)
-        if not cispo:
+        if clipped:
             local = torch.cat([local, per_sequence(low), per_sequence(high)])
         gathered = self.accelerator.gather(local.detach().float()).view(self.accelerator.num_processes, -1).cpu()
         totals = gathered[:, : len(stats)].sum(0).tolist()
         for i, name in enumerate(names):
             metrics[name].append(totals[2 * i] / max(totals[2 * i + 1], 1.0))
-        if not cispo:
+        if clipped:
             per_seq = gathered[:, len(stats) :].view(gathered.size(0), 2, -1)  # (processes, low/high, B)
             metrics["clip_ratio/low_min"].append(per_seq[:, 0].min().item())
             metrics["clip_ratio/high_max"].append(per_seq[:, 1].max().item())

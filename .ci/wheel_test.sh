@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The wheel test: build trl-gspo with `pip install .` (not editable) into a clean venv in a temporary folder and use
+# it from there, where the repository is not importable: the offline demo, `trl-gspo check`, `trl-gspo recipes`, and
+# a shipped recipe (GSPO-token, whose trainer_class lives next to it inside the package) for one step on the tiny
+# model. Any failing command, missing output or a model card that does not name the variant fails the test.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+python3 -m venv venv
+venv/bin/python -m pip install -q --upgrade pip
+venv/bin/python -m pip install -q torch==2.13.0
+venv/bin/python -m pip install -q "$repo"
+export PATH="$work/venv/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+python - <<'PY'  # installed as a wheel: the package and its data come from site-packages, not the repository
+import trl_gspo, trl_gspo.cli as cli
+assert "site-packages" in trl_gspo.__file__, trl_gspo.__file__
+assert (cli.SHIPPED["recipe"] / "per_token_advantages.py").is_file() and (cli.SHIPPED["accelerate config"] / "zero2.yaml").is_file()
+PY
+
+trl-gspo demo --output_dir demo-out --max_steps 2 --num_train_prompts 32 --num_eval_prompts 16 --disable_tqdm true
+test -f demo-out/model.safetensors && grep -q "trained with GSPO" demo-out/README.md
+
+trl-gspo check
+
+trl-gspo recipes copied && test -f copied/recipes/qwen3_1p7b_gspo_token.yaml && test -f copied/accelerate_configs/zero2.yaml
+
+python - <<'PY'  # a tiny model and a local dataset for the recipe run
+from trl_gspo.demo import make_demo_dataset
+from trl_gspo.tiny import save_tiny_model
+save_tiny_model("tiny-model")
+make_demo_dataset(32).to_json("copy.jsonl")
+PY
+trl-gspo train --config qwen3_1p7b_gspo_token --max_steps 1 \
+    --model_name_or_path tiny-model --dtype float32 --dataset_name copy.jsonl --reward_funcs demo_reward \
+    --use_cpu true --bf16 false --gradient_checkpointing false --per_device_train_batch_size 4 \
+    --num_generations 4 --gradient_accumulation_steps 1 --steps_per_generation 4 --max_completion_length 4 \
+    --save_strategy no --output_dir recipe-out --disable_tqdm true
+test -f recipe-out/model.safetensors && grep -q "trained with GSPO-token" recipe-out/README.md
+echo "wheel test: OK (demo, check, recipes, recipe run with its trainer_class, from $work)"

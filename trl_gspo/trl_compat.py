@@ -1,0 +1,137 @@
+"""The supported TRL releases, and every TRL-internal difference between them (and the few differences of the
+transformers `Trainer` underneath that our code touches), in one place.
+
+`GSPOTrainer` subclasses `trl.GRPOTrainer` and owns one private method of it, `_compute_loss`; the mixins override
+a few more private methods. Private names can change in any TRL release, so the range below is what the test matrix
+ran (README, "Install"), and the code outside this module never asks which TRL it runs on: it calls the helpers here.
+
+Why TRL 1.10.0 is the floor: `GRPOTrainer._compute_loss` is the same code from 1.10.0 to 1.16.0 (a comment differs),
+and that is the code our loss rebuild reproduces. 1.9.x aggregates `loss_type="luspo"` as
+`per_token_loss * |y_i|` and divides the entropy bonus of `dapo`/`cispo`/`vespo` by the global token count; 1.8 and
+older log their metrics differently again. Those semantics are not ours, so they are refused at import rather than
+trained with a silently different loss.
+
+Private TRL names the package relies on (`GRPOTrainer` methods and attributes unless a module is named), and how they
+differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range):
+
+| name | used by | difference across the range |
+| --- | --- | --- |
+| `_compute_loss(model, inputs)` | trainer.py (owned) | none (the loss the parity tests compare against) |
+| `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *, compute_entropy, compute_aux_loss, <multimodal>)` | trainer, diagnostics, sampler_logprobs | same call and `(logps, entropies, aux_loss)` return; inside: full logits up to 1.13, full logits or a Liger-only chunked path in 1.14, TRL's fused chunked LM head from 1.15 |
+| `trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE` | fused_head, via `fused_logprob_head_module` here | from 1.15 (32768, the fused head's tile); absent before, where no fused head exists |
+| `_generate_single_turn(prompt_ids, images, multimodal_fields, [num_generations,] has_tool_images=False)` | sampler_logprobs | `num_generations` added in 1.14.2; overrides pass `*args, **kwargs` through |
+| `_generate(prompts)` | sampler_logprobs | none: 8-tuple, per-token sampler log-probs at index 4 |
+| `_generate_and_score_completions(inputs)` | diagnostics, sampler_logprobs | none in the keys we read (`old_per_token_logps`, `sampling_per_token_logps`, `importance_sampling_ratio`) |
+| `_calculate_rewards(...)`, `get_high_entropy_mask`, `get_off_policy_mask` | rewards_guard, trainer | none |
+| `_prepare_inputs`, `_step`, `_buffered_inputs` | checkpointing | none (rollout buffer split into `steps_per_generation` mini-batches) |
+| `_metrics`, `_entropy_bonus_enabled`, `_last_world_entropy`, `_entropy_window_stats`, `aux_loss_enabled`, `router_aux_loss_coef` | trainer, mixins | none; `GRPOConfig.router_aux_loss_coef` defaults to 0.001 up to 1.13 and to the model config's value from 1.14 (we read the trainer attribute TRL resolved) |
+| `trl.trainer.utils.is_async_callable` | rewards_guard, via `is_async_callable` here | from 1.14; before, TRL decides with `inspect.iscoroutinefunction` |
+| old-policy log-prob pass condition | sampler_logprobs, via `old_logprob_pass_needed` here | none |
+| `transformers.Trainer.end()` (TRL's base class) | cli, via `end_training` here | transformers >= 5.19 only |
+| `_generate(prompts)` index 5 (`extra_fields`), `rollout_func`, `tools` | routing_replay (R3 routes from a `rollout_func`) | none |
+| `vllm_generation.generate`, `.mode`, `.llm.generate` (colocate), `.tp_group`, `trl.generation.vllm_generation.LLM` | routing_replay (R3 routes from vLLM) | none |
+| `vllm_generation.vllm_client._post` (server) | routing_replay, via `watch_vllm_server_responses` here | 1.14.2 and 1.16: posts to vLLM's own `/v1/completions` (routes in each choice); 1.10: `trl vllm-serve`'s `/generate/`, no routes |
+
+A new TRL-internal use (a mixin overriding another private method, a hook on TRL's old-policy pass) belongs in this
+table, and a difference across the range gets a helper here, not a version check at the call site.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from importlib import metadata
+
+#: Oldest TRL whose `GRPOTrainer._compute_loss` our rebuild reproduces (see the module docstring).
+MIN_TRL = "1.10.0"
+#: Newest TRL minor release the test matrix covers (any 1.16.x).
+NEWEST_TESTED_TRL = "1.16"
+SUPPORTED_TRL = f">={MIN_TRL},<1.17"
+
+
+class UnsupportedTRLVersionError(ImportError):
+    """The installed TRL is older than the oldest release whose loss semantics this package reproduces."""
+
+
+def installed_trl_version() -> str:
+    """The installed TRL's version string, read from package metadata (TRL is not imported)."""
+    return metadata.version("trl")
+
+
+def check_trl_version(version: str | None = None) -> str:
+    """Refuse a TRL older than `MIN_TRL`; warn on one newer than the tested range. Returns the version checked.
+
+    Older releases compute a different loss, so training would silently differ from what this package documents:
+    that is an error. A newer release may be fine: the warning points at `trl-gspo check`, which compares our loss
+    and gradients with the installed stock `GRPOTrainer` in under a minute.
+    """
+    from packaging.version import Version
+
+    version = installed_trl_version() if version is None else version
+    how = "See the installed versions with `pip show trl` (or `python -c \"import trl; print(trl.__version__)\"`)."
+    if Version(version) < Version(MIN_TRL):
+        raise UnsupportedTRLVersionError(
+            f"trl-gspo supports TRL {SUPPORTED_TRL} (tested {MIN_TRL} to {NEWEST_TESTED_TRL}.x); the installed TRL is {version}, whose "
+            f"GRPOTrainer computes a different loss. Upgrade it: pip install 'trl{SUPPORTED_TRL}'. {how}"
+        )
+    if Version(version).release[:2] > Version(NEWEST_TESTED_TRL).release[:2]:  # 1.17.0.dev0 counts as 1.17
+        warnings.warn(
+            f"TRL {version} is newer than the releases trl-gspo was tested with ({SUPPORTED_TRL}). GSPOTrainer rebuilds "
+            "one private TRL method, so run `trl-gspo check` once: it compares our loss and gradients with this TRL's "
+            f"GRPOTrainer and exits non-zero naming what changed. Or install a tested TRL: pip install 'trl{SUPPORTED_TRL}'.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return version
+
+
+def is_async_callable(func) -> bool:
+    """Whether the installed TRL awaits `func` as a reward function (its own rule, so a wrapper agrees with TRL)."""
+    try:
+        from trl.trainer.utils import is_async_callable as trl_rule  # TRL >= 1.14: also async `__call__` objects
+    except ImportError:
+        return inspect.iscoroutinefunction(func)  # what TRL < 1.14 checks
+    return trl_rule(func)
+
+
+def fused_logprob_head_module():
+    """The TRL module whose `_CHUNKED_LOGPROB_CHUNK_SIZE` sets the vocabulary tile of TRL's fused, chunked log-prob
+    head (TRL >= 1.15), or None where TRL has no such head and materialises the completion logits (<= 1.14)."""
+    from trl.trainer import utils as trl_utils
+
+    return trl_utils if hasattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE") else None
+
+
+def end_training(trainer) -> None:
+    """Finish the trackers and destroy the process group at the end of a CLI run, as `trl grpo` does: transformers
+    >= 5.19 has `Trainer.end()` for that; older releases have no such method and leave both to interpreter exit."""
+    end = getattr(trainer, "end", None)
+    if end is not None:
+        end()
+
+
+def old_logprob_pass_needed(trainer) -> bool:
+    """TRL's condition for its no-grad pi_old forward in `_generate_and_score_completions` (same 1.10 to 1.16): the
+    rollout batch is used for more than one optimizer step, or vLLM's importance-sampling correction needs pi_old."""
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    return trainer.args.gradient_accumulation_steps % generate_every != 0 or (
+        trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    )
+
+
+def watch_vllm_server_responses(client, keep) -> bool:
+    """Call `keep(response)` with every JSON response TRL's vLLM client receives in server mode, leaving the
+    response unchanged. Newer TRL clients call vLLM's own OpenAI server through `client._post`, whose completions
+    response carries `routed_experts` per choice when the server runs with `--enable-return-routed-experts`. Older
+    ones (1.10) talk to `trl vllm-serve`'s own endpoint, which returns no routes: False there, nothing wrapped."""
+    post = getattr(client, "_post", None)
+    if post is None:
+        return False
+
+    def post_and_keep(url, *args, **kwargs):
+        response = post(url, *args, **kwargs)
+        keep(response)
+        return response
+
+    client._post = post_and_keep
+    return True
