@@ -8,7 +8,8 @@ hands the floats to TRL's ``_metrics``, so they reach every logger TRL feeds.
 
 For MoE models, router hooks (`routing.py`) record the completion tokens' top-k experts during two forwards TRL
 already runs: the old-policy log-prob forward at rollout time and the loss forward. The old ids ride along in the
-rollout batch as ``old_router_topk``; no routing replay, no extra forward. Every override here calls ``super()``,
+rollout batch as ``old_router_topk``; no routing replay, no extra forward. When `padding.py` trims, sorts or packs
+a forward, the recorder maps what the routers saw back to the batch through each call's `ForwardLayout`. Every override here calls ``super()``,
 so other overrides of the same TRL methods in the trainer compose with these through the MRO.
 """
 
@@ -85,6 +86,13 @@ class TrainingDiagnostics:
             out = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         self._routing_records.append((out[0], self._router_recorder.completion_topk(input_ids, logits_to_keep)))
         return out
+
+    def _call_model(self, model, layout, **model_inputs):
+        # padding.py's one model call: the routers see its trimmed / sorted / packed layout, so note it for the
+        # mapping back to the batch's [B, S] positions.
+        if self._router_recorder is not None:
+            self._router_recorder.note_layout(layout)
+        return super()._call_model(model, layout, **model_inputs)
 
 
 def _routing_of(records, logps):

@@ -50,6 +50,7 @@ class RouterRecorder:
     def __init__(self, routers: list[tuple[torch.nn.Module, int]], top_k: int, num_experts: int):
         self.top_k, self.num_experts, self.num_layers = top_k, num_experts, len(routers)
         self._captured: list[list[torch.Tensor]] | None = None
+        self._layouts: list | None = None  # one padding.ForwardLayout per model call of the armed block, if noted
         self._id_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self._handles = [module.register_forward_hook(self._hook(i, idx)) for i, (module, idx) in enumerate(routers)]
 
@@ -77,19 +78,27 @@ class RouterRecorder:
     @contextlib.contextmanager
     def recording(self):
         """Arm the hooks for the forward passes inside the block; read the result with :meth:`completion_topk`."""
-        self._captured = [[] for _ in range(self.num_layers)]
+        self._captured, self._layouts = [[] for _ in range(self.num_layers)], []
         try:
             yield self
         finally:
-            self._last, self._captured = self._captured, None
+            self._last, self._last_layouts, self._captured, self._layouts = self._captured, self._layouts, None, None
+
+    def note_layout(self, layout):
+        """While armed: the next model call's input has this `padding.ForwardLayout` (trimmed, sorted or packed)."""
+        if self._layouts is not None:
+            self._layouts.append(layout)
 
     def completion_topk(self, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
         """Top-k expert ids of the last ``logits_to_keep`` positions (the completion), ``(B, T, L, k)``, from the
         forward passes of the last :meth:`recording` block over ``input_ids`` ``(B, S)`` (in chunks or not)."""
         captured, self._last = getattr(self, "_last", None), None
+        layouts, self._last_layouts = getattr(self, "_last_layouts", None), None
         if not captured or any(not layer for layer in captured):
             return None
         batch, seq = input_ids.shape
+        if layouts:
+            return self._topk_through_layouts(captured, layouts, seq - logits_to_keep)
         layers = []
         for parts in captured:
             ids = torch.cat(parts)
@@ -98,6 +107,20 @@ class RouterRecorder:
                                seq)  # fmt: skip
                 return None
             layers.append(ids.view(batch, seq, self.top_k)[:, -logits_to_keep:])
+        return torch.stack(layers, dim=2)
+
+    def _topk_through_layouts(self, captured, layouts, prompt_width):
+        """Per-call router ids `[rows * width, k]` back to the batch's completion positions, `(B, T, L, k)`.
+        Positions no call ran (trimmed padding) hold expert 0; every consumer masks them out."""
+        from .padding import layouts_to_batch
+
+        layers = []
+        for parts in captured:
+            if len(parts) != len(layouts) or any(p.size(0) != l.source.numel() for p, l in zip(parts, layouts)):
+                logger.warning("Router calls do not match the %d model calls; MoE routing metrics skipped.", len(layouts))
+                return None
+            parts = [p.view(*l.shape, self.top_k) for p, l in zip(parts, layouts)]
+            layers.append(layouts_to_batch(layouts, parts, 0, columns_from=prompt_width))
         return torch.stack(layers, dim=2)
 
     def remove(self):
