@@ -51,11 +51,16 @@ LOSS_SETTINGS = dict(importance_sampling_level="sequence", loss_type="grpo", eps
 # Workload shapes. `cpu`: compute-bound enough on one thread that step time is not all Python overhead.
 SHAPES = {
     "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=6, completion=8, warmup_rollouts=1,
-                 measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64),  # fmt: skip
+                 measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64,
+                 long_tail=dict(batch=2, accumulation=4, completion=32, prompt_range=(3, 8))),  # fmt: skip
     "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=48, completion=32,
-                warmup_rollouts=1, measured_rollouts=3, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
+                warmup_rollouts=1, measured_rollouts=3, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048,
+                long_tail=dict(layers=2, batch=4, accumulation=16, completion=256, prompt_range=(8, 32),
+                               measured_rollouts=1, reps=3)),  # fmt: skip
     "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=128, completion=512,
-                 warmup_rollouts=1, measured_rollouts=2, reps=3, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
+                 warmup_rollouts=1, measured_rollouts=2, reps=3, mem_vocab=QWEN3_VOCAB, mem_tokens=2048,
+                 long_tail=dict(batch=4, accumulation=16, completion=2048, prompt_range=(64, 256), measured_rollouts=1,
+                                reps=3)),  # fmt: skip
 }
 STEPS_PER_GENERATION = 4
 
@@ -168,9 +173,58 @@ def _param_flops_per_token(model) -> float:
     return 2.0 * n_params
 
 
-def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str, gradient_checkpointing: bool = True) -> dict:
+def _positions(trainer):
+    """padding.py's running counts (real tokens, positions run, positions TRL would run), or None for stock."""
+    counts = getattr(trainer, "_throughput", None)
+    return None if counts is None else counts.tolist()
+
+
+class LongTailRollouts:
+    """TRL `rollout_func` that hands every trainer the same rollouts: completion lengths lognormal with median
+    0.3 x max and ~10% truncated at max (no EOS), as in reasoning RL; random tokens, one prompt per group.
+
+    Seeded by call count, so stock and ours, called once per rollout batch, see identical batches. Generation then
+    costs ~nothing and the step time is the training phase (pi_old pass, loss forward and backward)."""
+
+    MEDIAN_FRACTION, TRUNCATED_FRACTION = 0.3, 0.10
+
+    def __init__(self, tokenizer, max_completion: int, prompt_range: tuple[int, int], num_generations: int, seed=0):
+        import math
+        from statistics import NormalDist
+
+        self.vocab, self.eos = len(tokenizer), tokenizer.eos_token_id
+        self.max_completion, self.prompt_range, self.num_generations = max_completion, prompt_range, num_generations
+        self.mu = math.log(self.MEDIAN_FRACTION * max_completion)
+        # P(length >= max) = 10%: ln(max) - mu = z_0.9 * sigma
+        self.sigma = math.log(1 / self.MEDIAN_FRACTION) / NormalDist().inv_cdf(1 - self.TRUNCATED_FRACTION)
+        self.seed, self.calls = seed, 0
+
+    def __call__(self, prompts, trainer):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * trainer.accelerator.process_index + self.calls)
+        self.calls += 1
+        n = len(prompts)
+        lengths = torch.exp(self.mu + self.sigma * torch.randn(n, generator=g)).round().clamp(1, self.max_completion)
+        prompt_ids, completion_ids = [], []
+        for i in range(n):
+            if i % self.num_generations == 0:  # TRL repeats each prompt num_generations times, consecutively
+                p_len = int(torch.randint(self.prompt_range[0], self.prompt_range[1] + 1, (1,), generator=g))
+                prompt = torch.randint(4, self.vocab, (p_len,), generator=g).tolist()
+            length = int(lengths[i])
+            ids = torch.randint(4, self.vocab, (length,), generator=g).tolist()
+            if length < self.max_completion:
+                ids[-1] = self.eos  # finished; at max length it is truncated, as a sampler cut off there would be
+            prompt_ids.append(prompt), completion_ids.append(ids)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str, gradient_checkpointing: bool = True,
+                 settings: dict | None = None, long_tail: bool = False) -> dict:  # fmt: skip
     """Train one trainer for warmup + measured rollouts; returns seconds/step, tokens/s, peak memory, FLOPs, and
-    the time spent in the no-grad pi_old pass (`old_logprob_pass_seconds_per_step`, ~0 when it is skipped)."""
+    the time spent in the no-grad pi_old pass (`old_logprob_pass_seconds_per_step`, ~0 when it is skipped).
+    `settings`: extra `GSPOConfig` fields for ours. `long_tail`: rollouts from `LongTailRollouts` instead of
+    sampling, `gradient_accumulation_steps` from the shape, 4 optimizer steps (mini-batches) per rollout."""
     import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -181,6 +235,7 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
     model = _model(tokenizer, shape, device)
     counter = _TokenCounter()
     n_rollouts = shape["warmup_rollouts"] + shape["measured_rollouts"]
+    accumulation = shape.get("accumulation", 1) if long_tail else 1
     common = dict(
         output_dir=out_dir,
         use_cpu=device == "cpu",
@@ -192,8 +247,9 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
         learning_rate=1e-5,
         lr_scheduler_type="constant",
         per_device_train_batch_size=shape["batch"],
+        gradient_accumulation_steps=accumulation,
         num_generations=shape["num_generations"],
-        steps_per_generation=STEPS_PER_GENERATION,
+        steps_per_generation=STEPS_PER_GENERATION * accumulation,
         max_completion_length=shape["completion"],
         max_steps=n_rollouts * STEPS_PER_GENERATION,
         seed=0,
@@ -204,8 +260,13 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
     if kind == "stock":
         args, trainer_cls = GRPOConfig(**common), GRPOTrainer
     else:
-        args, trainer_cls = GSPOConfig(**common, old_logprobs_source=source), GSPOTrainer
-    trainer = trainer_cls(model, counter, args=args, train_dataset=_dataset(shape), processing_class=tokenizer)
+        args, trainer_cls = GSPOConfig(**common, old_logprobs_source=source, **(settings or {})), GSPOTrainer
+    rollout_func = None
+    if long_tail:
+        os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func's "experimental" notice
+        rollout_func = LongTailRollouts(tokenizer, shape["completion"], shape["prompt_range"], shape["num_generations"])
+    trainer = trainer_cls(model, counter, args=args, train_dataset=_dataset(shape), processing_class=tokenizer,
+                          rollout_func=rollout_func)  # fmt: skip
 
     marks, pass_seconds = {}, [0.0]
     warmup_steps = shape["warmup_rollouts"] * STEPS_PER_GENERATION
@@ -233,11 +294,13 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
             if state.global_step == warmup_steps:
                 marks["start"], marks["cpu_start"] = time.perf_counter(), time.process_time()
                 marks["tokens"], marks["pass_start"] = counter.tokens, pass_seconds[0]
+                marks["positions_start"] = _positions(trainer)
                 marks["peak"] = PeakMemory(device).__enter__()
             elif state.global_step == args.max_steps:
                 marks["end"], marks["cpu_end"] = time.perf_counter(), time.process_time()
                 marks["pass_end"] = pass_seconds[0]
                 marks["peak"].__exit__(None, None, None)
+                marks["positions_end"] = _positions(trainer)
 
     trainer.add_callback(Clock())
     trainer.train()
@@ -253,6 +316,9 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
         "completion_tokens": tokens,
         "old_logprob_pass_seconds_per_step": (marks["pass_end"] - marks["pass_start"]) / measured_steps,
     }
+    if marks["positions_end"] is not None:  # ours: tokens the model ran on vs what TRL's padded forwards would run
+        real, run, padded = (b - a for a, b in zip(marks["positions_start"], marks["positions_end"]))
+        result["positions"] = {"real_tokens": real, "run": run, "stock_would_run": padded}
     if device == "cuda":
         # Useful model FLOPs per rollout, same definition for both trainers (a recomputed pi_old is overhead, not
         # work): generation forward over prompt + completion, then forward + backward (3x) of every mini-batch.
@@ -414,8 +480,9 @@ def _worker(spec: dict) -> dict:
     torch.manual_seed(0)
     if spec["task"] == "train":
         return run_training(
-            spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"], spec["gradient_checkpointing"]
-        )
+            spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"], spec["gradient_checkpointing"],
+            spec.get("settings"), spec.get("long_tail", False),
+        )  # fmt: skip
     if spec["task"] == "loss_path":
         return loss_path(spec["shape"], spec["device"], spec["iters"])
     return logprob_memory(spec["kind"], spec["vocab"], spec["tokens"], spec["device"])
@@ -485,6 +552,44 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
     return result
 
 
+#: Variants of the long-tail scenario: GSPOConfig settings of ours (stock is plain GRPOTrainer).
+LONG_TAIL_VARIANTS = {
+    "trim_sort": dict(trim_padding=True, sort_by_length="auto"),  # the defaults
+    "packed": dict(trim_padding=True, sort_by_length="auto", padding_free=True),
+}
+
+
+def long_tail_scenario(shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool) -> dict:
+    """Stock vs each padding variant on identical long-tailed rollouts (`LongTailRollouts`), fresh processes,
+    order rotated every repetition (ABCD, DCBA, ...). Ratios: median ours / median stock."""
+    kinds = ["stock", *LONG_TAIL_VARIANTS]
+    runs = {k: [] for k in kinds}
+    for rep in range(reps):
+        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
+            spec = dict(task="train", kind="stock" if kind == "stock" else "ours", source="recompute", shape=shape,
+                        device=device, out_dir=out_dir, gradient_checkpointing=gradient_checkpointing,
+                        settings=LONG_TAIL_VARIANTS.get(kind), long_tail=True)  # fmt: skip
+            runs[kind].append(_run_worker(spec))
+            r = runs[kind][-1]
+            log(f"  long_tail rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, {r['cpu_seconds_per_step']:.4f} "
+                f"CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step, "
+                f"peak {r['peak_memory_bytes'] / 2**20:.1f} MiB")
+    numeric = ("seconds_per_step", "cpu_seconds_per_step", "peak_memory_bytes", "old_logprob_pass_seconds_per_step")
+    med = {k: {m: _median(v, m) for m in numeric} for k, v in runs.items()}
+    result = {"variants": {"stock": "trl.GRPOTrainer", **LONG_TAIL_VARIANTS}, "median": med, "runs": runs}
+    for kind in LONG_TAIL_VARIANTS:
+        positions = runs[kind][0]["positions"]  # identical rollouts: the same counts in every repetition
+        result[kind] = {
+            "ratio_seconds_per_step": _ratio(med[kind]["seconds_per_step"], med["stock"]["seconds_per_step"]),
+            "ratio_cpu_seconds_per_step": _ratio(med[kind]["cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]),
+            "ratio_peak_memory": _ratio(med[kind]["peak_memory_bytes"], med["stock"]["peak_memory_bytes"]),
+            # What the token count alone predicts: positions the model ran on / positions stock TRL runs
+            "ratio_positions": _ratio(positions["run"], positions["stock_would_run"]),
+            "stock_padding_fraction": 1 - positions["real_tokens"] / positions["stock_would_run"],
+        }
+    return result
+
+
 def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
     runs = {"stock": [], "ours": [], "ours_chunked": [], "naive": []}
     for rep in range(reps):
@@ -514,7 +619,7 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run with toy shapes (test suite)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per scenario (default: per shape)")
-    parser.add_argument("--scenarios", default="loss_path,equal_settings,sampler_logprobs,logprob_memory")
+    parser.add_argument("--scenarios", default="loss_path,equal_settings,sampler_logprobs,logprob_memory,long_tail")
     parser.add_argument("--no-gradient-checkpointing", action="store_true",
                         help="train both trainers without activation checkpointing (TRL's default is on)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak for MFU (TFLOP/s)")
@@ -587,6 +692,13 @@ def main(argv=None):
         report["scenarios"]["sampler_logprobs"] = compare(
             "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
+    if "long_tail" in wanted:
+        lt_shape = dict(shape, **shape["long_tail"])
+        log(f"long_tail (identical rollouts, completions lognormal median 0.3 x {lt_shape['completion']}, ~10% "
+            f"truncated; {lt_shape['batch']} rows x {lt_shape['accumulation']} micro-batches per optimizer step)")
+        report["scenarios"]["long_tail"] = long_tail_scenario(
+            lt_shape, args.device, args.reps or lt_shape["reps"], work_dir, log, gradient_checkpointing
+        )
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
         # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.
@@ -597,7 +709,7 @@ def main(argv=None):
     with open(out, "w") as f:
         json.dump(report, f, indent=2)
     summary = {
-        name: {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu"}
+        name: {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu" or k in LONG_TAIL_VARIANTS}
         for name, sc in report["scenarios"].items()
     }
     log(json.dumps(summary, indent=2))

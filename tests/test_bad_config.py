@@ -45,6 +45,11 @@ def _config(**kwargs):
     ({"loss_type": "luspo", "importance_sampling_level": "token"}, r"luspo.*needs importance_sampling_level='sequence'"),
     ({"loss_type": "vespo"}, r"vespo.*set importance_sampling_level='token' \(got 'sequence'\)"),
     ({"loss_type": "sapo", "importance_sampling_level": "sequence_token"}, r"sapo.*no 'sequence_token' level"),
+    ({"trim_padding": "yes"}, r"trim_padding='yes' must be True or False"),
+    ({"padding_free": 1}, r"padding_free=1 must be True or False"),
+    ({"sort_by_length": "sometimes"}, r"sort_by_length='sometimes' is not supported; allowed: auto, always, never"),
+    ({"sort_by_length": True}, r"sort_by_length=True is not supported; allowed: auto, always, never"),
+    ({"padding_free": True, "trim_padding": False}, r"padding_free=True removes all padding, but trim_padding=False"),
 ])
 def test_bad_config_is_rejected_with_field_value_and_allowed(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -55,6 +60,8 @@ def test_good_configs_still_build():
     assert _config().importance_sampling_level == "sequence"
     assert _config(max_log_ratio=None, nonfinite_reward="none", max_consecutive_nonfinite=1).max_log_ratio is None
     assert _config(loss_type="dapo", allow_token_sum_with_sequence_level=True).loss_type == "dapo"
+    assert _config(trim_padding=False, sort_by_length="never").sort_by_length == "never"
+    assert _config(padding_free=True, sort_by_length="always").padding_free is True
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
     report = json.loads(out.read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(out)
     assert report["tiny"] is True and report["device"] == "cpu" and report["gradient_checkpointing"] is True
-    assert set(report["scenarios"]) == {"loss_path", "equal_settings", "sampler_logprobs", "logprob_memory"}
+    assert set(report["scenarios"]) == {"loss_path", "equal_settings", "sampler_logprobs", "logprob_memory", "long_tail"}
     lp = report["scenarios"]["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
     for name, source in (("equal_settings", "recompute"), ("sampler_logprobs", "sampler")):
@@ -45,3 +45,14 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
     assert set(mem["peak_memory_bytes"]) == {"stock", "ours", "ours_chunked", "naive"}
     assert all(v >= 0 for v in mem["peak_memory_bytes"].values())  # tiny sizes may fit in freed heap
     assert mem["full_fp32_logits_bytes"] == mem["vocab"] * mem["completion_tokens"] * 4
+    lt = report["scenarios"]["long_tail"]
+    assert set(lt["runs"]) == {"stock", "trim_sort", "packed"} and all(len(v) == report["reps"] for v in lt["runs"].values())
+    for variant in ("trim_sort", "packed"):
+        sc = lt[variant]
+        assert _positive(sc["ratio_seconds_per_step"]) and _positive(sc["ratio_cpu_seconds_per_step"])
+        assert 0 < sc["stock_padding_fraction"] < 1  # the long-tailed rollouts do pad
+        assert 0 < sc["ratio_positions"] < 1  # and the variant ran on fewer positions than stock
+        ratio = lt["median"][variant]["seconds_per_step"] / lt["median"]["stock"]["seconds_per_step"]
+        assert math.isclose(sc["ratio_seconds_per_step"], ratio)
+    # identical rollouts: every run of every trainer saw the same completion tokens
+    assert len({r["completion_tokens"] for runs in lt["runs"].values() for r in runs}) == 1

@@ -35,7 +35,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(config: str, output_dir: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def _launch(config: str, output_dir: Path, timeout: int = 300, extra: tuple = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_DISABLED": "true"}  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
@@ -43,17 +43,20 @@ def _launch(config: str, output_dir: Path, timeout: int = 300) -> subprocess.Com
            "--mixed_precision", "no", "--main_process_port", str(_free_port()),
            str(ROOT / "tests" / "cpu_launch.py"), "demo", "--output_dir", str(output_dir), "--max_steps", "2",
            "--num_train_prompts", "64", "--num_eval_prompts", "16", "--logging_steps", "1",
-           "--disable_tqdm", "true"]  # fmt: skip
+           "--disable_tqdm", "true", *extra]  # fmt: skip
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "config, distributed_type",
-    [("multi_gpu.yaml", ("MULTI_CPU",)), ("zero2.yaml", ("DEEPSPEED",)), ("zero3.yaml", ("DEEPSPEED",))],
-    ids=["ddp", "zero2", "zero3"],
+    "config, distributed_type, extra",
+    [("multi_gpu.yaml", ("MULTI_CPU",), ()), ("zero2.yaml", ("DEEPSPEED",), ()), ("zero3.yaml", ("DEEPSPEED",), ()),
+     # packed forwards (padding.py): each rank packs its own rows, ZeRO-3 ranks still make the same model calls
+     # (longer completions, so rows end at different lengths and the ranks' packed widths differ)
+     ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12"))],
+    ids=["ddp", "zero2", "zero3", "zero3-packed"],
 )
-def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type):
+def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type, extra):
     from transformers import AutoModelForCausalLM
 
     from trl_gspo.demo import build_demo_model
@@ -61,7 +64,7 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
     if config.startswith("zero"):
         pytest.importorskip("deepspeed")
     out = tmp_path / "run"
-    result = _launch(config, out)
+    result = _launch(config, out, extra=extra)
     log = result.stdout + result.stderr
     # Ranks share the launcher's pipes, so a marker may not start its own line: match anywhere.
     markers = re.findall(r"cpu_launch: rank (\d) finished with code (-?\d+) as (\w+ x\d)", log)
@@ -83,3 +86,5 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
     assert changed > len(saved_state) // 2, "the saved weights look untrained"
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [int(r["step"]) for r in rows] == [1, 2]
+    if "--padding_free" in extra:  # packing ran and removed padding TRL would have computed
+        assert all(float(r["throughput/padding_fraction"]) < float(r["throughput/stock_padding_fraction"]) for r in rows)

@@ -315,16 +315,18 @@ class PaddingRemoval:
         b, s = input_ids.shape
         prompt_width = s - logits_to_keep
         if any(v is not None for v in multimodal.values()) or logits_to_keep < 1 or prompt_width < 1:
-            self._warn_once("multimodal", "Multimodal inputs: forwards run TRL's own padded loop (no trimming).")
+            self._warn_once("fallback", "Multimodal inputs (or no prompt / no completion column): this forward runs "
+                                        "TRL's own padded loop, without trimming, sorting or packing.")  # fmt: skip
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal,
             )  # fmt: skip
         spans = row_spans(attention_mask)
+        flash = _is_flash(model, self.accelerator)
         layouts = plan_layouts(
             spans, (b, s), prompt_width, batch_size or b,
             sort=self._sort_no_grad and not torch.is_grad_enabled(),  # no-grad passes: sort the batch, unsort outputs
-            trim=self.args.trim_padding, pack=self.args.padding_free, one_row=_is_flash(model, self.accelerator),
+            trim=self.args.trim_padding, pack=self.args.padding_free, one_row=flash,
             multiple_of=self.args.pad_to_multiple_of,
         )  # fmt: skip
         labels = input_ids.masked_fill(attention_mask == 0, -100)
@@ -339,7 +341,7 @@ class PaddingRemoval:
                 # A sequence's first token must not be scored from the previous sequence's last position.
                 inputs["labels"] = call_labels.masked_fill(layout.position_ids == 0, -100)
                 inputs["position_ids"], inputs["use_cache"] = layout.position_ids, False
-                if layout.source.size(0) == 1 and _is_flash(model, self.accelerator):
+                if flash:  # one row: hand flash-attention the segment boundaries (no host sync per layer)
                     inputs.update(_flash_varlen_kwargs(layout.segment_lengths, input_ids.device))
             else:
                 inputs["labels"], inputs["attention_mask"] = call_labels, layout.to_model(attention_mask, 0)
