@@ -322,7 +322,7 @@ class PaddingRemoval:
                 **multimodal,
             )  # fmt: skip
         spans = row_spans(attention_mask)
-        flash = _is_flash(model, self.accelerator)
+        flash = _is_flash(model)
         layouts = plan_layouts(
             spans, (b, s), prompt_width, batch_size or b,
             sort=self._sort_no_grad and not torch.is_grad_enabled(),  # no-grad passes: sort the batch, unsort outputs
@@ -438,12 +438,15 @@ def sort_changes_statistics(trainer) -> list[str]:
 
 
 def _attention_implementation(model) -> str:
-    config = getattr(model, "config", None)
-    return str(getattr(config, "_attn_implementation", None) or "eager")
+    """The model's attention implementation, looking through DDP / DeepSpeed wrappers (`.module`) without
+    `accelerator.unwrap_model`, which costs milliseconds per call (it reads package metadata)."""
+    while getattr(model, "config", None) is None and hasattr(model, "module"):
+        model = model.module
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager")
 
 
-def _is_flash(model, accelerator) -> bool:
-    return "flash" in _attention_implementation(accelerator.unwrap_model(model))
+def _is_flash(model) -> bool:
+    return "flash" in _attention_implementation(model)
 
 
 def check_packing_supported(model):
