@@ -7,12 +7,19 @@
 Stock is `trl.GRPOTrainer(importance_sampling_level="sequence")` with the GSPO loss settings (loss_type="grpo",
 epsilon=3e-4, epsilon_high=4e-4, beta=0, steps_per_generation=4); ours is `GSPOTrainer` with the same values.
 Scenarios, each reported as ratios ours/stock of medians over repetitions (runs alternate stock/ours, ABBA):
-- `equal_settings`: ours with `old_logprobs_source="recompute"`, i.e. the same work as stock (overhead check).
+- `equal_settings`: ours with `old_logprobs_source="recompute"` and its other defaults (overhead check; trimming
+  and sorting are on but find little padding here: random-init completions mostly run to the 32-token limit).
 - `sampler_logprobs`: ours with `old_logprobs_source="sampler"` (pi_old from generation, no extra forward).
 - `loss_path`: `_compute_loss` + backward alone, stock vs ours alternating in one process (hook/metric overhead).
 - `logprob_memory`: peak memory of one loss forward+backward (the log-prob path) at vocab 151,936 (Qwen3) x 2,048
   completion tokens, each in a fresh process: stock `_compute_loss`, ours with defaults (TRL's own fused, chunked
   head), ours with `logprob_vocab_chunk_size=4096` (`ours_chunked`), and a naive full-fp32-logits reference.
+- `long_tail`: the training phase on identical long-tailed rollouts handed to both trainers through TRL's
+  `rollout_func` (`LongTailRollouts`: completions lognormal, median 0.3 x 256, ~10% truncated; 4 rows x 16
+  micro-batches per optimizer step, 4 optimizer steps per rollout, so the pi_old pass runs): stock vs ours with
+  trimming + sorting (the defaults) and with `padding_free=True`, rotated ABC/CBA in fresh processes. Generation
+  costs nothing there, so the step time is the training phase. `ratio_positions` is what the token count alone
+  predicts (positions the model ran on / positions stock runs, from padding.py's counters).
 Both trainers' log-prob method is wrapped by one timer that sums its no-grad calls (with beta=0: TRL's pi_old pass);
 `stock_old_logprob_pass_share` = that time / step time in the stock runs, so 1 - share is what skipping the pass alone
 would give. `--no-gradient-checkpointing` trains both without TRL's default activation checkpointing.
@@ -25,6 +32,7 @@ freed tensors leave RSS), CUDA `torch.cuda.max_memory_allocated`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -131,7 +139,10 @@ def _model(tokenizer, shape: dict, device: str, seed: int = 0):
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         )  # fmt: skip
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        # flash-attention when installed (varlen kernels for padding_free), else sdpa; the same for stock and ours
+        attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+        print(f"benchmark model attention: {attention}", file=sys.stderr)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
     return build_tiny_model(tokenizer, seed=seed, hidden_size=shape["hidden"], num_layers=shape["layers"])
 
 
@@ -197,7 +208,7 @@ class LongTailRollouts:
         self.mu = math.log(self.MEDIAN_FRACTION * max_completion)
         # P(length >= max) = 10%: ln(max) - mu = z_0.9 * sigma
         self.sigma = math.log(1 / self.MEDIAN_FRACTION) / NormalDist().inv_cdf(1 - self.TRUNCATED_FRACTION)
-        self.seed, self.calls = seed, 0
+        self.seed, self.calls, self.tokens = seed, 0, 0
 
     def __call__(self, prompts, trainer):
         import torch
@@ -216,6 +227,7 @@ class LongTailRollouts:
             if length < self.max_completion:
                 ids[-1] = self.eos  # finished; at max length it is truncated, as a sampler cut off there would be
             prompt_ids.append(prompt), completion_ids.append(ids)
+            self.tokens += len(prompt) + length
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
@@ -295,6 +307,7 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
                 marks["start"], marks["cpu_start"] = time.perf_counter(), time.process_time()
                 marks["tokens"], marks["pass_start"] = counter.tokens, pass_seconds[0]
                 marks["positions_start"] = _positions(trainer)
+                marks["rollout_tokens"] = getattr(rollout_func, "tokens", 0)
                 marks["peak"] = PeakMemory(device).__enter__()
             elif state.global_step == args.max_steps:
                 marks["end"], marks["cpu_end"] = time.perf_counter(), time.process_time()
@@ -319,13 +332,19 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
     if marks["positions_end"] is not None:  # ours: tokens the model ran on vs what TRL's padded forwards would run
         real, run, padded = (b - a for a, b in zip(marks["positions_start"], marks["positions_end"]))
         result["positions"] = {"real_tokens": real, "run": run, "stock_would_run": padded}
+    if long_tail:  # real (prompt + completion) tokens of the rollouts trained in the measured window
+        result["train_tokens"] = rollout_func.tokens - marks["rollout_tokens"]
+        result["train_tokens_per_s"] = result["train_tokens"] / seconds
     if device == "cuda":
         # Useful model FLOPs per rollout, same definition for both trainers (a recomputed pi_old is overhead, not
         # work): generation forward over prompt + completion, then forward + backward (3x) of every mini-batch.
         # Attention's sequence-quadratic term is left out (small at these lengths next to the weight matmuls).
-        prompt_tokens = shape["measured_rollouts"] * shape["batch"] * STEPS_PER_GENERATION * (shape["prompt_words"] + 1)
         per_token = _param_flops_per_token(trainer.model)
-        flops = per_token * (prompt_tokens + tokens) * (1 + 3)
+        if long_tail:  # rollouts come from LongTailRollouts: no generation forward, training only
+            flops = per_token * result["train_tokens"] * 3
+        else:
+            prompt_tokens = shape["measured_rollouts"] * shape["batch"] * STEPS_PER_GENERATION * (shape["prompt_words"] + 1)
+            flops = per_token * (prompt_tokens + tokens) * (1 + 3)
         result["model_flops_per_s"] = flops / seconds
     del trainer, model
     return result
@@ -574,7 +593,8 @@ def long_tail_scenario(shape: dict, device: str, reps: int, out_dir: str, log, g
             log(f"  long_tail rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, {r['cpu_seconds_per_step']:.4f} "
                 f"CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step, "
                 f"peak {r['peak_memory_bytes'] / 2**20:.1f} MiB")
-    numeric = ("seconds_per_step", "cpu_seconds_per_step", "peak_memory_bytes", "old_logprob_pass_seconds_per_step")
+    numeric = ("seconds_per_step", "cpu_seconds_per_step", "peak_memory_bytes", "old_logprob_pass_seconds_per_step",
+               "train_tokens_per_s") + (("model_flops_per_s",) if device == "cuda" else ())
     med = {k: {m: _median(v, m) for m in numeric} for k, v in runs.items()}
     result = {"variants": {"stock": "trl.GRPOTrainer", **LONG_TAIL_VARIANTS}, "median": med, "runs": runs}
     for kind in LONG_TAIL_VARIANTS:
@@ -587,6 +607,8 @@ def long_tail_scenario(shape: dict, device: str, reps: int, out_dir: str, log, g
             "ratio_positions": _ratio(positions["run"], positions["stock_would_run"]),
             "stock_padding_fraction": 1 - positions["real_tokens"] / positions["stock_would_run"],
         }
+    if device == "cuda" and shape.get("peak_flops"):
+        result["mfu"] = {k: med[k]["model_flops_per_s"] / shape["peak_flops"] for k in kinds}
     return result
 
 

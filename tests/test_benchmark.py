@@ -52,7 +52,8 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
         assert _positive(sc["ratio_seconds_per_step"]) and _positive(sc["ratio_cpu_seconds_per_step"])
         assert 0 < sc["stock_padding_fraction"] < 1  # the long-tailed rollouts do pad
         assert 0 < sc["ratio_positions"] < 1  # and the variant ran on fewer positions than stock
+        assert _positive(lt["median"][variant]["train_tokens_per_s"])
         ratio = lt["median"][variant]["seconds_per_step"] / lt["median"]["stock"]["seconds_per_step"]
         assert math.isclose(sc["ratio_seconds_per_step"], ratio)
     # identical rollouts: every run of every trainer saw the same completion tokens
-    assert len({r["completion_tokens"] for runs in lt["runs"].values() for r in runs}) == 1
+    assert len({(r["completion_tokens"], r["train_tokens"]) for runs in lt["runs"].values() for r in runs}) == 1
