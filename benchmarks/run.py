@@ -544,7 +544,8 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
             r = runs[kind][-1]
             log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, "
                 f"{r['cpu_seconds_per_step']:.4f} CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step")
-    med = {k: {m: _median(v, m) for m in v[0]} for k, v in runs.items()}
+    # numeric fields only ("positions", ours' padding counts, is a dict and the same in every run)
+    med = {k: {m: _median(v, m) for m, x in v[0].items() if isinstance(x, (int, float))} for k, v in runs.items()}
     result = {
         "old_logprobs_source": source,
         "stock": med["stock"],
