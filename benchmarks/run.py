@@ -10,7 +10,8 @@ Scenarios, each reported as ratios ours/stock of medians over repetitions (runs 
 - `equal_settings`: ours with `old_logprobs_source="recompute"` and its other defaults (overhead check; trimming
   and sorting are on but find little padding here: random-init completions mostly run to the 32-token limit).
 - `sampler_logprobs`: ours with `old_logprobs_source="sampler"` (pi_old from generation, no extra forward).
-- `loss_path`: `_compute_loss` + backward alone, stock vs ours alternating in one process (hook/metric overhead).
+- `loss_path`: `_compute_loss` + backward alone, stock vs ours alternating in one process (hook/metric overhead);
+  ours with defaults trims the batch's padding (random completion lengths), `ours_untrimmed` does stock's work.
 - `logprob_memory`: peak memory of one loss forward+backward (the log-prob path) at vocab 151,936 (Qwen3) x 2,048
   completion tokens, each in a fresh process: stock `_compute_loss`, ours with defaults (TRL's own fused, chunked
   head), ours with `logprob_vocab_chunk_size=4096` (`ours_chunked`), and a naive full-fp32-logits reference.
@@ -449,11 +450,14 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
     }
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
     trainers = {}
-    for kind, trainer_cls, config_cls in (("stock", GRPOTrainer, GRPOConfig), ("ours", GSPOTrainer, GSPOConfig)):
+    # ours_untrimmed: padding.py's forward with trimming off, the same work as stock (its overhead alone)
+    variants = (("stock", GRPOTrainer, GRPOConfig, {}), ("ours", GSPOTrainer, GSPOConfig, {}),
+                ("ours_untrimmed", GSPOTrainer, GSPOConfig, dict(trim_padding=False, sort_by_length="never")))  # fmt: skip
+    for kind, trainer_cls, config_cls, extra in variants:
         args = config_cls(
             output_dir="/tmp/trl-gspo-bench-loss", use_cpu=device == "cpu", bf16=device == "cuda", report_to=[],
             per_device_train_batch_size=B, num_generations=shape["num_generations"], max_completion_length=T,
-            steps_per_generation=STEPS_PER_GENERATION, **LOSS_SETTINGS,
+            steps_per_generation=STEPS_PER_GENERATION, **LOSS_SETTINGS, **extra,
         )  # fmt: skip
         dataset = Dataset.from_dict({"prompt": ["a"] * 4})
         trainers[kind] = trainer_cls(
@@ -468,9 +472,9 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), T,
         )  # fmt: skip
     inputs["old_per_token_logps"] = logps + 1e-3 * torch.randn(logps.shape, generator=g).to(device)
-    times = {"stock": [], "ours": []}
+    times = {kind: [] for kind in trainers}
     for i in range(iters + 2):  # the first two rounds warm up allocator and kernels, then alternate
-        for kind in ("stock", "ours") if i % 2 == 0 else ("ours", "stock"):
+        for kind in list(trainers) if i % 2 == 0 else list(trainers)[::-1]:
             trainer = trainers[kind]
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -487,8 +491,10 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
         "iters": iters,
         "stock": med["stock"],
         "ours": med["ours"],
+        "ours_untrimmed": med["ours_untrimmed"],
         "ratio_seconds": _ratio(med["ours"]["seconds"], med["stock"]["seconds"]),
         "ratio_cpu_seconds": _ratio(med["ours"]["cpu_seconds"], med["stock"]["cpu_seconds"]),
+        "ratio_untrimmed_cpu_seconds": _ratio(med["ours_untrimmed"]["cpu_seconds"], med["stock"]["cpu_seconds"]),
     }
 
 
@@ -704,7 +710,8 @@ def main(argv=None):
         iters = 5 if args.tiny else 200
         spec = dict(task="loss_path", shape=shape, device=args.device, iters=iters)
         report["scenarios"]["loss_path"] = _run_worker(spec)
-        log(f"  ratio ours/stock: {report['scenarios']['loss_path']['ratio_cpu_seconds']:.4f} (cpu time)")
+        lp = report["scenarios"]["loss_path"]
+        log(f"  ratio ours/stock: {lp['ratio_cpu_seconds']:.4f}, untrimmed: {lp['ratio_untrimmed_cpu_seconds']:.4f} (cpu time)")
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
         report["scenarios"]["equal_settings"] = compare(

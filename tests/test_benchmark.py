@@ -29,6 +29,7 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
     assert set(report["scenarios"]) == {"loss_path", "equal_settings", "sampler_logprobs", "logprob_memory", "long_tail"}
     lp = report["scenarios"]["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
+    assert _positive(lp["ratio_untrimmed_cpu_seconds"])
     for name, source in (("equal_settings", "recompute"), ("sampler_logprobs", "sampler")):
         sc = report["scenarios"][name]
         assert sc["old_logprobs_source"] == source

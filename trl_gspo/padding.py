@@ -59,7 +59,9 @@ class ForwardLayout:
     `source[row, col]`: flat index `b * S + s` into the original `[B, S]` input (`batch_shape`), -1 for filler.
     `position_ids`: what the model is told (`None`: its default `0..width-1`). `packed`: several sequences share a
     row (no attention_mask); `segment_lengths` then lists, row by row, the lengths of the segments (sequences and
-    filler runs) laid end to end, as flash-attention's `cu_seq_lens` wants them.
+    filler runs) laid end to end, as flash-attention's `cu_seq_lens` wants them. A trimmed (unpacked) call also
+    carries `rows` and `columns = (lead, end)`: its input is `x[rows, lead:end]`, which `to_model` then slices
+    directly instead of gathering.
     """
 
     source: torch.Tensor
@@ -67,14 +69,20 @@ class ForwardLayout:
     position_ids: torch.Tensor | None = None
     packed: bool = False
     segment_lengths: tuple[int, ...] | None = None
+    rows: torch.Tensor | None = None
+    columns: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.source.shape)
 
     def to(self, device) -> ForwardLayout:
-        position_ids = None if self.position_ids is None else self.position_ids.to(device)
-        return ForwardLayout(self.source.to(device), self.batch_shape, position_ids, self.packed, self.segment_lengths)
+        if self.source.device == torch.device(device):
+            return self
+        moved = {k: getattr(self, k) for k in ("source", "position_ids", "rows")}
+        moved = {k: None if v is None else v.to(device) for k, v in moved.items()}
+        return ForwardLayout(**moved, batch_shape=self.batch_shape, packed=self.packed,
+                             segment_lengths=self.segment_lengths, columns=self.columns)  # fmt: skip
 
     def to_model(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """`[B, S, ...]` -> `[rows, width, ...]`: the values at the positions this call's input holds, `fill` at
@@ -82,6 +90,8 @@ class ForwardLayout:
         b, s = self.batch_shape
         if tuple(x.shape[:2]) != (b, s):
             raise ValueError(f"to_model expects a [{b}, {s}, ...] tensor, got {tuple(x.shape)}.")
+        if self.columns is not None:
+            return x.index_select(0, self.rows)[:, self.columns[0] : self.columns[1]]
         out = x.reshape(b * s, *x.shape[2:])[self.source.clamp(min=0)]
         filler = self.source < 0
         if self.packed and bool(filler.any()):
@@ -95,6 +105,14 @@ def layouts_to_batch(layouts, outputs, fill=0, columns_from: int = 0) -> torch.T
     the position. Keeping only columns `>= columns_from` (the completion) scatters less. Differentiable."""
     b, s = layouts[0].batch_shape
     width = s - columns_from
+    if all(layout.columns is not None for layout in layouts):
+        rows = torch.cat([layout.rows for layout in layouts])
+        if rows.numel() == b:  # trimmed calls that cover every row once: pad each back, then undo the row order
+            parts = [_pad_columns(y, layout.columns, columns_from, s, fill) for layout, y in zip(layouts, outputs)]
+            out = torch.cat(parts)
+            return out if len(layouts) == 1 and bool((rows == torch.arange(b, device=rows.device)).all()) else (
+                out.index_select(0, torch.argsort(rows))
+            )  # fmt: skip
     index, values = [], []
     for layout, y in zip(layouts, outputs):
         col = layout.source % s
@@ -104,6 +122,18 @@ def layouts_to_batch(layouts, outputs, fill=0, columns_from: int = 0) -> torch.T
     values = torch.cat(values)
     out = values.new_full((b * width, *values.shape[1:]), fill)
     return out.index_put((torch.cat(index),), values).view(b, width, *values.shape[1:])
+
+
+def _pad_columns(y, columns, columns_from, s, fill):
+    """`y` holds columns `[lead, end)` of its rows; return its columns `[columns_from, s)`, `fill` outside `y`."""
+    lead, end = columns
+    pieces = [y[:, max(columns_from - lead, 0) :]]
+    left, right = max(lead - columns_from, 0), s - end
+    if left:
+        pieces.insert(0, y.new_full((y.size(0), left, *y.shape[2:]), fill))
+    if right:
+        pieces.append(y.new_full((y.size(0), right, *y.shape[2:]), fill))
+    return torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0]
 
 
 # -------------------------------------------------------------------------------------------------- plans
@@ -151,7 +181,7 @@ def trimmed_layout(rows: torch.Tensor, spans, batch_shape, prompt_width: int, tr
     cols = torch.arange(lead, end)
     source = rows[:, None] * s + cols[None, :]
     position_ids = cols[None, :].expand(len(rows), -1) if lead > 0 else None  # absolute positions, as in TRL
-    return ForwardLayout(source, batch_shape, position_ids)
+    return ForwardLayout(source, batch_shape, position_ids, rows=rows, columns=(lead, end))
 
 
 def packed_layout(rows: torch.Tensor, spans, batch_shape, one_row: bool, multiple_of=None) -> ForwardLayout:
@@ -281,16 +311,16 @@ class PaddingRemoval:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        args_ = self.args
+        config = self.args
         reasons = sort_changes_statistics(self)
-        self._sort_micro_batches = args_.sort_by_length == "always" or (args_.sort_by_length == "auto" and not reasons)
-        if args_.sort_by_length == "auto" and reasons:
+        self._sort_micro_batches = config.sort_by_length == "always" or (config.sort_by_length == "auto" and not reasons)
+        if config.sort_by_length == "auto" and reasons:
             logger.info(
                 "sort_by_length='auto': micro-batches keep TRL's order because %s is computed per micro-batch "
                 "(sorting would change it); set sort_by_length='always' to sort anyway.", " and ".join(reasons)
             )
-        self._sort_no_grad = args_.sort_by_length != "never"
-        if args_.padding_free:
+        self._sort_no_grad = config.sort_by_length != "never"
+        if config.padding_free:
             check_packing_supported(self.model)
         self._throughput = torch.zeros(3, dtype=torch.float64)  # real tokens, positions run, positions TRL would run
         self._throughput_step = 0
