@@ -522,7 +522,7 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--experiment", choices=["routing-replay"], default=None,
                         help="routing-replay: the MoE routing replay experiment (ROUTING_EXPERIMENT; overrides "
-                        "--seeds, --moe-seeds, --variants and the task)")  # fmt: skip
+                        "--seeds, --variants and the task, and --moe-seeds unless given)")  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--resume", action="store_true", help="reuse finished runs found in --output-dir")
     parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo)")
@@ -544,8 +544,11 @@ def main(argv=None):
         seeds, moe_seeds, variants = [], list(spec["seeds"]), list(spec["variants"])
         task = CopyTask(spec["num_digits"], spec["moe"])
         overrides, args.num_prompts = dict(spec["overrides"]), spec["num_prompts"]
-        if "--max-steps" not in (argv if argv is not None else sys.argv):
+        given = argv if argv is not None else sys.argv
+        if "--max-steps" not in given:
             args.max_steps = spec["max_steps"]
+        if "--moe-seeds" in given:  # fewer seeds (e.g. a smoke run); the pre-declared experiment uses all five
+            moe_seeds = args.moe_seeds
     if args.learning_rate is not None:
         overrides["learning_rate"] = args.learning_rate
     if args.tiny:

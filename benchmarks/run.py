@@ -7,14 +7,22 @@
 Stock is `trl.GRPOTrainer(importance_sampling_level="sequence")` with the GSPO loss settings (loss_type="grpo",
 epsilon=3e-4, epsilon_high=4e-4, beta=0, steps_per_generation=4); ours is `GSPOTrainer` with the same values.
 Scenarios, each reported as ratios ours/stock of medians over repetitions (runs alternate stock/ours, ABBA):
-- `equal_settings`: ours with `old_logprobs_source="recompute"`, i.e. the same work as stock (overhead check).
+- `equal_settings`: ours with `old_logprobs_source="recompute"` and its other defaults (overhead check; trimming
+  and sorting are on but find little padding here: random-init completions mostly run to the 32-token limit).
 - `equal_settings_no_diagnostics`: the same with `diagnostics=False` (GSPO's per-micro-batch diagnostics off).
 - `sampler_logprobs`: ours with `old_logprobs_source="sampler"` (pi_old from generation, no extra forward).
-- `loss_path`: `_compute_loss` + backward alone, stock vs ours (diagnostics on and off) alternating in one process
-  (hook/metric overhead).
+- `loss_path`: `_compute_loss` + backward alone, stock vs ours alternating in one process (hook/metric overhead);
+  ours with defaults trims the batch's padding (random completion lengths), `ours_no_diagnostics` is the same with
+  diagnostics off, `ours_untrimmed` does stock's work.
 - `logprob_memory`: peak memory of one loss forward+backward (the log-prob path) at vocab 151,936 (Qwen3) x 2,048
   completion tokens, each in a fresh process: stock `_compute_loss`, ours with defaults (TRL's own fused, chunked
   head), ours with `logprob_vocab_chunk_size=4096` (`ours_chunked`), and a naive full-fp32-logits reference.
+- `long_tail`: the training phase on identical long-tailed rollouts handed to both trainers through TRL's
+  `rollout_func` (`LongTailRollouts`: completions lognormal, median 0.3 x 256, ~10% truncated; 4 rows x 16
+  micro-batches per optimizer step, 4 optimizer steps per rollout, so the pi_old pass runs): stock vs ours with
+  trimming + sorting (the defaults) and with `padding_free=True`, rotated ABC/CBA in fresh processes. Generation
+  costs nothing there, so the step time is the training phase. `ratio_positions` is what the token count alone
+  predicts (positions the model ran on / positions stock runs, from padding.py's counters).
 Both trainers' log-prob method is wrapped by one timer that sums its no-grad calls (with beta=0: TRL's pi_old pass);
 `stock_old_logprob_pass_share` = that time / step time in the stock runs, so 1 - share is what skipping the pass alone
 would give. `--no-gradient-checkpointing` trains both without TRL's default activation checkpointing.
@@ -27,6 +35,7 @@ freed tensors leave RSS), CUDA `torch.cuda.max_memory_allocated`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -53,11 +62,16 @@ LOSS_SETTINGS = dict(importance_sampling_level="sequence", loss_type="grpo", eps
 # Workload shapes. `cpu`: compute-bound enough on one thread that step time is not all Python overhead.
 SHAPES = {
     "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=6, completion=8, warmup_rollouts=1,
-                 measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64),  # fmt: skip
+                 measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64,
+                 long_tail=dict(batch=2, accumulation=4, completion=32, prompt_range=(3, 8))),  # fmt: skip
     "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=48, completion=32,
-                warmup_rollouts=1, measured_rollouts=3, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
+                warmup_rollouts=1, measured_rollouts=3, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048,
+                long_tail=dict(layers=2, batch=4, accumulation=16, completion=256, prompt_range=(8, 32),
+                               measured_rollouts=1, reps=3)),  # fmt: skip
     "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=128, completion=512,
-                 warmup_rollouts=1, measured_rollouts=2, reps=3, mem_vocab=QWEN3_VOCAB, mem_tokens=2048),
+                 warmup_rollouts=1, measured_rollouts=2, reps=3, mem_vocab=QWEN3_VOCAB, mem_tokens=2048,
+                 long_tail=dict(batch=4, accumulation=16, completion=2048, prompt_range=(64, 256), measured_rollouts=1,
+                                reps=3)),  # fmt: skip
 }
 STEPS_PER_GENERATION = 4
 
@@ -128,7 +142,10 @@ def _model(tokenizer, shape: dict, device: str, seed: int = 0):
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         )  # fmt: skip
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        # flash-attention when installed (varlen kernels for padding_free), else sdpa; the same for stock and ours
+        attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+        print(f"benchmark model attention: {attention}", file=sys.stderr)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
     return build_tiny_model(tokenizer, seed=seed, hidden_size=shape["hidden"], num_layers=shape["layers"])
 
 
@@ -170,10 +187,59 @@ def _param_flops_per_token(model) -> float:
     return 2.0 * n_params
 
 
+def _positions(trainer):
+    """padding.py's running counts (real tokens, positions run, positions TRL would run), or None for stock."""
+    counts = getattr(trainer, "_throughput", None)
+    return None if counts is None else counts.tolist()
+
+
+class LongTailRollouts:
+    """TRL `rollout_func` that hands every trainer the same rollouts: completion lengths lognormal with median
+    0.3 x max and ~10% truncated at max (no EOS), as in reasoning RL; random tokens, one prompt per group.
+
+    Seeded by call count, so stock and ours, called once per rollout batch, see identical batches. Generation then
+    costs ~nothing and the step time is the training phase (pi_old pass, loss forward and backward)."""
+
+    MEDIAN_FRACTION, TRUNCATED_FRACTION = 0.3, 0.10
+
+    def __init__(self, tokenizer, max_completion: int, prompt_range: tuple[int, int], num_generations: int, seed=0):
+        import math
+        from statistics import NormalDist
+
+        self.vocab, self.eos = len(tokenizer), tokenizer.eos_token_id
+        self.max_completion, self.prompt_range, self.num_generations = max_completion, prompt_range, num_generations
+        self.mu = math.log(self.MEDIAN_FRACTION * max_completion)
+        # P(length >= max) = 10%: ln(max) - mu = z_0.9 * sigma
+        self.sigma = math.log(1 / self.MEDIAN_FRACTION) / NormalDist().inv_cdf(1 - self.TRUNCATED_FRACTION)
+        self.seed, self.calls, self.tokens = seed, 0, 0
+
+    def __call__(self, prompts, trainer):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * trainer.accelerator.process_index + self.calls)
+        self.calls += 1
+        n = len(prompts)
+        lengths = torch.exp(self.mu + self.sigma * torch.randn(n, generator=g)).round().clamp(1, self.max_completion)
+        prompt_ids, completion_ids = [], []
+        for i in range(n):
+            if i % self.num_generations == 0:  # TRL repeats each prompt num_generations times, consecutively
+                p_len = int(torch.randint(self.prompt_range[0], self.prompt_range[1] + 1, (1,), generator=g))
+                prompt = torch.randint(4, self.vocab, (p_len,), generator=g).tolist()
+            length = int(lengths[i])
+            ids = torch.randint(4, self.vocab, (length,), generator=g).tolist()
+            if length < self.max_completion:
+                ids[-1] = self.eos  # finished; at max length it is truncated, as a sampler cut off there would be
+            prompt_ids.append(prompt), completion_ids.append(ids)
+            self.tokens += len(prompt) + length
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
 def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str, gradient_checkpointing: bool = True,
-                 diagnostics: bool = True) -> dict:  # fmt: skip
+                 settings: dict | None = None, long_tail: bool = False) -> dict:  # fmt: skip
     """Train one trainer for warmup + measured rollouts; returns seconds/step, tokens/s, peak memory, FLOPs, and
-    the time spent in the no-grad pi_old pass (`old_logprob_pass_seconds_per_step`, ~0 when it is skipped)."""
+    the time spent in the no-grad pi_old pass (`old_logprob_pass_seconds_per_step`, ~0 when it is skipped).
+    `settings`: extra `GSPOConfig` fields for ours. `long_tail`: rollouts from `LongTailRollouts` instead of
+    sampling, `gradient_accumulation_steps` from the shape, 4 optimizer steps (mini-batches) per rollout."""
     import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -184,6 +250,7 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
     model = _model(tokenizer, shape, device)
     counter = _TokenCounter()
     n_rollouts = shape["warmup_rollouts"] + shape["measured_rollouts"]
+    accumulation = shape.get("accumulation", 1) if long_tail else 1
     common = dict(
         output_dir=out_dir,
         use_cpu=device == "cpu",
@@ -195,8 +262,9 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
         learning_rate=1e-5,
         lr_scheduler_type="constant",
         per_device_train_batch_size=shape["batch"],
+        gradient_accumulation_steps=accumulation,
         num_generations=shape["num_generations"],
-        steps_per_generation=STEPS_PER_GENERATION,
+        steps_per_generation=STEPS_PER_GENERATION * accumulation,
         max_completion_length=shape["completion"],
         max_steps=n_rollouts * STEPS_PER_GENERATION,
         seed=0,
@@ -207,8 +275,13 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
     if kind == "stock":
         args, trainer_cls = GRPOConfig(**common), GRPOTrainer
     else:
-        args, trainer_cls = GSPOConfig(**common, old_logprobs_source=source, diagnostics=diagnostics), GSPOTrainer
-    trainer = trainer_cls(model, counter, args=args, train_dataset=_dataset(shape), processing_class=tokenizer)
+        args, trainer_cls = GSPOConfig(**common, old_logprobs_source=source, **(settings or {})), GSPOTrainer
+    rollout_func = None
+    if long_tail:
+        os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func's "experimental" notice
+        rollout_func = LongTailRollouts(tokenizer, shape["completion"], shape["prompt_range"], shape["num_generations"])
+    trainer = trainer_cls(model, counter, args=args, train_dataset=_dataset(shape), processing_class=tokenizer,
+                          rollout_func=rollout_func)  # fmt: skip
 
     marks, pass_seconds = {}, [0.0]
     warmup_steps = shape["warmup_rollouts"] * STEPS_PER_GENERATION
@@ -236,11 +309,14 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
             if state.global_step == warmup_steps:
                 marks["start"], marks["cpu_start"] = time.perf_counter(), time.process_time()
                 marks["tokens"], marks["pass_start"] = counter.tokens, pass_seconds[0]
+                marks["positions_start"] = _positions(trainer)
+                marks["rollout_tokens"] = getattr(rollout_func, "tokens", 0)
                 marks["peak"] = PeakMemory(device).__enter__()
             elif state.global_step == args.max_steps:
                 marks["end"], marks["cpu_end"] = time.perf_counter(), time.process_time()
                 marks["pass_end"] = pass_seconds[0]
                 marks["peak"].__exit__(None, None, None)
+                marks["positions_end"] = _positions(trainer)
 
     trainer.add_callback(Clock())
     trainer.train()
@@ -256,13 +332,22 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
         "completion_tokens": tokens,
         "old_logprob_pass_seconds_per_step": (marks["pass_end"] - marks["pass_start"]) / measured_steps,
     }
+    if marks["positions_end"] is not None:  # ours: tokens the model ran on vs what TRL's padded forwards would run
+        real, run, padded = (b - a for a, b in zip(marks["positions_start"], marks["positions_end"]))
+        result["positions"] = {"real_tokens": real, "run": run, "stock_would_run": padded}
+    if long_tail:  # real (prompt + completion) tokens of the rollouts trained in the measured window
+        result["train_tokens"] = rollout_func.tokens - marks["rollout_tokens"]
+        result["train_tokens_per_s"] = result["train_tokens"] / seconds
     if device == "cuda":
         # Useful model FLOPs per rollout, same definition for both trainers (a recomputed pi_old is overhead, not
         # work): generation forward over prompt + completion, then forward + backward (3x) of every mini-batch.
         # Attention's sequence-quadratic term is left out (small at these lengths next to the weight matmuls).
-        prompt_tokens = shape["measured_rollouts"] * shape["batch"] * STEPS_PER_GENERATION * (shape["prompt_words"] + 1)
         per_token = _param_flops_per_token(trainer.model)
-        flops = per_token * (prompt_tokens + tokens) * (1 + 3)
+        if long_tail:  # rollouts come from LongTailRollouts: no generation forward, training only
+            flops = per_token * result["train_tokens"] * 3
+        else:
+            prompt_tokens = shape["measured_rollouts"] * shape["batch"] * STEPS_PER_GENERATION * (shape["prompt_words"] + 1)
+            flops = per_token * (prompt_tokens + tokens) * (1 + 3)
         result["model_flops_per_s"] = flops / seconds
     del trainer, model
     return result
@@ -367,8 +452,10 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
     }
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
     trainers = {}
+    # ours_untrimmed: padding.py's forward with trimming off, the same work as stock (its overhead alone)
     variants = (("stock", GRPOTrainer, GRPOConfig, {}), ("ours", GSPOTrainer, GSPOConfig, {}),
-                ("ours_no_diagnostics", GSPOTrainer, GSPOConfig, {"diagnostics": False}))  # fmt: skip
+                ("ours_no_diagnostics", GSPOTrainer, GSPOConfig, {"diagnostics": False}),
+                ("ours_untrimmed", GSPOTrainer, GSPOConfig, dict(trim_padding=False, sort_by_length="never")))  # fmt: skip
     for kind, trainer_cls, config_cls, extra in variants:
         args = config_cls(
             output_dir="/tmp/trl-gspo-bench-loss", use_cpu=device == "cpu", bf16=device == "cuda", report_to=[],
@@ -408,12 +495,14 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
         "stock": med["stock"],
         "ours": med["ours"],
         "ours_no_diagnostics": med["ours_no_diagnostics"],
+        "ours_untrimmed": med["ours_untrimmed"],
         "ratio_seconds": _ratio(med["ours"]["seconds"], med["stock"]["seconds"]),
         "ratio_cpu_seconds": _ratio(med["ours"]["cpu_seconds"], med["stock"]["cpu_seconds"]),
         "ratio_seconds_no_diagnostics": _ratio(med["ours_no_diagnostics"]["seconds"], med["stock"]["seconds"]),
         "ratio_cpu_seconds_no_diagnostics": _ratio(
             med["ours_no_diagnostics"]["cpu_seconds"], med["stock"]["cpu_seconds"]
         ),
+        "ratio_untrimmed_cpu_seconds": _ratio(med["ours_untrimmed"]["cpu_seconds"], med["stock"]["cpu_seconds"]),
     }
 
 
@@ -425,8 +514,8 @@ def _worker(spec: dict) -> dict:
     if spec["task"] == "train":
         return run_training(
             spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"], spec["gradient_checkpointing"],
-            spec.get("diagnostics", True),
-        )
+            spec.get("settings"), spec.get("long_tail", False),
+        )  # fmt: skip
     if spec["task"] == "loss_path":
         return loss_path(spec["shape"], spec["device"], spec["iters"])
     return logprob_memory(spec["kind"], spec["vocab"], spec["tokens"], spec["device"])
@@ -460,17 +549,19 @@ def _ratio(a: float, b: float) -> float | None:
 
 def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool,
             diagnostics: bool = True) -> dict:  # fmt: skip
+    settings = None if diagnostics else {"diagnostics": False}
     runs = {"stock": [], "ours": []}
     for rep in range(reps):
         order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")  # ABBA: drift hits both sides alike
         for kind in order:
             spec = dict(task="train", kind=kind, source=source, shape=shape, device=device, out_dir=out_dir,
-                        gradient_checkpointing=gradient_checkpointing, diagnostics=diagnostics)  # fmt: skip
+                        gradient_checkpointing=gradient_checkpointing, settings=settings)  # fmt: skip
             runs[kind].append(_run_worker(spec))
             r = runs[kind][-1]
             log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, "
                 f"{r['cpu_seconds_per_step']:.4f} CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step")
-    med = {k: {m: _median(v, m) for m in v[0]} for k, v in runs.items()}
+    # numeric fields only ("positions", ours' padding counts, is a dict and the same in every run)
+    med = {k: {m: _median(v, m) for m, x in v[0].items() if isinstance(x, (int, float))} for k, v in runs.items()}
     result = {
         "old_logprobs_source": source,
         "diagnostics": diagnostics,
@@ -495,6 +586,47 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
     if "model_flops_per_s" in med["ours"]:
         peak = shape["peak_flops"]
         result["mfu"] = {k: (med[k]["model_flops_per_s"] / peak if peak else None) for k in ("stock", "ours")}
+    return result
+
+
+#: Variants of the long-tail scenario: GSPOConfig settings of ours (stock is plain GRPOTrainer).
+LONG_TAIL_VARIANTS = {
+    "trim_sort": dict(trim_padding=True, sort_by_length="auto"),  # the defaults
+    "packed": dict(trim_padding=True, sort_by_length="auto", padding_free=True),
+}
+
+
+def long_tail_scenario(shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool) -> dict:
+    """Stock vs each padding variant on identical long-tailed rollouts (`LongTailRollouts`), fresh processes,
+    order rotated every repetition (ABCD, DCBA, ...). Ratios: median ours / median stock."""
+    kinds = ["stock", *LONG_TAIL_VARIANTS]
+    runs = {k: [] for k in kinds}
+    for rep in range(reps):
+        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
+            spec = dict(task="train", kind="stock" if kind == "stock" else "ours", source="recompute", shape=shape,
+                        device=device, out_dir=out_dir, gradient_checkpointing=gradient_checkpointing,
+                        settings=LONG_TAIL_VARIANTS.get(kind), long_tail=True)  # fmt: skip
+            runs[kind].append(_run_worker(spec))
+            r = runs[kind][-1]
+            log(f"  long_tail rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, {r['cpu_seconds_per_step']:.4f} "
+                f"CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step, "
+                f"peak {r['peak_memory_bytes'] / 2**20:.1f} MiB")
+    numeric = ("seconds_per_step", "cpu_seconds_per_step", "peak_memory_bytes", "old_logprob_pass_seconds_per_step",
+               "train_tokens_per_s") + (("model_flops_per_s",) if device == "cuda" else ())
+    med = {k: {m: _median(v, m) for m in numeric} for k, v in runs.items()}
+    result = {"variants": {"stock": "trl.GRPOTrainer", **LONG_TAIL_VARIANTS}, "median": med, "runs": runs}
+    for kind in LONG_TAIL_VARIANTS:
+        positions = runs[kind][0]["positions"]  # identical rollouts: the same counts in every repetition
+        result[kind] = {
+            "ratio_seconds_per_step": _ratio(med[kind]["seconds_per_step"], med["stock"]["seconds_per_step"]),
+            "ratio_cpu_seconds_per_step": _ratio(med[kind]["cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]),
+            "ratio_peak_memory": _ratio(med[kind]["peak_memory_bytes"], med["stock"]["peak_memory_bytes"]),
+            # What the token count alone predicts: positions the model ran on / positions stock TRL runs
+            "ratio_positions": _ratio(positions["run"], positions["stock_would_run"]),
+            "stock_padding_fraction": 1 - positions["real_tokens"] / positions["stock_would_run"],
+        }
+    if device == "cuda" and shape.get("peak_flops"):
+        result["mfu"] = {k: med[k]["model_flops_per_s"] / shape["peak_flops"] for k in kinds}
     return result
 
 
@@ -532,7 +664,8 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run with toy shapes (test suite)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per scenario (default: per shape)")
     parser.add_argument(
-        "--scenarios", default="loss_path,equal_settings,equal_settings_no_diagnostics,sampler_logprobs,logprob_memory"
+        "--scenarios",
+        default="loss_path,equal_settings,equal_settings_no_diagnostics,sampler_logprobs,logprob_memory,long_tail",
     )
     parser.add_argument("--no-gradient-checkpointing", action="store_true",
                         help="train both trainers without activation checkpointing (TRL's default is on)")  # fmt: skip
@@ -596,8 +729,8 @@ def main(argv=None):
         spec = dict(task="loss_path", shape=shape, device=args.device, iters=iters)
         report["scenarios"]["loss_path"] = _run_worker(spec)
         lp = report["scenarios"]["loss_path"]
-        log(f"  ratio ours/stock: {lp['ratio_cpu_seconds']:.4f} (cpu time), diagnostics off: "
-            f"{lp['ratio_cpu_seconds_no_diagnostics']:.4f}")  # fmt: skip
+        log(f"  ratio ours/stock: {lp['ratio_cpu_seconds']:.4f}, diagnostics off: "
+            f"{lp['ratio_cpu_seconds_no_diagnostics']:.4f}, untrimmed: {lp['ratio_untrimmed_cpu_seconds']:.4f} (cpu time)")
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
         report["scenarios"]["equal_settings"] = compare(
@@ -614,6 +747,17 @@ def main(argv=None):
         report["scenarios"]["sampler_logprobs"] = compare(
             "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
+    from trl_gspo import fused_head
+
+    if "long_tail" in wanted and not fused_head.available():  # padding removal needs TRL's fused head (>= 1.15)
+        log("long_tail skipped: this TRL has no fused log-prob head, so padding removal is off (padding.py)")
+    elif "long_tail" in wanted:
+        lt_shape = dict(shape, **shape["long_tail"])
+        log(f"long_tail (identical rollouts, completions lognormal median 0.3 x {lt_shape['completion']}, ~10% "
+            f"truncated; {lt_shape['batch']} rows x {lt_shape['accumulation']} micro-batches per optimizer step)")
+        report["scenarios"]["long_tail"] = long_tail_scenario(
+            lt_shape, args.device, args.reps or lt_shape["reps"], work_dir, log, gradient_checkpointing
+        )
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
         # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.
@@ -624,7 +768,7 @@ def main(argv=None):
     with open(out, "w") as f:
         json.dump(report, f, indent=2)
     summary = {
-        name: {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu"}
+        name: {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu" or k in LONG_TAIL_VARIANTS}
         for name, sc in report["scenarios"].items()
     }
     log(json.dumps(summary, indent=2))

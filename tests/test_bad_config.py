@@ -54,6 +54,11 @@ def _config(**kwargs):
      r"forward, which use_liger_kernel=True replaces"),
     ({"routing_replay": "R3", "use_transformers_continuous_batching": True},
      r"old_logprobs_source|routing_replay='R3' needs the sampler's expert routes"),
+    ({"trim_padding": "yes"}, r"trim_padding='yes' must be True or False"),
+    ({"padding_free": 1}, r"padding_free=1 must be True or False"),
+    ({"sort_by_length": "sometimes"}, r"sort_by_length='sometimes' is not supported; allowed: auto, always, never"),
+    ({"sort_by_length": True}, r"sort_by_length=True is not supported; allowed: auto, always, never"),
+    ({"padding_free": True, "trim_padding": False}, r"padding_free=True removes all padding, but trim_padding=False"),
 ])
 def test_bad_config_is_rejected_with_field_value_and_allowed(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -66,6 +71,8 @@ def test_good_configs_still_build():
     assert _config(loss_type="dapo", allow_token_sum_with_sequence_level=True).loss_type == "dapo"
     assert _config(routing_replay="R2").routing_replay == "R2"  # 4 mini-batches per rollout: pi_old forward runs
     assert _config(routing_replay="R3", steps_per_generation=2, num_generations=8).routing_replay == "R3"  # on-policy
+    assert _config(trim_padding=False, sort_by_length="never").sort_by_length == "never"
+    assert _config(padding_free=True, sort_by_length="always").padding_free is True
 
 
 @pytest.fixture(scope="module")

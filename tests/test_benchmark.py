@@ -1,5 +1,6 @@
 """`benchmarks/run.py --tiny` runs end to end and writes well-formed JSON (numbers are not asserted: timings on a
-shared CI machine mean nothing; the real comparison is the benchmark run itself)."""
+shared CI machine mean nothing; the real comparison is the benchmark run itself). Two repetitions, so the medians
+really pool several runs."""
 
 import json
 import math
@@ -18,18 +19,22 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--tiny", "--out", str(out)],
+        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--tiny", "--reps", "2", "--out", str(out)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(out)
     assert report["tiny"] is True and report["device"] == "cpu" and report["gradient_checkpointing"] is True
-    assert set(report["scenarios"]) == {
-        "loss_path", "equal_settings", "equal_settings_no_diagnostics", "sampler_logprobs", "logprob_memory"}  # fmt: skip
+    from trl_gspo import fused_head
+
+    padding_path = fused_head.available()  # TRL < 1.15: padding removal is off, so long_tail is skipped (logged)
+    assert set(report["scenarios"]) == {"loss_path", "equal_settings", "equal_settings_no_diagnostics",
+                                        "sampler_logprobs", "logprob_memory"} | ({"long_tail"} if padding_path else set())
     lp = report["scenarios"]["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
     assert _positive(lp["ratio_seconds_no_diagnostics"]) and _positive(lp["ratio_cpu_seconds_no_diagnostics"])
+    assert _positive(lp["ratio_untrimmed_cpu_seconds"])
     runs = (("equal_settings", "recompute", True), ("equal_settings_no_diagnostics", "recompute", False),
             ("sampler_logprobs", "sampler", True))  # fmt: skip
     for name, source, diagnostics in runs:
@@ -46,9 +51,22 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
         ratio = sc["ours"]["seconds_per_step"] / sc["stock"]["seconds_per_step"]
         assert math.isclose(sc["ratio_seconds_per_step"], ratio)
     mem = report["scenarios"]["logprob_memory"]
-    from trl_gspo import fused_head
-
     chunked = {"ours_chunked"} if fused_head.available() else set()  # TRL < 1.15: no fused head to tile
     assert set(mem["peak_memory_bytes"]) == {"stock", "ours", "naive"} | chunked
     assert all(v >= 0 for v in mem["peak_memory_bytes"].values())  # tiny sizes may fit in freed heap
     assert mem["full_fp32_logits_bytes"] == mem["vocab"] * mem["completion_tokens"] * 4
+    if not padding_path:
+        assert "long_tail skipped" in proc.stderr + proc.stdout
+        return
+    lt = report["scenarios"]["long_tail"]
+    assert set(lt["runs"]) == {"stock", "trim_sort", "packed"} and all(len(v) == report["reps"] for v in lt["runs"].values())
+    for variant in ("trim_sort", "packed"):
+        sc = lt[variant]
+        assert _positive(sc["ratio_seconds_per_step"]) and _positive(sc["ratio_cpu_seconds_per_step"])
+        assert 0 < sc["stock_padding_fraction"] < 1  # the long-tailed rollouts do pad
+        assert 0 < sc["ratio_positions"] < 1  # and the variant ran on fewer positions than stock
+        assert _positive(lt["median"][variant]["train_tokens_per_s"])
+        ratio = lt["median"][variant]["seconds_per_step"] / lt["median"]["stock"]["seconds_per_step"]
+        assert math.isclose(sc["ratio_seconds_per_step"], ratio)
+    # identical rollouts: every run of every trainer saw the same completion tokens
+    assert len({(r["completion_tokens"], r["train_tokens"]) for runs in lt["runs"].values() for r in runs}) == 1

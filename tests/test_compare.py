@@ -33,8 +33,8 @@ def test_compare_runs_end_to_end_and_writes_plots_and_data(tmp_path):
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     runs = {(r["model"], r["variant"], r["seed"]) for r in rows}
-    expected = {("dense", v, s) for v in compare.VARIANTS for s in ("0", "1")}
-    expected |= {("moe", v, "0") for v in compare.VARIANTS}
+    expected = {("dense", v, s) for v in compare.DEFAULT_VARIANTS for s in ("0", "1")}
+    expected |= {("moe", v, "0") for v in compare.DEFAULT_VARIANTS}
     assert runs == expected
     assert len(rows) == 4 * len(expected)  # one row per optimizer step
     assert all(r["clip_fraction/token/total"] != "" for r in rows)
@@ -54,6 +54,24 @@ def test_compare_runs_end_to_end_and_writes_plots_and_data(tmp_path):
     compare.main(["--output-dir", str(out), "--replot"])
     assert (out / "routing_shift.png").stat().st_size > 5000
     assert json.loads((out / "summary.json").read_text())["results"] == summary
+
+
+def test_routing_replay_experiment_smoke_run_writes_its_table(tmp_path):
+    """`--experiment routing-replay` on one seed, 2 steps: all five arms run on the MoE, replay arms replay (coverage:
+    every completion token under R2, all but the last sampled token under R3), and the table and plot are written."""
+    compare = _compare_module()
+    out = tmp_path / "rr"
+    compare.main(["--output-dir", str(out), "--experiment", "routing-replay", "--moe-seeds", "0", "--max-steps", "2",
+                  "--tiny", "--eval-prompts", "8"])  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())["results"]
+    assert set(summary) == {f"moe/{v}" for v in compare.ROUTING_EXPERIMENT["variants"]}
+    assert summary["moe/GRPO+R2"]["replay_coverage_mean"] == 1.0
+    assert 0 < summary["moe/GSPO+R3"]["replay_coverage_mean"] < 1
+    assert summary["moe/GRPO+R3"]["r3_sampler_mismatch_mean"] is not None
+    assert summary["moe/GRPO"].get("replay_coverage_mean") is None
+    table = (out / "routing_replay.md").read_text()
+    assert all(v in table for v in compare.ROUTING_EXPERIMENT["variants"])
+    assert (out / "routing_replay.png").stat().st_size > 5000
 
 
 def test_compare_rejects_unknown_variant(tmp_path):

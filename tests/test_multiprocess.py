@@ -53,8 +53,11 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
 @pytest.mark.parametrize(
     "config, distributed_type, extra",
     [("multi_gpu.yaml", ("MULTI_CPU",), ()), ("zero2.yaml", ("DEEPSPEED",), ()), ("zero3.yaml", ("DEEPSPEED",), ()),
-     ("multi_gpu.yaml", ("MULTI_CPU",), ("--moe", "true", "--routing_replay", "R2"))],
-    ids=["ddp", "zero2", "zero3", "ddp-moe-r2"],
+     ("multi_gpu.yaml", ("MULTI_CPU",), ("--moe", "true", "--routing_replay", "R2")),
+     # packed forwards (padding.py): each rank packs its own rows, ZeRO-3 ranks still make the same model calls
+     # (longer completions, so rows end at different lengths and the ranks' packed widths differ)
+     ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12"))],
+    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed"],
 )  # fmt: skip
 def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type, extra):
     from transformers import AutoModelForCausalLM
@@ -63,6 +66,10 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
 
     if config.startswith("zero"):
         pytest.importorskip("deepspeed")
+    from trl_gspo import fused_head
+
+    if "--padding_free" in extra and not fused_head.available():
+        pytest.skip("TRL < 1.15: no fused log-prob head, padding_free=True is refused (tests/test_padding.py)")
     out = tmp_path / "run"
     result = _launch(config, out, *extra)
     log = result.stdout + result.stderr
@@ -89,3 +96,5 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
     if "R2" in extra:  # both steps replayed every completion token's route, pooled over the two ranks
         assert [float(r["moe/replay/coverage"]) for r in rows] == [1.0, 1.0]
         assert float(rows[0]["moe/routing_shift"]) == 0.0  # step 1: on-policy mini-batch
+    if "--padding_free" in extra:  # packing ran and removed padding TRL would have computed
+        assert all(float(r["throughput/padding_fraction"]) < float(r["throughput/stock_padding_fraction"]) for r in rows)

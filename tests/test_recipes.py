@@ -38,14 +38,18 @@ def _header(recipe: Path) -> str:
 def test_expected_recipes_are_shipped():
     names = {r.stem for r in RECIPES}
     assert {"demo", "qwen3_1p7b_math_zero2", "qwen3_30b_a3b_moe_zero3", "qwen3_4b_lora_24gb",
-            "qwen3_1p7b_gspo_token", "qwen3_4b_math_vllm"} <= names  # fmt: skip
+            "qwen3_1p7b_gspo_token", "qwen3_4b_math_vllm", "qwen3_30b_a3b_moe_grpo_r2",
+            "qwen3_30b_a3b_moe_gspo_r3"} <= names  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_parses_into_valid_configs(recipe, gpu_recipes_parse_on_cpu):
     script_args, args, model_args, *_ = parse(_command(recipe), ["--config", str(recipe)])
-    assert args.importance_sampling_level in ("sequence", "sequence_token")
-    assert (args.epsilon, args.epsilon_high) == (3e-4, 4e-4)
+    if args.importance_sampling_level == "token":  # the paper's GRPO baseline, only with routing replay
+        assert (args.epsilon, args.epsilon_high) == (0.2, 0.27) and args.routing_replay == "R2"
+    else:
+        assert args.importance_sampling_level in ("sequence", "sequence_token")
+        assert (args.epsilon, args.epsilon_high) == (3e-4, 4e-4)
     assert args.steps_per_generation == 4 * args.gradient_accumulation_steps, "paper: 4 mini-batches per rollout"
     assert args.beta == 0.0
     if _command(recipe) == "train":
@@ -75,6 +79,51 @@ def test_moe_recipe_is_the_papers_setting(gpu_recipes_parse_on_cpu):
     assert args.steps_per_generation // args.gradient_accumulation_steps == 4
     header = _header(RECIPES_DIR / "qwen3_30b_a3b_moe_zero3.yaml")
     assert "multi_node.yaml" in header and "zero3" in header
+
+
+def _fields(recipe: str) -> dict:
+    """Every field of every dataclass the recipe parses into, by name."""
+    from dataclasses import asdict
+
+    parsed = parse("train", ["--config", str(RECIPES_DIR / f"{recipe}.yaml")])
+    return {f"{type(obj).__name__}.{k}": v for obj in parsed for k, v in asdict(obj).items()}
+
+
+@pytest.mark.parametrize("variant, differs", [
+    ("qwen3_30b_a3b_moe_grpo_r2", {"importance_sampling_level": "token", "epsilon": 0.2, "epsilon_high": 0.27,
+                                   "routing_replay": "R2"}),
+    ("qwen3_30b_a3b_moe_gspo_r3", {"routing_replay": "R3"}),
+])  # fmt: skip
+def test_routing_replay_recipes_differ_from_the_moe_recipe_only_where_they_say(variant, differs,
+                                                                               gpu_recipes_parse_on_cpu):  # fmt: skip
+    """The variants `extends` the MoE recipe: every parsed field equals the base's except the compared ones and the
+    output folder (and what TRL derives from output_dir)."""
+    base, got = _fields("qwen3_30b_a3b_moe_zero3"), _fields(variant)
+    changed = {k.split(".", 1)[1] for k in base if base[k] != got[k]}
+    assert changed - {"output_dir", "logging_dir"} == set(differs)
+    for key, value in differs.items():
+        assert got[f"GSPOConfig.{key}"] == value
+    assert "qwen3_30b_a3b_moe_zero3" in _header(RECIPES_DIR / f"{variant}.yaml")  # the header names what it compares
+
+
+def test_extends_uses_a_base_next_to_the_recipe_first_and_rejects_cycles(tmp_path, gpu_recipes_parse_on_cpu):
+    from trl_gspo.cli import RecipeError
+
+    variant = tmp_path / "variant.yaml"
+    variant.write_text((RECIPES_DIR / "qwen3_30b_a3b_moe_gspo_r3.yaml").read_text())
+    _, args, *_ = parse("train", ["--config", str(variant)])  # no base beside it: the shipped one
+    assert args.routing_replay == "R3" and args.steps_per_generation == 16
+    base = (RECIPES_DIR / "qwen3_30b_a3b_moe_zero3.yaml").read_text().replace("max_steps: 500", "max_steps: 7")
+    (tmp_path / "qwen3_30b_a3b_moe_zero3.yaml").write_text(base)
+    _, args, *_ = parse("train", ["--config", str(variant), "--learning_rate", "2e-6"])  # an edited copy beside it
+    assert args.max_steps == 7 and args.routing_replay == "R3" and args.learning_rate == 2e-6
+    (tmp_path / "a.yaml").write_text("extends: b\nmax_steps: 1\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(RecipeError, match=r"extends: recipes extend each other in a cycle"):
+        parse("train", ["--config", str(tmp_path / "a.yaml")])
+    (tmp_path / "c.yaml").write_text("extends: no_such_recipe\n")
+    with pytest.raises(RecipeError, match=r"no_such_recipe"):
+        parse("train", ["--config", str(tmp_path / "c.yaml")])
 
 
 def test_lora_recipe_builds_a_lora_config_with_8bit_optimizer(gpu_recipes_parse_on_cpu):

@@ -12,7 +12,9 @@ train ...` runs on each rank); with it, the command relaunches itself under `acc
 A recipe's keys are the fields of `GSPOConfig` (every `GRPOConfig`/`TrainingArguments` field), TRL's `ModelConfig`
 (model, dtype, `use_peft`, `lora_*`), TRL's dataset mixture (`datasets:`) and the script arguments below; command
 line flags override the recipe. Unlike TRL's parser, a key no class knows is an error (with the closest valid key),
-and values of the wrong type fail before anything is loaded.
+and values of the wrong type fail before anything is loaded. A recipe may start from another with
+`extends: NAME|PATH` (a file next to it first, then a shipped recipe): the base's keys apply, then its own, so a
+variant lists only what differs.
 """
 
 from __future__ import annotations
@@ -151,10 +153,44 @@ def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
     return subprocess.call(cmd)
 
 
+#: Recipe key naming the recipe a variant starts from (see the module docstring).
+EXTENDS = "extends"
+
+
+def recipe_with_bases(config: dict, recipe_dir: Path | None, chain: tuple[str, ...] = ()) -> dict:
+    """`config` (one recipe's keys) on top of the keys of the recipe it `extends`, recursively. A base is looked up
+    next to the recipe that names it first (so copies made by `trl-gspo recipes` extend copies), then among the
+    shipped recipes. A base's `env:` is exported like TRL's parser exports a recipe's."""
+    import yaml
+
+    config = dict(config)
+    base = config.pop(EXTENDS, None)
+    if base is None:
+        return config
+    if not isinstance(base, str):
+        raise RecipeError(f"{EXTENDS}: expected a recipe name or path, got {base!r}.")
+    local = [recipe_dir / base, recipe_dir / f"{base}.yaml"] if recipe_dir is not None else []
+    path = next((c for c in local if c.is_file()), None) or resolve_shipped(base, "recipe")
+    if str(path.resolve()) in chain:
+        raise RecipeError(f"{EXTENDS}: recipes extend each other in a cycle ({' -> '.join(chain)} -> {path}).")
+    with open(path) as f:
+        loaded = yaml.safe_load(f) or {}
+    if not isinstance(loaded, dict):
+        raise RecipeError(f"{EXTENDS}: {path} is not a recipe (a YAML mapping of keys).")
+    for key, value in (loaded.pop("env", None) or {}).items():
+        os.environ[key] = str(value)
+    merged = recipe_with_bases(loaded, path.parent, (*chain, str(path.resolve())))
+    return {**merged, **config}
+
+
 class GSPOParser(TrlParser):
-    """`TrlParser` that rejects unknown recipe keys and checks value types before the dataclasses are built."""
+    """`TrlParser` that rejects unknown recipe keys and checks value types before the dataclasses are built, and
+    follows a recipe's `extends`."""
+
+    recipe_dir: Path | None = None  # folder of the `--config` recipe: its `extends` base is looked up there first
 
     def set_defaults_with_config(self, **config) -> list[str]:
+        config = recipe_with_bases(config, self.recipe_dir)
         actions = {a.dest: a for a in self._actions if a.nargs != 0 and a.dest != "help"}  # nargs=0: --no_x twins
         for key, value in config.items():
             if key not in actions:
@@ -199,6 +235,8 @@ def make_parser(command: str) -> GSPOParser:
 def parse(command: str, argv: list[str], defaults: dict | None = None):
     """Parse `argv` (with `--config recipe.yaml`) into the command's dataclasses; errors become `RecipeError`."""
     parser = make_parser(command)
+    recipe, _ = _take_option(list(argv), "--config")
+    parser.recipe_dir = Path(recipe).parent if recipe is not None else None
     if defaults:
         parser.set_defaults_with_config(**defaults)
     try:

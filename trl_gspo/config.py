@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from . import fused_head
 from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
+from .padding import SORT_SETTINGS
 
 #: MoE routing replay modes (see routing_replay.py).
 ROUTING_REPLAY_MODES = ("none", "R2", "R3")
@@ -103,6 +104,24 @@ class GSPOConfig(GRPOConfig):
             force them in the pi_old and loss forwards, removing the sampler/trainer routing mismatch. Works with every
             `importance_sampling_level`. Gate weights are recomputed from the current router logits at the forced
             experts, so the router keeps training; the load-balancing loss stays on the router's own picks.
+        trim_padding (`bool`, *optional*, defaults to `True`):
+            Run every forward (loss, pi_old pass, reference pass) only on the columns where some row of that call
+            has a real token, and pad the outputs back. TRL pads the whole rollout batch to its longest completion;
+            trimming changes no token's inputs or positions, only float rounding (see `trl_gspo/padding.py`).
+        sort_by_length (`str`, *optional*, defaults to `"auto"`):
+            Order the rows of each optimizer step by length (after TRL's shuffle) before they are cut into
+            micro-batches, so each micro-batch trims to its own width. A row never moves to another optimizer step.
+            `"auto"`: on when the gradient is unchanged (every loss type except `bnpo`, no entropy bonus, no
+            top-entropy mask, no MoE aux loss, which are computed per micro-batch); `"always"`: on anyway (opt in);
+            `"never"`: TRL's order everywhere. Apart from `"never"`, the no-grad passes also sort the whole batch and
+            unsort their outputs (exact in every setting). Metrics averaged per micro-batch (e.g. `clip_ratio/*`)
+            can read differently with sorting on, since micro-batches hold other rows.
+        padding_free (`bool`, *optional*, defaults to `False`):
+            Pack the real tokens of each forward's sequences end to end (`position_ids` restarting at 0, no
+            attention mask), so no padding is computed at all. flash-attention: one row per call, varlen kernels;
+            sdpa/eager/flex: rows no longer than the longest sequence, separated by transformers' packed-sequence
+            mask. With an MoE aux loss, the filler at the end of packed rows is counted by the load-balancing
+            loss (transformers has no mask for it there).
     """
 
     importance_sampling_level: str = field(
@@ -218,6 +237,31 @@ class GSPOConfig(GRPOConfig):
             "choices": list(ROUTING_REPLAY_MODES),
         },
     )
+    trim_padding: bool = field(
+        default=True,
+        metadata={
+            "help": "Skip the all-padding columns of every forward (loss, pi_old, reference) and pad outputs back. "
+            "TRL pads the rollout batch to its longest completion, so with long-tailed lengths most positions are "
+            "padding; trimming changes only float rounding."
+        },
+    )
+    sort_by_length: str = field(
+        default="auto",
+        metadata={
+            "help": "Order each optimizer step's rows by length before cutting micro-batches, so each trims to its "
+            "own width (rows never change optimizer step). 'auto': on where the gradient is unchanged (off for "
+            "bnpo, entropy bonus, top-entropy mask, MoE aux loss: per-micro-batch statistics); 'always'; 'never'.",
+            "choices": list(SORT_SETTINGS),
+        },
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Pack sequences end to end with position_ids restarting at 0 and no attention mask, so no "
+            "padding is computed (flash-attention varlen on one row; sdpa/eager: rows no longer than the longest "
+            "sequence). Opt-in: on CPU trimming + sorting already removes most padding."
+        },
+    )
 
     def __post_init__(self):
         self._validate_counts()  # before TRL's __post_init__, which divides by some of these
@@ -297,6 +341,7 @@ class GSPOConfig(GRPOConfig):
             )
         self._validate_old_logprobs_source()
         self._validate_routing_replay()
+        self._validate_padding()
         on_policy = self.num_iterations == 1 and self.steps_per_generation <= self.gradient_accumulation_steps
         if on_policy and level != "token":
             logger.warning(
@@ -305,6 +350,21 @@ class GSPOConfig(GRPOConfig):
                 "mini-batches per rollout batch (steps_per_generation = 4 * gradient_accumulation_steps).",
                 self.steps_per_generation,
                 self.gradient_accumulation_steps,
+            )
+
+    def _validate_padding(self):
+        for name in ("trim_padding", "padding_free"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be True or False.")
+        if self.sort_by_length not in SORT_SETTINGS:
+            raise ValueError(
+                f"sort_by_length={self.sort_by_length!r} is not supported; allowed: {', '.join(SORT_SETTINGS)}."
+            )
+        if self.padding_free and not self.trim_padding:
+            raise ValueError(
+                "padding_free=True removes all padding, but trim_padding=False asks to keep it; set trim_padding=True "
+                "(the default) or padding_free=False."
             )
 
     def _validate_old_logprobs_source(self):

@@ -162,6 +162,7 @@ class RouterPass:
                 f"(batch, positions, MoE layers, top_k) = ({batch}, {width}, {hooks.num_layers}, {hooks.top_k})."
             )
         self.native: torch.Tensor | None = None  # [B*W, L, k] the routers' own picks, filled while recording
+        self.seen: torch.Tensor | None = None  # [B*W] positions some call held, under explicit layouts only
         self.cursor = [0] * hooks.num_layers  # tokens seen per layer (default layout: consecutive row chunks)
         self.call: tuple[int, torch.Tensor] | None = None  # (call number, positions) of an explicit layout
         self.calls_seen = [0] * hooks.num_layers  # fires per layer under explicit layouts
@@ -227,6 +228,10 @@ class RouterPass:
             index = index.to(native.device)
             keep = index >= 0
             self.native[index[keep], layer] = native[keep].to(self.hooks.id_dtype)
+            if layer == 0:  # explicit layouts may skip positions (trimmed padding): note the ones some call held
+                if self.seen is None:
+                    self.seen = torch.zeros(self.total, dtype=torch.bool, device=native.device)
+                self.seen[index[keep]] = True
 
     # after the forward -----------------------------------------------------------------------------------------
     def check(self) -> str | None:
@@ -238,7 +243,10 @@ class RouterPass:
             calls = self.call[0]
             bad = [i for i in range(layers) if self.calls_seen[i] != calls]
             if bad:
-                return f"MoE layers {bad} fired {[self.calls_seen[i] for i in bad]} times for {calls} model calls"
+                return (
+                    f"MoE layers {bad} fired {[self.calls_seen[i] for i in bad]} times for {calls} model calls (a fused "
+                    "MoE kernel that bypasses the router module, or a router that drops tokens)"
+                )
             return None
         bad = [i for i in range(layers) if self.cursor[i] != self.total]
         if bad:
@@ -253,6 +261,15 @@ class RouterPass:
         if self.native is None:
             return None
         return self.native.view(self.batch, self.width, self.hooks.num_layers, self.hooks.top_k)
+
+    def recorded_positions(self) -> torch.Tensor | None:
+        """``[B, W]`` bool: the positions :meth:`native_routes` holds a route for (all, unless explicit layouts left
+        some out, e.g. trimmed padding columns). None if nothing was recorded."""
+        if self.native is None:
+            return None
+        if self.seen is None:
+            return torch.ones(self.batch, self.width, dtype=torch.bool, device=self.native.device)
+        return self.seen.view(self.batch, self.width)
 
 
 class CallLog:

@@ -43,7 +43,7 @@ import torch
 
 from . import metrics, trl_compat
 from .route_sources import place_routes, routes_from_engine, routes_from_generate
-from .routing import RouterHooks, RouteTable
+from .routing import RouterHooks, RouterPass, RouteTable
 
 logger = logging.getLogger(__name__)
 
@@ -214,12 +214,21 @@ class MoERouting:
             self._old_pass_logps = out[0]
             if not record:
                 return out
+            valid = observed.recorded_positions()  # padding.py may have skipped all-padding columns
             if self._replay == "none":  # metrics only need the completion part
-                native = native[:, -logits_to_keep:]
-            self._rollout_routes = RouteTable(native.cpu(), torch.ones(native.shape[:2], dtype=torch.bool))
+                native, valid = native[:, -logits_to_keep:], valid[:, -logits_to_keep:]
+            self._rollout_routes = RouteTable(native.cpu(), valid.cpu())
         else:
             self._record_moe_metrics(native[:, -logits_to_keep:], replay, logits_to_keep)
         return out
+
+    def _call_model(self, model, layout, **model_inputs):
+        # padding.py's one model call (trimmed, length-sorted or packed): tell the open router pass which batch
+        # positions this call's input holds, so recorded and replayed routes follow the rows and columns it moved.
+        current = None if self._router_hooks is None else self._router_hooks.active
+        if isinstance(current, RouterPass) and not current.closed:
+            current.set_call_positions(layout.source)
+        return super()._call_model(model, layout, **model_inputs)
 
     def _replay_table(self, role, width, logits_to_keep) -> RouteTable | None:
         """Routes to force in this forward: R3's sampler routes in the pi_old pass; R2/R3's `old_routes` in the loss."""

@@ -15,9 +15,9 @@ checks loss and gradients against stock `GRPOTrainer` so drift is caught when th
 
 Features around the loss are mixins, one per module, each overriding TRL methods through `super()`:
 `ResumableTraining` (checkpointing.py), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py: MoE
-routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py) and `TrainingDiagnostics`
-(diagnostics.py). The non-finite guard is a callback
-(nonfinite.py) plus one line at the end of the loss.
+routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py), `TrainingDiagnostics`
+(diagnostics.py) and `PaddingRemoval` (padding.py: trimmed, sorted and packed forwards). The non-finite guard is a
+callback (nonfinite.py) plus one line at the end of the loss.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from .checkpointing import ResumableTraining
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 from .diagnostics import TrainingDiagnostics
 from .nonfinite import NonFiniteGuard
+from .padding import PaddingRemoval
 from .rewards_guard import GuardedRewards
 from .routing_replay import MoERouting
 from .sampler_logprobs import SamplerLogprobReuse
@@ -52,7 +53,8 @@ _FORWARD_KEYS = (
 
 
 class GSPOTrainer(
-    ResumableTraining, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics, GRPOTrainer
+    ResumableTraining, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics, PaddingRemoval,
+    GRPOTrainer,
 ):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 
