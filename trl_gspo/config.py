@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from . import fused_head
+from . import fused_head, trl_compat
 from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
 from .padding import SORT_SETTINGS
 
@@ -431,10 +431,10 @@ class GSPOConfig(GRPOConfig):
         if mode not in ROUTING_REPLAY_MODES:
             raise ValueError(f"routing_replay={mode!r} is not supported; allowed: {', '.join(ROUTING_REPLAY_MODES)}.")
         if mode == "R2":
-            generate_every = self.steps_per_generation * self.num_iterations
-            old_pass = self.gradient_accumulation_steps % generate_every != 0 or (
-                self.use_vllm and self.vllm_importance_sampling_correction
-            )
+            old_pass = trl_compat.old_logprob_pass_runs(
+                self.steps_per_generation, self.num_iterations, self.gradient_accumulation_steps,
+                bool(self.use_vllm and self.vllm_importance_sampling_correction),
+            )  # fmt: skip
             if not old_pass:
                 raise ValueError(
                     f"routing_replay='R2' records routes in TRL's pi_old forward, which does not run here: with "

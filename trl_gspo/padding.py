@@ -361,14 +361,11 @@ class PaddingRemoval:
     ):  # fmt: skip
         b, s = input_ids.shape
         prompt_width = s - logits_to_keep
-        if not self._padding_path:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal,
-            )  # fmt: skip
-        if any(v is not None for v in multimodal.values()) or logits_to_keep < 1 or prompt_width < 1:
-            self._warn_once("fallback", "Multimodal inputs (or no prompt / no completion column): this forward runs "
-                                        "TRL's own padded loop, without trimming, sorting or packing.")  # fmt: skip
+        unsupported = any(v is not None for v in multimodal.values()) or logits_to_keep < 1 or prompt_width < 1
+        if not self._padding_path or unsupported:  # TRL < 1.15 was logged at construction
+            if self._padding_path:
+                self._warn_once("fallback", "Multimodal inputs (or no prompt / no completion column): this forward "
+                                            "runs TRL's own padded loop, without trimming, sorting or packing.")  # fmt: skip
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal,

@@ -234,6 +234,11 @@ class RouterPass:
                 self.seen[index[keep]] = True
 
     # after the forward -----------------------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """No model call reached the routers during the pass (e.g. pi_old came from the sampler's log-probs)."""
+        return self.call is None and not any(self.cursor)
+
     def check(self) -> str | None:
         """Why the routers' view does not match the batch (None if every router saw every position once)."""
         if self.error is not None:

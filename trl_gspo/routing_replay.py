@@ -201,7 +201,7 @@ class MoERouting:
             batch, width, record=record, replay=replay, keep_for_recompute=torch.is_grad_enabled()
         ) as observed:
             out = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        if observed.cursor == [0] * len(observed.cursor) and observed.call is None:
+        if observed.idle:
             return out  # no model call ran (pi_old came from the sampler's log-probs): nothing observed
         problem = observed.check()
         if problem is not None:

@@ -27,7 +27,7 @@ differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range)
 | model call `model(..., labels=, fused_lm_head=True)` returning `.log_probs`, `.entropy`, `.aux_loss` (TRL's `add_fused_lm_head`) | padding (trimmed / sorted / packed forwards) | from 1.15; before, padding removal is off (logged) and `padding_free=True` is refused |
 | `_metrics`, `_entropy_bonus_enabled`, `_last_world_entropy`, `_entropy_window_stats`, `aux_loss_enabled`, `router_aux_loss_coef` | trainer, mixins | none; `GRPOConfig.router_aux_loss_coef` defaults to 0.001 up to 1.13 and to the model config's value from 1.14 (we read the trainer attribute TRL resolved) |
 | `trl.trainer.utils.is_async_callable` | rewards_guard, via `is_async_callable` here | from 1.14; before, TRL decides with `inspect.iscoroutinefunction` |
-| old-policy log-prob pass condition | sampler_logprobs, via `old_logprob_pass_needed` here | none |
+| old-policy log-prob pass condition | sampler_logprobs, routing_replay, config (R2 check), via `old_logprob_pass_needed` / `old_logprob_pass_runs` here | none |
 | `transformers.Trainer.end()` (TRL's base class) | cli, via `end_training` here | transformers >= 5.19 only |
 | `_generate(prompts)` index 5 (`extra_fields`), `rollout_func`, `tools` | routing_replay (R3 routes from a `rollout_func`) | none |
 | `vllm_generation.generate`, `.mode`, `.llm.generate` (colocate), `.tp_group`, `trl.generation.vllm_generation.LLM` | routing_replay (R3 routes from vLLM) | none |
@@ -111,13 +111,19 @@ def end_training(trainer) -> None:
         end()
 
 
-def old_logprob_pass_needed(trainer) -> bool:
+def old_logprob_pass_runs(steps_per_generation: int, num_iterations: int, gradient_accumulation_steps: int,
+                          vllm_correction: bool) -> bool:  # fmt: skip
     """TRL's condition for its no-grad pi_old forward in `_generate_and_score_completions` (same 1.10 to 1.16): the
     rollout batch is used for more than one optimizer step, or vLLM's importance-sampling correction needs pi_old."""
-    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
-    return trainer.args.gradient_accumulation_steps % generate_every != 0 or (
-        trainer.use_vllm and trainer.vllm_importance_sampling_correction
-    )
+    return gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0 or vllm_correction
+
+
+def old_logprob_pass_needed(trainer) -> bool:
+    """`old_logprob_pass_runs` for a built trainer (its vLLM correction may have been switched off at construction)."""
+    return old_logprob_pass_runs(
+        trainer.args.steps_per_generation, trainer.num_iterations, trainer.args.gradient_accumulation_steps,
+        bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
+    )  # fmt: skip
 
 
 def watch_vllm_server_responses(client, keep) -> bool:
