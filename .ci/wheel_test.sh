@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheel test: build trl-gspo with `pip install .` (not editable) into a clean venv in a temporary folder and use
 # it from there, where the repository is not importable: the offline demo, `trl-gspo check`, `trl-gspo recipes`, and
-# a shipped recipe (GSPO-token, whose trainer_class lives next to it inside the package) for one step on the tiny
+# a shipped recipe (GSPO-token, whose trainer_class lives next to it; the wheel installs the top-level recipes/ inside the package) for one step on the tiny
 # model. Any failing command, missing output or a model card that does not name the variant fails the test.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"

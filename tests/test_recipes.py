@@ -12,7 +12,7 @@ import torch
 from trl_gspo.cli import SHIPPED, parse, resolve_shipped, resolve_trainer_class
 from trl_gspo.rewards import resolve_reward
 
-RECIPES_DIR, ACCELERATE_DIR = SHIPPED["recipe"], SHIPPED["accelerate config"]  # inside the package: they ship with it
+RECIPES_DIR, ACCELERATE_DIR = SHIPPED["recipe"], SHIPPED["accelerate config"]  # top-level folders; the wheel ships them
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted(ACCELERATE_DIR.glob("*.yaml"))
 
@@ -33,6 +33,23 @@ def _command(recipe: Path) -> str:
 def _header(recipe: Path) -> str:
     lines = recipe.read_text().splitlines()
     return "\n".join(line for line in lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+
+
+def test_shipped_files_are_the_top_level_folders_and_exist_once_in_git():
+    """The design card's layout: `recipes/` and `accelerate_configs/` at the top of the repository are the source of
+    truth (the wheel installs them inside the package); no copy of them, generated or not, is tracked anywhere else."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    assert RECIPES_DIR == root / "recipes" and ACCELERATE_DIR == root / "accelerate_configs"
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    shipped = [p for p in tracked if p.startswith(("recipes/", "accelerate_configs/"))]
+    assert {Path(p).name for p in shipped} >= {r.name for r in RECIPES} | {c.name for c in ACCELERATE_CONFIGS}
+    contents = {(root / p).read_bytes() for p in shipped}
+    copies = [p for p in tracked if p not in shipped and (root / p).is_file() and (root / p).read_bytes() in contents]
+    assert not copies, f"shipped recipe/config content tracked a second time: {copies}"
 
 
 def test_expected_recipes_are_shipped():

@@ -21,15 +21,42 @@ import os
 import re
 import signal
 import threading
+from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .validation import check_bool
+
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "gspo_checkpoint_complete.json"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class CheckpointOptions:
+    r"""
+    `GSPOConfig` field of the signal checkpoint (this module).
+
+    Parameters:
+        checkpoint_on_signal (`bool`, *optional*, defaults to `True`):
+            On SIGTERM or SIGINT during `train()`, finish the current optimizer step, save a checkpoint, then exit
+            (SIGTERM: `SystemExit(143)`; SIGINT: `KeyboardInterrupt`). Resume with `resume_from_checkpoint`.
+    """
+
+    checkpoint_on_signal: bool = field(
+        default=True,
+        metadata={
+            "help": "Save a checkpoint when SIGTERM/SIGINT arrives (preemption, Ctrl-C) at the end of the current "
+            "optimizer step, then exit, so a preempted run loses at most one step. Resume with "
+            "resume_from_checkpoint."
+        },
+    )
+
+    def _validate_options(self):
+        check_bool("checkpoint_on_signal", self.checkpoint_on_signal)
 
 
 def rollout_state_file(checkpoint: str, process_index: int) -> str:

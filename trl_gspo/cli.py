@@ -5,8 +5,8 @@
     trl-gspo check                                                        # versions + parity with stock GRPOTrainer
     trl-gspo recipes [DEST] [--list] [--force]                            # copy the shipped recipes out for editing
 
-`--config` and `--accelerate_config` take a path, or the name of a file shipped in `trl_gspo/recipes/` or
-`trl_gspo/accelerate_configs/` (a path that exists wins, so copies made by `trl-gspo recipes` are used from then
+`--config` and `--accelerate_config` take a path, or the name of a shipped recipe or accelerate config (the
+repository's top-level `recipes/` and `accelerate_configs/`, installed inside the package; a path that exists wins, so copies made by `trl-gspo recipes` are used from then
 on). Without `--accelerate_config` the command runs in the current process (what `accelerate launch -m trl_gspo
 train ...` runs on each rank); with it, the command relaunches itself under `accelerate launch`, like `trl grpo`.
 A recipe's keys are the fields of `GSPOConfig` (every `GRPOConfig`/`TrainingArguments` field), TRL's `ModelConfig`
@@ -75,7 +75,16 @@ class DemoArguments:
 
 # ----------------------------------------------------------------------------------------- shipped files
 PACKAGE_DIR = Path(__file__).resolve().parent
-SHIPPED = {"recipe": PACKAGE_DIR / "recipes", "accelerate config": PACKAGE_DIR / "accelerate_configs"}
+
+
+def _shipped_folder(name: str) -> Path:
+    """The repository's top-level `name/` folder is the one copy of the shipped files; the wheel installs it as
+    `trl_gspo/name/` (pyproject.toml's package-dir), so look inside the package first, then beside it."""
+    installed = PACKAGE_DIR / name
+    return installed if installed.is_dir() else PACKAGE_DIR.parent / name
+
+
+SHIPPED = {"recipe": _shipped_folder("recipes"), "accelerate config": _shipped_folder("accelerate_configs")}
 
 
 def shipped_names(kind: str) -> list[str]:

@@ -11,8 +11,43 @@ batch. A narrower tile bounds that, at the price of more, smaller matmuls. TRL 1
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from . import trl_compat
+
+
+@dataclass
+class FusedHeadOptions:
+    r"""
+    `GSPOConfig` field of the fused log-prob head's tile (this module).
+
+    Parameters:
+        logprob_vocab_chunk_size (`int` or `None`, *optional*, defaults to `None`):
+            Vocabulary columns per tile of TRL's fused log-prob head (`None`: TRL's 32768). Without Triton (CPU),
+            TRL folds each `[tokens, chunk]` fp32 tile with ~8 tile-sized temporaries in the backward, so at a 151k
+            vocabulary x 2k tokens the log-prob path peaks above the size of the full fp32 logits; 4096 cuts that
+            peak ~6x (see `benchmarks/run.py`). With Triton (CUDA) the fold is in place and the default is fine.
+    """
+
+    logprob_vocab_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Vocabulary columns per tile in TRL's fused log-prob head; None keeps TRL's 32768. On CPU "
+            "(no Triton) a smaller tile, e.g. 4096, cuts the log-prob path's peak memory several-fold at large "
+            "vocabularies, since TRL's torch fallback keeps several tile-sized fp32 temporaries."
+        },
+    )
+
+    def _validate_options(self):
+        chunk = self.logprob_vocab_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"logprob_vocab_chunk_size={chunk!r} must be a positive int, or None for TRL's default.")
+        if chunk is not None and not available():
+            raise ValueError(
+                f"logprob_vocab_chunk_size={chunk!r} sets the tile of TRL's fused log-prob head, which the installed "
+                "TRL does not have (it arrived in TRL 1.15; older releases compute the completion logits in full). "
+                "Leave it None, or upgrade TRL."
+            )
 
 
 def available() -> bool:

@@ -22,8 +22,40 @@ last good weights) and raises `NonFiniteTrainingError`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from transformers import TrainerCallback
+
+from .validation import check_int
+
+
+@dataclass
+class NonFiniteOptions:
+    r"""
+    `GSPOConfig` field of the non-finite guard (this module).
+
+    Parameters:
+        max_consecutive_nonfinite (`int`, *optional*, defaults to `10`):
+            A micro-batch whose importance ratio or loss is NaN/inf contributes no gradient, and an optimizer step
+            whose gradient is NaN/inf (or whose every micro-batch was dropped) is skipped. After this many
+            consecutive optimizer steps with such an event, training saves a checkpoint and raises
+            `NonFiniteTrainingError`. Counted in the logged metrics `nonfinite/microbatches` and
+            `nonfinite/skipped_steps`.
+    """
+
+    max_consecutive_nonfinite: int = field(
+        default=10,
+        metadata={
+            "help": "Micro-batches with a NaN/inf ratio or loss contribute nothing and optimizer steps with a NaN/inf "
+            "gradient are skipped, so weights never receive a NaN; after this many consecutive affected optimizer "
+            "steps the run is broken, not unlucky: save a checkpoint and stop with an error."
+        },
+    )
+
+    def _validate_options(self):
+        check_int("max_consecutive_nonfinite", self.max_consecutive_nonfinite, 1,
+                  "consecutive optimizer steps with a NaN/inf before training stops")  # fmt: skip
 
 
 class NonFiniteTrainingError(RuntimeError):

@@ -38,16 +38,81 @@ Integration points (for mixins that must see every model call, e.g. MoE routing 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from trl.extras.profiling import profiling_decorator
 
 from . import fused_head, trl_compat
+from .validation import check_bool, check_choice
 
 logger = logging.getLogger(__name__)
 
 SORT_SETTINGS = ("auto", "always", "never")
+
+
+# ------------------------------------------------------------------------------------------------ options
+@dataclass
+class PaddingOptions:
+    r"""
+    `GSPOConfig` fields of padding removal (this module).
+
+    Parameters:
+        trim_padding (`bool`, *optional*, defaults to `True`):
+            Run every forward (loss, pi_old pass, reference pass) only on the columns where some row of that call
+            has a real token, and pad the outputs back. TRL pads the whole rollout batch to its longest completion;
+            trimming changes no token's inputs or positions, only float rounding.
+        sort_by_length (`str`, *optional*, defaults to `"auto"`):
+            Order the rows of each optimizer step by length (after TRL's shuffle) before they are cut into
+            micro-batches, so each micro-batch trims to its own width. A row never moves to another optimizer step.
+            `"auto"`: on when the gradient is unchanged (every loss type except `bnpo`, no entropy bonus, no
+            top-entropy mask, no MoE aux loss, which are computed per micro-batch); `"always"`: on anyway (opt in);
+            `"never"`: TRL's order everywhere. Apart from `"never"`, the no-grad passes also sort the whole batch and
+            unsort their outputs (exact in every setting). Metrics averaged per micro-batch (e.g. `clip_ratio/*`)
+            can read differently with sorting on, since micro-batches hold other rows.
+        padding_free (`bool`, *optional*, defaults to `False`):
+            Pack the real tokens of each forward's sequences end to end (`position_ids` restarting at 0, no
+            attention mask), so no padding is computed at all. flash-attention: one row per call, varlen kernels;
+            sdpa/eager/flex: rows no longer than the longest sequence, separated by transformers' packed-sequence
+            mask. With an MoE aux loss, the filler at the end of packed rows is counted by the load-balancing
+            loss (transformers has no mask for it there).
+    """
+
+    trim_padding: bool = field(
+        default=True,
+        metadata={
+            "help": "Skip the all-padding columns of every forward (loss, pi_old, reference) and pad outputs back. "
+            "TRL pads the rollout batch to its longest completion, so with long-tailed lengths most positions are "
+            "padding; trimming changes only float rounding."
+        },
+    )
+    sort_by_length: str = field(
+        default="auto",
+        metadata={
+            "help": "Order each optimizer step's rows by length before cutting micro-batches, so each trims to its "
+            "own width (rows never change optimizer step). 'auto': on where the gradient is unchanged (off for "
+            "bnpo, entropy bonus, top-entropy mask, MoE aux loss: per-micro-batch statistics); 'always'; 'never'.",
+            "choices": list(SORT_SETTINGS),
+        },
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Pack sequences end to end with position_ids restarting at 0 and no attention_mask, so no "
+            "padding is computed (flash-attention varlen on one row; sdpa/eager: rows no longer than the longest "
+            "sequence). Opt-in: on CPU trimming + sorting already removes most padding."
+        },
+    )
+
+    def _validate_options(self):
+        check_bool("trim_padding", self.trim_padding)
+        check_bool("padding_free", self.padding_free)
+        check_choice("sort_by_length", self.sort_by_length, SORT_SETTINGS)
+        if self.padding_free and not self.trim_padding:
+            raise ValueError(
+                "padding_free=True removes all padding, but trim_padding=False asks to keep it; set trim_padding=True "
+                "(the default) or padding_free=False."
+            )
 #: Attention implementations that keep packed sequences apart through transformers' packed-sequence detection
 #: (position_ids restarting at 0, no attention_mask): a block-diagonal mask over rows of several sequences.
 MASKED_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")

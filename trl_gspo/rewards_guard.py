@@ -19,13 +19,44 @@ import functools
 import logging
 import math
 import numbers
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .trl_compat import is_async_callable
+from .validation import check_choice
 
 logger = logging.getLogger(__name__)
+
+#: What a NaN/inf reward means.
+NONFINITE_REWARD_POLICIES = ("error", "none")
+
+
+@dataclass
+class RewardGuardOptions:
+    r"""
+    `GSPOConfig` field of the reward checks (this module).
+
+    Parameters:
+        nonfinite_reward (`str`, *optional*, defaults to `"error"`):
+            What to do when a reward function returns NaN or +-inf for a sample. `"error"`: raise, naming the reward
+            function, the sample and the value. `"none"`: treat the value like `None` ("not applicable", TRL's
+            convention), log a warning and count it in the metric `rewards/<name>/nonfinite`.
+    """
+
+    nonfinite_reward: str = field(
+        default="error",
+        metadata={
+            "help": "A NaN/inf reward is a bug in the reward function, so it is an error by default ('error'). 'none' "
+            "treats it like None (not applicable, TRL's convention: no reward signal from that function for that "
+            "sample), with a warning and the metric rewards/<name>/nonfinite.",
+            "choices": list(NONFINITE_REWARD_POLICIES),
+        },
+    )
+
+    def _validate_options(self):
+        check_choice("nonfinite_reward", self.nonfinite_reward, NONFINITE_REWARD_POLICIES)
 
 _PREVIEW_CHARS = 200
 _TRAINER_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")

@@ -38,14 +38,82 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from . import metrics, trl_compat
 from .route_sources import place_routes, routes_from_engine, routes_from_generate
 from .routing import RouterHooks, RouterPass, RouteTable
+from .validation import check_choice
 
 logger = logging.getLogger(__name__)
+
+#: MoE routing replay modes.
+ROUTING_REPLAY_MODES = ("none", "R2", "R3")
+
+
+@dataclass
+class RoutingReplayOptions:
+    r"""
+    `GSPOConfig` field of MoE routing replay (this module).
+
+    Parameters:
+        routing_replay (`str`, *optional*, defaults to `"none"`):
+            `"none"`: every forward routes natively (the GSPO paper's setting). `"R2"`: record the top-k experts of
+            every token in TRL's pi_old forward and force them in the loss forward (the paper's "Routing Replay"
+            baseline for GRPO); needs that forward, i.e. off-policy mini-batches (`steps_per_generation >
+            gradient_accumulation_steps` or `num_iterations > 1`) and `old_logprobs_source="recompute"`. `"R3"`:
+            record the sampler's routes while generating (transformers `generate`, vLLM with
+            `enable_return_routed_experts`, or a `rollout_func` returning `routed_experts`) and force them in the
+            pi_old and loss forwards, removing the sampler/trainer routing mismatch. Works with every
+            `importance_sampling_level`. Gate weights are recomputed from the current router logits at the forced
+            experts, so the router keeps training; the load-balancing loss stays on the router's own picks.
+    """
+
+    routing_replay: str = field(
+        default="none",
+        metadata={
+            "help": "MoE routing replay. 'none' (default, the GSPO paper: GSPO needs no replay). 'R2': replay the "
+            "experts chosen in TRL's pi_old forward in the loss forward (the paper's GRPO baseline). 'R3': replay the "
+            "sampler's experts in the pi_old and loss forwards (removes the sampler/trainer routing mismatch).",
+            "choices": list(ROUTING_REPLAY_MODES),
+        },
+    )
+
+    def _validate_options(self):
+        mode = self.routing_replay
+        check_choice("routing_replay", mode, ROUTING_REPLAY_MODES)
+        if mode == "R2":
+            old_pass = trl_compat.old_logprob_pass_runs(
+                self.steps_per_generation, self.num_iterations, self.gradient_accumulation_steps,
+                bool(self.use_vllm and self.vllm_importance_sampling_correction),
+            )  # fmt: skip
+            if not old_pass:
+                raise ValueError(
+                    f"routing_replay='R2' records routes in TRL's pi_old forward, which does not run here: with "
+                    f"steps_per_generation={self.steps_per_generation} <= gradient_accumulation_steps="
+                    f"{self.gradient_accumulation_steps} and num_iterations={self.num_iterations} every mini-batch is "
+                    "on-policy, so the loss forward already routes exactly as pi_old did and replay would change "
+                    "nothing. Use several mini-batches per rollout (e.g. steps_per_generation = 4 * "
+                    "gradient_accumulation_steps) or routing_replay='none'."
+                )
+            if self.old_logprobs_source == "sampler":
+                raise ValueError(
+                    "routing_replay='R2' records routes in TRL's pi_old forward, which old_logprobs_source='sampler' "
+                    "skips. Use routing_replay='R3' (the sampler's routes, consistent with the sampler's log-probs) or "
+                    "old_logprobs_source='recompute'."
+                )
+        if mode != "none" and self.use_liger_kernel:
+            raise ValueError(
+                f"routing_replay={mode!r} replays routes in TRL's log-prob forward, which use_liger_kernel=True replaces "
+                "by Liger's fused loss; set use_liger_kernel=False or routing_replay='none'."
+            )
+        if mode == "R3" and self.use_transformers_continuous_batching:
+            raise ValueError(
+                "routing_replay='R3' needs the sampler's expert routes, which transformers continuous batching "
+                "(use_transformers_continuous_batching=True) does not expose; use generate, vLLM, or routing_replay='R2'."
+            )
 
 
 class MoERouting:

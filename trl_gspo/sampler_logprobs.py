@@ -22,13 +22,104 @@ The helpers here are pure functions plus one context manager; `SamplerLogprobReu
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from . import fused_head, trl_compat
 from .losses import masked_sequence_mean
+from .validation import check_choice
 
 logger = logging.getLogger(__name__)
+
+#: Where pi_old comes from: TRL's extra forward pass, or the sampler's own log-probs.
+OLD_LOGPROBS_SOURCES = ("recompute", "sampler")
+
+
+@dataclass
+class SamplerLogprobOptions:
+    r"""
+    `GSPOConfig` fields of sampler log-prob reuse and the sampler-trainer correction (this module).
+
+    Parameters:
+        old_logprobs_source (`str`, *optional*, defaults to `"recompute"`):
+            Where pi_old comes from for off-policy mini-batches. `"recompute"`: TRL's extra no-grad forward over the
+            rollout batch after generation (stock behaviour). `"sampler"`: the log-probs the sampler computed while
+            generating (transformers `generate` or vLLM), which skips that forward pass. Safe when sampler and
+            trainer compute the same distribution up to precision (same weights, `log_softmax(logits/T)`): on vLLM
+            that needs top_p=1, top_k off, min_p off and repetition_penalty=1; the mismatch is logged under
+            `sampler/*` on every on-policy mini-batch. Saves nothing when every mini-batch is on-policy.
+        vllm_importance_sampling_length_normalized (`bool`, *optional*, defaults to `False`):
+            With vLLM, `old_logprobs_source="recompute"` and a `sequence_*` `vllm_importance_sampling_mode`, use
+            `exp(mean_t(log pi_old - log pi_vllm))` as the sampler-trainer correction instead of TRL's
+            `exp(sum_t ...)`, which grows with length and masks or truncates long completions.
+    """
+
+    old_logprobs_source: str = field(
+        default="recompute",
+        metadata={
+            "help": "Source of pi_old for off-policy mini-batches. 'recompute' (TRL's extra forward pass after "
+            "generation) or 'sampler' (reuse the log-probs computed while sampling, skipping that pass; the paper's "
+            "infrastructure shortcut, safe because sequence ratios average the engine precision gap; the gap is "
+            "logged under sampler/*).",
+            "choices": list(OLD_LOGPROBS_SOURCES),
+        },
+    )
+    vllm_importance_sampling_length_normalized: bool = field(
+        default=False,
+        metadata={
+            "help": "Length-normalise TRL's sequence-level vLLM importance-sampling correction (mean instead of sum "
+            "of token log-ratios), GSPO-consistent and stable on long completions. Only for sequence_* modes with "
+            "old_logprobs_source='recompute' (with 'sampler' the correction is an identity and is turned off)."
+        },
+    )
+
+    def _validate_options(self):
+        source = self.old_logprobs_source
+        check_choice("old_logprobs_source", source, OLD_LOGPROBS_SOURCES)
+        mode = self.vllm_importance_sampling_mode
+        if self.vllm_importance_sampling_length_normalized and not mode.startswith("sequence_"):
+            raise ValueError(
+                f"vllm_importance_sampling_length_normalized=True needs a sequence-level vllm_importance_sampling_mode "
+                f"('sequence_mask' or 'sequence_truncate'), got {mode!r}; token modes have no length to normalise."
+            )
+        if source != "sampler":
+            return
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "old_logprobs_source='sampler' needs per-token log-probs from the sampler, which transformers "
+                "continuous batching (use_transformers_continuous_batching=True) does not return; use "
+                "old_logprobs_source='recompute' or the regular generate / vLLM paths."
+            )
+        if self.use_vllm:
+            # vLLM's processed log-probs are renormalised after these processors; the trainer's are not.
+            processed = {
+                "top_p": self.top_p != 1.0,
+                "top_k": self.top_k not in (None, 0, -1),
+                "min_p": self.min_p not in (None, 0.0),
+                "repetition_penalty": self.repetition_penalty != 1.0,
+            }
+            bad = [f"{name}={getattr(self, name)!r}" for name, on in processed.items() if on]
+            if bad:
+                raise ValueError(
+                    f"old_logprobs_source='sampler' with vLLM and {', '.join(bad)}: vLLM returns log-probs of the "
+                    "truncated/penalised sampling distribution, while the trainer's pi_theta is log_softmax(logits / "
+                    "temperature), so every ratio would be biased. Use top_p=1.0, top_k=0, min_p=None, "
+                    "repetition_penalty=1.0, or old_logprobs_source='recompute'."
+                )
+            if self.vllm_importance_sampling_correction:
+                # pi_old is then the sampler's log-prob, so TRL's pi_old / pi_vllm correction is exp(0) = 1.
+                logger.warning(
+                    "old_logprobs_source='sampler' makes the vLLM importance-sampling correction an identity "
+                    "(pi_old is vLLM's own log-prob); turning vllm_importance_sampling_correction off. The "
+                    "sampler-trainer gap now enters GSPO's clipped sequence ratio and is logged under sampler/*."
+                )
+                self.vllm_importance_sampling_correction = False
+            if self.vllm_importance_sampling_length_normalized:
+                raise ValueError(
+                    "vllm_importance_sampling_length_normalized=True has no effect with old_logprobs_source='sampler' "
+                    "(the correction is an identity and is turned off); unset one of them."
+                )
 
 
 class SamplerLogprobRecorder:
