@@ -150,17 +150,21 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
 
 
 # ---------------------------------------------------------------------------------------------- rollout state
-def save_rollout_state(checkpoint: str, process_index: int, step: int, buffered_inputs) -> None:
-    torch.save({"step": step, "buffered_inputs": buffered_inputs}, rollout_state_file(checkpoint, process_index))
+def save_rollout_state(checkpoint: str, process_index: int, step: int, buffered_inputs, source_state: dict) -> None:
+    """TRL's micro-step counter and rollout buffer, and the rollout source's own state (rollout.py)."""
+    state = {"step": step, "buffered_inputs": buffered_inputs, "source": source_state}
+    torch.save(state, rollout_state_file(checkpoint, process_index))
 
 
-def load_rollout_state(checkpoint: str, process_index: int, device) -> tuple[int, list | None] | None:
+def load_rollout_state(checkpoint: str, process_index: int, device) -> dict | None:
+    """What `save_rollout_state` wrote, tensors on `device` (`source` is `{}` in checkpoints that predate it)."""
     path = rollout_state_file(checkpoint, process_index)
     if not os.path.exists(path):
         return None
     # Load on CPU, then move: a distributed CPU run tags storages "cpu:0", which map_location cannot restore.
     state = torch.load(path, map_location="cpu", weights_only=True)
-    return state["step"], _to_device(state["buffered_inputs"], device)
+    return {"step": state["step"], "buffered_inputs": _to_device(state["buffered_inputs"], device),
+            "source": _to_device(state.get("source", {}), device)}  # fmt: skip
 
 
 def _to_device(obj, device):
@@ -238,8 +242,9 @@ class SignalCheckpoint(TrainerCallback):
 
 
 class ResumableTraining:
-    """`GSPOTrainer` mixin: checkpoints with a completion marker and TRL's rollout buffer; resume only from
-    complete ones; signal handlers restored when `train()` returns or raises."""
+    """`GSPOTrainer` mixin: checkpoints with a completion marker, TRL's rollout buffer and the rollout source's state;
+    resume only from complete ones; signal handlers restored and the rollout source closed when `train()` returns or
+    raises."""
 
     def _save_checkpoint(self, model, trial):
         """HF's checkpoint plus TRL's rollout buffer, with a completion marker written last (see py)."""
@@ -248,7 +253,8 @@ class ResumableTraining:
             mark_incomplete(path)
         super()._save_checkpoint(model, trial)
         os.makedirs(path, exist_ok=True)
-        save_rollout_state(path, self.accelerator.process_index, self._step, self._buffered_inputs)
+        save_rollout_state(path, self.accelerator.process_index, self._step, self._buffered_inputs,
+                           self._rollouts.state_dict())  # fmt: skip
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             mark_complete(path)
@@ -260,13 +266,16 @@ class ResumableTraining:
             state = load_rollout_state(
                 resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
             )
-            if state is not None and (state[1] is None or len(state[1]) == self.args.steps_per_generation):
-                self._step, self._buffered_inputs = state
+            buffered = None if state is None else state["buffered_inputs"]
+            if state is not None and (buffered is None or len(buffered) == self.args.steps_per_generation):
+                self._step, self._buffered_inputs = state["step"], buffered
+                self._rollouts.load_state_dict(state["source"])
             elif state is not None:  # batch settings changed since the save: TRL regenerates, as stock TRL does
                 logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.",
-                                             resume_from_checkpoint, self.args.steps_per_generation)
+                               resume_from_checkpoint, self.args.steps_per_generation)  # fmt: skip
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
-        finally:  # also when training raised: give the process its own signal handlers back
+        finally:  # also when training raised: give the process its own signal handlers back, stop the rollout source
             if self._signal_checkpoint is not None:
                 self._signal_checkpoint.restore_handlers()
+            self._rollouts.close()

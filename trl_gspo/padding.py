@@ -373,8 +373,9 @@ def optimizer_step_groups(first_step: int, steps_per_generation: int, num_iterat
 class PaddingRemoval:
     """`GSPOTrainer` mixin: trimmed / sorted / packed forwards and length-sorted micro-batches (module docstring).
 
-    Overrides TRL's `_get_per_token_logps_and_entropies` (text inputs; multimodal ones go to TRL's loop) and
-    `_prepare_inputs` (sorting, after TRL's shuffle and split), and logs `throughput/*` at each `log`."""
+    Overrides TRL's `_get_per_token_logps_and_entropies` (text inputs; multimodal ones go to TRL's loop), sorts the
+    micro-batches of each fresh rollout buffer (`_arrange_micro_batches`, called by rollout.py after TRL's shuffle and
+    split), and logs `throughput/*` at each `log`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -478,14 +479,14 @@ class PaddingRemoval:
         return logps, entropies, aux_loss
 
     # ------------------------------------------------------------------------------ sorted micro-batches
-    def _prepare_inputs(self, generation_batch):
-        buffered, step = self._buffered_inputs, self._step
-        inputs = super()._prepare_inputs(generation_batch)
-        if not (self.model.training and self._sort_micro_batches) or self._buffered_inputs is buffered:
-            return inputs  # eval, sorting off, or a rollout buffer already sorted when it was made
+    def _arrange_micro_batches(self, micro_batches: list[dict], first_step: int) -> list[dict]:
+        """A fresh rollout buffer, its rows sorted by length within each optimizer step when sorting is on (called by
+        rollout.py after TRL's shuffle and split; `first_step` is the micro-step that will use entry 0 first)."""
+        if not self._sort_micro_batches:
+            return micro_batches
         spg = self.args.steps_per_generation
-        groups = optimizer_step_groups(step, spg, self.num_iterations, self.args.gradient_accumulation_steps)
-        buffer = list(self._buffered_inputs)
+        groups = optimizer_step_groups(first_step, spg, self.num_iterations, self.args.gradient_accumulation_steps)
+        buffer = list(micro_batches)
         for group in groups:
             if len(group) < 2:
                 continue
@@ -493,11 +494,10 @@ class PaddingRemoval:
             if sorted_batches is None:
                 self._warn_once("sort", "Rollout batch holds values that are not per row (e.g. image patches): "
                                         "micro-batches keep TRL's order.")  # fmt: skip
-                return inputs
+                return micro_batches
             for k, batch in zip(group, sorted_batches):
                 buffer[k] = batch
-        self._buffered_inputs = buffer
-        return buffer[step % spg]
+        return buffer
 
     # ------------------------------------------------------------------------------------ throughput/*
     def _count_throughput(self, spans, layouts, batch_shape):

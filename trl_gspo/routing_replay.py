@@ -131,7 +131,6 @@ class MoERouting:
         self._moe_inputs = None  # the micro-batch of the running loss forward
         self._sampler_routes = None  # R3: per-completion routes of the rollout being scored (route_sources.py)
         self._rollout_routes = None  # RouteTable of pi_old's routes for the rollout being scored
-        self._moe_rollout_step = None  # optimizer step the current rollout batch was sampled at
         self._check_routing_replay()
         if self._replay == "R3" and self.use_vllm:
             _capture_vllm_routes(self)
@@ -154,21 +153,24 @@ class MoERouting:
                 "(tools / environment_factory) interleave tool output the sampler never routed. Use routing_replay='R2'."
             )
 
-    # ------------------------------------------------------------------------------------ sampler routes (R3)
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # arguments vary across TRL releases (trl_compat)
+    # ------------------------------------------------------------ sampler routes (R3), called by rollout.py
+    def _recording_sampler_routes(self):
+        """Context for one generation call of TRL's `generate` path: under R3, a log of the router calls (else None)."""
         record = self._replay == "R3" and not self.use_vllm and not self.use_transformers_continuous_batching
-        with self._router_hooks.log_calls() if record else contextlib.nullcontext() as log:
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-        if record:
+        return self._router_hooks.log_calls() if record else contextlib.nullcontext()
+
+    def _keep_sampler_routes(self, prompt_ids, completion_ids, log):
+        """After one generation call: R3's routes of this call's completions, from the router log or from vLLM."""
+        if log is not None:
             lengths = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
             self._sampler_routes = (routes_from_generate(log, len(prompt_ids), *lengths), *lengths)
         elif self._replay == "R3" and self.use_vllm:
             raw = self.vllm_generation.last_routed_experts  # set by _capture_vllm_routes
             self._sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "vLLM")
-        return completion_ids, logprobs
 
-    def _generate(self, prompts):
-        outputs = super()._generate(prompts)
+    def _keep_rollout_func_routes(self, outputs):
+        """After TRL's `_generate`: R3's routes returned by a `rollout_func` (`routed_experts`), and the check that
+        R3 got routes from whichever path generated."""
         prompt_ids, completion_ids, extra_fields = outputs[0], outputs[1], outputs[5]
         if self._replay == "R3" and self.rollout_func is not None:
             raw = extra_fields.pop("routed_experts", None)  # not a reward-function column
@@ -180,7 +182,6 @@ class MoERouting:
             self._sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "rollout_func")
         if self._replay == "R3" and self._sampler_routes is None:
             raise RuntimeError("routing_replay='R3' but this generation path returned no routes.")
-        return outputs
 
     def _ingest(self, raw, prompt_ids, completion_ids, where):
         hooks = self._router_hooks
@@ -199,17 +200,21 @@ class MoERouting:
         ]
         return routes, [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
 
-    # ------------------------------------------------------------------------------------------ rollout batch
-    def _generate_and_score_completions(self, inputs):
+    # ---------------------------------------------------------------- rollout batch, called by rollout.py
+    def _begin_route_recording(self):
+        """Before TRL scores a rollout batch: observe its pi_old pass (when TRL runs one), nothing else."""
         self._release_routes()
         self._sampler_routes, self._rollout_routes = None, None
         needed = self._router_hooks is not None and trl_compat.old_logprob_pass_needed(self)
         self._moe_role = "old" if needed else None
         self._old_pass_logps = None
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._moe_role = None
+
+    def _end_route_recording(self):
+        self._moe_role = None
+
+    def _attach_routes(self, output):
+        """Put pi_old's routes (R3: the sampler's) into the scored rollout batch as `old_routes` / `old_routes_valid`,
+        per row like every other rollout tensor, so TRL's shuffle and split carry them to each micro-batch."""
         if self._replay == "R3":
             table = self._rollout_table(output["prompt_ids"].size(1), output["completion_ids"].size(1))
         elif self._old_pass_logps is not None and output.get("old_per_token_logps") is self._old_pass_logps:
@@ -220,10 +225,7 @@ class MoERouting:
             output["old_routes"], output["old_routes_valid"] = table.ids, table.valid
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["moe/replay/route_mb"].append(table.nbytes / 2**20)
-        if self.model.training:
-            self._moe_rollout_step = self.state.global_step
         self._sampler_routes, self._rollout_routes = None, None
-        return output
 
     def _rollout_table(self, prompt_width, completion_width) -> RouteTable:
         """R3: the sampler's routes in the rollout batch's layout (built once per rollout batch)."""
@@ -334,7 +336,7 @@ class MoERouting:
         window.add_means(shift)
         if replay is not None:
             window.add_means(metrics.replay_coverage_stats(old.valid, mask))
-        if self._replay == "R3" and self.model.training and self.state.global_step == self._moe_rollout_step:
+        if self._replay == "R3" and self.model.training and self.state.global_step == self._rollout_sampled_at:
             window.add_means({"moe/r3/sampler_mismatch": shift["moe/routing_shift"],
                               "moe/r3/sampler_mismatch_any_layer": shift["moe/routing_shift_any_layer"]})  # fmt: skip
 

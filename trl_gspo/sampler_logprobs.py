@@ -21,6 +21,7 @@ The helpers here are pure functions plus one context manager; `SamplerLogprobReu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -253,46 +254,44 @@ def length_normalized_is_ratio(old_logps, sampling_logps, mask, mode: str, clip_
 
 class SamplerLogprobReuse:
     """`GSPOTrainer` mixin: pi_old from the sampler when `old_logprobs_source="sampler"`, the sampler-trainer gap
-    metrics, the length-normalised vLLM correction, and the fused log-prob tile size. Each override calls
-    `super()`, so with reuse off TRL's code runs unchanged."""
+    metrics, the length-normalised vLLM correction, and the fused log-prob tile size. The rollout pipeline
+    (rollout.py) calls the steps below around TRL's generation and scoring; with reuse off they do nothing."""
 
     def _init_sampler_logprob_reuse(self):
         self._reuse_armed = False  # True between generation and TRL's old-policy forward, when that is replaced
         self._sampler_logps = None  # per-completion sampler log-probs of the rollout being scored
-        self._rollout_global_step = None  # optimizer step the current rollout batch was sampled at
         self._warned_no_sampler_logps = False
 
     def _reuses_sampler_logps(self) -> bool:
         return self.args.old_logprobs_source == "sampler" and trl_compat.old_logprob_pass_needed(self)
 
-    def _generate_single_turn(self, *args, **kwargs):  # arguments vary across TRL releases (trl_compat.py)
+    # ------------------------------------------------------------------------- steps called by rollout.py
+    def _recording_sampler_logprobs(self):
+        """Context for one generation call of TRL's `generate` path: a `SamplerLogprobRecorder` on the module that
+        generates when pi_old will come from the sampler (else None). vLLM returns the log-probs itself."""
         if not self._reuses_sampler_logps() or self.use_vllm or self.use_transformers_continuous_batching:
-            # vLLM already returns the sampled tokens' log-probs; otherwise stock TRL generation, untouched.
-            return super()._generate_single_turn(*args, **kwargs)
+            return contextlib.nullcontext()
         module = self.accelerator.unwrap_model(self.model)  # the module generate() calls (DDP/FSDP/DeepSpeed off)
         module = module.get_base_model() if hasattr(module, "get_base_model") else module  # PEFT: the HF model
-        with SamplerLogprobRecorder(module, self.temperature) as recorder:
-            completion_ids, _ = super()._generate_single_turn(*args, **kwargs)
-        return completion_ids, recorder.completion_logprobs(completion_ids)
+        return SamplerLogprobRecorder(module, self.temperature)
 
-    def _generate(self, prompts):
-        outputs = super()._generate(prompts)
-        self._sampler_logps = outputs[4]  # final per-completion log-probs (after any tool-call turns)
-        return outputs
+    def _keep_sampler_logps(self, outputs):
+        """After TRL's `_generate`: the final per-completion sampler log-probs (after any tool-call turns)."""
+        self._sampler_logps = outputs[4]
 
-    def _generate_and_score_completions(self, inputs):
+    def _begin_sampler_reuse(self):
+        """Before TRL scores a rollout batch: answer its pi_old pass from the sampler, when that is the source."""
         self._sampler_logps = None
         self._reuse_armed = self._reuses_sampler_logps()
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._reuse_armed, self._sampler_logps = False, None
-        if self.model.training:
-            self._rollout_global_step = self.state.global_step
+
+    def _end_sampler_reuse(self):
+        self._reuse_armed, self._sampler_logps = False, None
+
+    def _finish_sampler_correction(self, output):
+        """After TRL scored a rollout batch: the length-normalised vLLM correction, when asked for."""
         vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
         if vllm_is and self.args.vllm_importance_sampling_length_normalized:
             self._length_normalize_is_ratio(output)
-        return output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if self._reuse_armed:
@@ -335,7 +334,7 @@ class SamplerLogprobReuse:
     def _log_sampler_mismatch(self, mode, logps, inputs, mask):
         """Sampler vs trainer log-prob gap, on the mini-batches still at the sampler's weights (no extra forward)."""
         sampler = inputs.get("sampling_per_token_logps")
-        if sampler is None or mode != "train" or self.state.global_step != self._rollout_global_step:
+        if sampler is None or mode != "train" or self.state.global_step != self._rollout_sampled_at:
             return
         stats = mismatch_stats(logps, sampler, mask, self.epsilon_low, self.epsilon_high)
         for name, value in summarize_mismatch(self.accelerator.gather(stats)).items():

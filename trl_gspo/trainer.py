@@ -13,9 +13,10 @@ plus `token_advantages(inputs)`, the place to supply per-token advantages for GS
 gradient-accumulation normalisation, MoE aux loss, metrics) follows TRL's semantics; `tests/test_parity.py`
 checks loss and gradients against stock `GRPOTrainer` so drift is caught when the TRL pin moves.
 
-Features around the loss are mixins, one per module, each overriding TRL methods through `super()`:
-`ResumableTraining` (checkpointing.py), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py: MoE
-routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py), `TrainingDiagnostics`
+Features around the loss are mixins, one per module: `ResumableTraining` (checkpointing.py), `RolloutPipeline`
+(rollout.py: owns TRL's rollout path, `_prepare_inputs` -> `_generate_and_score_completions` -> `_generate`, and
+calls each feature's step there explicitly), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py:
+MoE routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py), `TrainingDiagnostics`
 (diagnostics.py) and `PaddingRemoval` (padding.py: trimmed, sorted and packed forwards). The non-finite guard is a
 callback (nonfinite.py) plus one line at the end of the loss.
 """
@@ -34,6 +35,7 @@ from .diagnostics import TrainingDiagnostics
 from .nonfinite import NonFiniteGuard
 from .padding import PaddingRemoval
 from .rewards_guard import GuardedRewards
+from .rollout import RolloutPipeline
 from .routing_replay import MoERouting
 from .sampler_logprobs import SamplerLogprobReuse
 
@@ -53,8 +55,8 @@ _FORWARD_KEYS = (
 
 
 class GSPOTrainer(
-    ResumableTraining, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics, PaddingRemoval,
-    GRPOTrainer,
+    ResumableTraining, RolloutPipeline, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics,
+    PaddingRemoval, GRPOTrainer,
 ):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 

@@ -1,0 +1,127 @@
+"""How a rollout batch is produced, in one place: the `RolloutPipeline` mixin and its `RolloutSource`.
+
+TRL's `GRPOTrainer` makes rollout batches in `_prepare_inputs`: every `steps_per_generation * num_iterations`
+micro-steps it calls `_generate_and_score_completions` on the local generation batch the dataloader handed it,
+shuffles the result and splits it into `steps_per_generation` micro-batches that it buffers. Several features need
+to act on that path (sampler log-probs, MoE routes, length-sorted micro-batches, and producing batches ahead of time
+or refilling them), so this module owns the four TRL methods of the path and calls each feature's step explicitly,
+instead of one mixin per feature intercepting them through `super()`:
+
+    _prepare_inputs(generation_batch)              training: every micro-step; evaluation: every batch
+      evaluation -> _generate_and_score_completions(generation_batch)       (synchronous, never filtered)
+      a new rollout batch is due (TRL's schedule):
+        batch = self._rollouts.next_batch(generation_batch)   RolloutSource: how a scored batch is obtained
+        micro_batches = split_rollout(batch, steps_per_generation)         TRL's shuffle and split
+        micro_batches = self._arrange_micro_batches(micro_batches, step)   padding.py: length sort per optimizer step
+      return micro_batches[step % steps_per_generation]
+
+    _generate_and_score_completions(inputs)        one scored rollout batch from these prompts, now
+      _begin_sampler_reuse, _begin_route_recording    sampler_logprobs.py, routing_replay.py
+      TRL: generation (below), rewards, advantages, pi_old and reference passes
+      _attach_routes, _finish_sampler_correction      routes into the batch, length-normalised vLLM correction
+      stamp: the optimizer step whose weights sampled this batch (`_rollout_sampled_at`)
+
+    _generate(prompts) -> TRL's, then _keep_sampler_logps, _keep_rollout_func_routes
+    _generate_single_turn(prompt_ids, ...) -> TRL's, inside _recording_sampler_logprobs and
+                                              _recording_sampler_routes, then _keep_sampler_routes
+
+A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousRollouts` (the default) is TRL's
+behaviour: generate and score the dataloader's batch now. Another source (generation ahead of time, refilling
+filtered groups) implements the same three methods; `rollout_source` picks it from the config. Its `state_dict` is
+saved with each checkpoint next to TRL's rollout buffer (checkpointing.py) and handed back on resume.
+"""
+
+from __future__ import annotations
+
+from trl.extras.profiling import profiling_decorator
+from trl.trainer.utils import (
+    shuffle_sequence_dict,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
+
+
+class SynchronousRollouts:
+    """TRL's rollout schedule: the rollout batch is generated and scored from the dataloader's batch when it is due."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def next_batch(self, generation_batch: list[dict]) -> dict:
+        """The scored rollout batch to train on next (TRL's `_generate_and_score_completions` output)."""
+        return self.trainer._generate_and_score_completions(generation_batch)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep for a resumed run to produce the same batches (tensors and plain values)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        """Called when `train()` returns or raises: release threads, clients, buffers."""
+
+
+def rollout_source(trainer):
+    """The `RolloutSource` the config asks for."""
+    return SynchronousRollouts(trainer)
+
+
+def split_rollout(batch: dict, steps_per_generation: int) -> list[dict]:
+    """TRL's shuffle and split of a scored rollout batch into `steps_per_generation` micro-batches (its own helpers,
+    making the same random draws, so the micro-batches are TRL's)."""
+    batch = shuffle_sequence_dict(split_pixel_values_by_grid(batch))
+    return [unsplit_pixel_values_by_grid(part) for part in split_tensor_dict(batch, steps_per_generation)]
+
+
+class RolloutPipeline:
+    """`GSPOTrainer` mixin owning TRL's rollout path (module docstring): one place decides how a rollout batch is
+    produced and what each feature does on the way."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rollout_sampled_at = None  # optimizer step whose weights sampled the rollout batch being trained on
+        self._rollouts = rollout_source(self)
+
+    # ------------------------------------------------------------------------------------ the rollout buffer
+    @profiling_decorator
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return self._generate_and_score_completions(generation_batch)
+        spg = self.args.steps_per_generation
+        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:  # None: resumed, no buffer
+            batch = self._rollouts.next_batch(generation_batch)
+            micro_batches = split_rollout(batch, spg)
+            self._buffered_inputs = self._arrange_micro_batches(micro_batches, self._step)
+        return self._buffered_inputs[self._step % spg]
+
+    # -------------------------------------------------------------------------------- one scored batch, now
+    def _generate_and_score_completions(self, inputs):
+        self._begin_sampler_reuse()
+        self._begin_route_recording()
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._end_sampler_reuse()
+            self._end_route_recording()
+        self._attach_routes(output)
+        self._finish_sampler_correction(output)
+        if self.model.training:
+            self._rollout_sampled_at = self.state.global_step
+        return output
+
+    # ---------------------------------------------------------------------------------------- generation
+    def _generate(self, prompts):
+        outputs = super()._generate(prompts)
+        self._keep_sampler_logps(outputs)
+        self._keep_rollout_func_routes(outputs)
+        return outputs
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # arguments vary across TRL releases (trl_compat)
+        with self._recording_sampler_logprobs() as recorder, self._recording_sampler_routes() as route_log:
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        if recorder is not None:  # raw log_softmax(logits / T) of each sampled token (sampler_logprobs.py)
+            logprobs = recorder.completion_logprobs(completion_ids)
+        self._keep_sampler_routes(prompt_ids, completion_ids, route_log)
+        return completion_ids, logprobs
