@@ -27,12 +27,29 @@ instead of one mixin per feature intercepting them through `super()`:
 
 A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousRollouts` (the default) is TRL's
 behaviour: generate and score the dataloader's batch now. Another source (generation ahead of time, refilling
-filtered groups) implements the same three methods; `rollout_source` picks it from the config. Its `state_dict` is
-saved with each checkpoint next to TRL's rollout buffer (checkpointing.py) and handed back on resume.
+filtered groups) implements the same methods; `rollout_source` picks it from the config. Its `state_dict` is saved
+with each checkpoint next to TRL's rollout buffer (checkpointing.py) and handed back on resume.
+
+Sampling apart from scoring. A source that generates at another time than it scores (ahead of time, or in rounds
+before deciding what to keep) splits the batch in two steps with the same result as the one-call path:
+
+    generation = self._sample(inputs)                   TRL's prompt preparation and `_generate` only, with what
+                                                        the features record while sampling (a `Generation`)
+    batch = self._score(inputs, generation[, rewards])  TRL's scoring of exactly that generation: `_generate` returns
+                                                        it instead of sampling, `_calculate_rewards` returns `rewards`
+                                                        (the gathered reward matrix) when given
+
+`_sample` runs TRL's `_generate_and_score_completions` up to its `_generate` call and stops there, so prompts are
+prepared by TRL's own code; `_score` runs it again with the generation handed in. Both run on the calling thread
+(TRL's vLLM paths make collectives inside `_generate`). TRL's prompt preparation runs in both steps, so a batch whose
+preparation has side effects (an `environment_factory`'s `reset`) cannot be split this way.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from trl.extras.profiling import profiling_decorator
 from trl.trainer.utils import (
     shuffle_sequence_dict,
@@ -40,6 +57,26 @@ from trl.trainer.utils import (
     split_tensor_dict,
     unsplit_pixel_values_by_grid,
 )
+
+
+@dataclass
+class Generation:
+    """What sampling one batch of prompts produced: everything scoring needs besides the prompts themselves."""
+
+    outputs: tuple  # TRL's `_generate` 8-tuple (prompt ids, completion ids, tool mask, completions, sampler log-probs, ...)
+    sampler_routes: tuple | None  # R3: the sampler's routes of these completions (routing_replay.py), else None
+    sampled_at: int  # optimizer step whose weights sampled them
+
+
+class _Sampled(Exception):
+    """Raised from `_generate` to stop TRL's `_generate_and_score_completions` right after generation (`_sample`)."""
+
+    def __init__(self, generation: Generation):
+        super().__init__("sampled")
+        self.generation = generation
+
+
+_SAMPLE_ONLY = object()  # `_injected` marker: the running call is `_sample`
 
 
 class SynchronousRollouts:
@@ -82,6 +119,8 @@ class RolloutPipeline:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._rollout_sampled_at = None  # optimizer step whose weights sampled the rollout batch being trained on
+        self._injected = None  # `_sample` marker, or the `Generation` that `_score` is scoring
+        self._injected_rewards = None  # the reward matrix `_score` was given
         self._rollouts = rollout_source(self)
 
     # ------------------------------------------------------------------------------------ the rollout buffer
@@ -108,14 +147,49 @@ class RolloutPipeline:
         self._attach_routes(output)
         self._finish_sampler_correction(output)
         if self.model.training:
-            self._rollout_sampled_at = self.state.global_step
+            injected = self._injected
+            self._rollout_sampled_at = injected.sampled_at if isinstance(injected, Generation) else self.state.global_step
         return output
+
+    # ----------------------------------------------------------------------- sampling apart from scoring
+    def _sample(self, inputs) -> Generation:
+        """Generate for `inputs` (TRL's prompt preparation and `_generate`), without scoring (module docstring)."""
+        self._injected, self._sampler_routes = _SAMPLE_ONLY, None
+        try:
+            super()._generate_and_score_completions(inputs)
+        except _Sampled as done:
+            return done.generation
+        finally:
+            self._injected = None
+        raise RuntimeError("TRL's _generate_and_score_completions returned without calling _generate.")
+
+    def _score(self, inputs, generation: Generation, rewards_per_func: torch.Tensor | None = None) -> dict:
+        """Score `generation` (sampled for `inputs` by `_sample`) as `_generate_and_score_completions` would have;
+        `rewards_per_func`: TRL's reward matrix for these completions, gathered over processes, to use instead of
+        calling the reward functions again."""
+        self._injected, self._injected_rewards = generation, rewards_per_func
+        try:
+            return self._generate_and_score_completions(inputs)
+        finally:
+            self._injected, self._injected_rewards = None, None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        if self._injected_rewards is not None:
+            return self._injected_rewards
+        return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
     # ---------------------------------------------------------------------------------------- generation
     def _generate(self, prompts):
+        injected = self._injected
+        if isinstance(injected, Generation):  # `_score`: the completions were sampled earlier
+            self._keep_sampler_logps(injected.outputs)
+            self._sampler_routes = injected.sampler_routes
+            return injected.outputs
         outputs = super()._generate(prompts)
         self._keep_sampler_logps(outputs)
         self._keep_rollout_func_routes(outputs)
+        if injected is _SAMPLE_ONLY:
+            raise _Sampled(Generation(outputs, self._sampler_routes, self.state.global_step))
         return outputs
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # arguments vary across TRL releases (trl_compat)

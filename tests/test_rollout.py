@@ -1,0 +1,94 @@
+"""The rollout pipeline (rollout.py): sampling apart from scoring gives exactly the one-call rollout batch.
+
+- `_score(inputs, _sample(inputs))` returns the same tensors as `_generate_and_score_completions(inputs)` from the
+  same random state: dense with sampler log-prob reuse (pi_old from the sampler), and a Qwen3-MoE under R3 (the
+  sampler's routes travel with the generation and reach the batch as `old_routes`).
+- `_score` with a given reward matrix does not call the reward functions and computes TRL's group advantages from it
+  (checked against the formula written out here).
+- The sampling stamp (`_rollout_sampled_at`) is the generation's, not the step at which it was scored.
+"""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo.rollout import Generation
+from trl_gspo.tiny import build_tiny_model
+
+G = 4
+PROMPTS = [f"copy {a} {b} :" for a in range(2) for b in range(2)]
+
+
+def _reward(completions, **kwargs):  # spread-out rewards, so advantages are non-zero
+    return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
+
+
+def _trainer(tokenizer, tmp_path, reward=_reward, moe=False, **overrides):
+    settings = dict(per_device_train_batch_size=4, num_generations=G, steps_per_generation=4, max_completion_length=6,
+                    temperature=0.9, learning_rate=1e-3, seed=0)  # fmt: skip
+    args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+                      max_steps=1, disable_tqdm=True, **{**settings, **overrides})  # fmt: skip
+    model = build_tiny_model(tokenizer, moe=moe, seed=0)
+    trainer = GSPOTrainer(model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                          processing_class=tokenizer)  # fmt: skip
+    trainer.model.train()
+    return trainer
+
+
+def _inputs():  # a local generation batch as TRL's sampler hands it over: each prompt G times in a row
+    return [{"prompt": p} for p in PROMPTS for _ in range(G)]
+
+
+def _assert_same_batch(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("case", ["dense_sampler_logprobs", "moe_r3"])
+def test_sample_then_score_is_the_one_call_batch(tokenizer, tmp_path, case):
+    overrides = dict(old_logprobs_source="sampler") if case == "dense_sampler_logprobs" else dict(routing_replay="R3")
+    trainer = _trainer(tokenizer, tmp_path, moe=case == "moe_r3", **overrides)
+    torch.manual_seed(7)
+    one_call = trainer._generate_and_score_completions(_inputs())
+    torch.manual_seed(7)
+    generation = trainer._sample(_inputs())
+    assert isinstance(generation, Generation) and generation.sampled_at == 0
+    two_steps = trainer._score(_inputs(), generation)
+    _assert_same_batch(one_call, two_steps)
+    if case == "moe_r3":
+        assert "old_routes" in two_steps and generation.sampler_routes is not None
+    else:  # pi_old is the sampler's log-probs, i.e. what the generation recorded
+        assert "old_per_token_logps" in two_steps
+
+
+def test_score_with_given_rewards_skips_the_reward_functions(tokenizer, tmp_path):
+    calls = []
+
+    def counting_reward(completions, **kwargs):
+        calls.append(len(completions))
+        return [0.0] * len(completions)
+
+    trainer = _trainer(tokenizer, tmp_path, reward=counting_reward)
+    generation = trainer._sample(_inputs())
+    rewards = torch.tensor([[0.0], [1.0], [1.0], [2.0], [3.0], [3.0], [3.0], [3.0],
+                            [0.5], [0.0], [0.0], [0.0], [1.0], [2.0], [4.0], [8.0]])  # fmt: skip
+    batch = trainer._score(_inputs(), generation, rewards)
+    assert calls == []
+    grouped = rewards.view(-1, G)  # TRL's default: (r - group mean) / (group std, Bessel-corrected, + 1e-4)
+    expected = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)
+    torch.testing.assert_close(batch["advantages"], expected.flatten())
+
+
+def test_sampling_stamp_is_the_generations(tokenizer, tmp_path):
+    trainer = _trainer(tokenizer, tmp_path)
+    generation = trainer._sample(_inputs())
+    trainer.state.global_step = 3  # scored three optimizer steps after it was sampled
+    trainer._score(_inputs(), generation)
+    assert trainer._rollout_sampled_at == 0
+    trainer._generate_and_score_completions(_inputs())
+    assert trainer._rollout_sampled_at == 3
