@@ -92,3 +92,31 @@ def test_sampling_stamp_is_the_generations(tokenizer, tmp_path):
     assert trainer._rollout_sampled_at == 0
     trainer._generate_and_score_completions(_inputs())
     assert trainer._rollout_sampled_at == 3
+
+
+# ------------------------------------------------------------------------------------------- prompt stream
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_prompt_stream_is_the_train_dataloaders_order_across_epochs(tokenizer, tmp_path, shuffle):
+    """Against TRL's own dataloader (RepeatSampler through accelerate): 10 prompts, 2 per rollout -> 5 rollouts per
+    epoch, read over 3 epochs; each rollout's batch is repeated once per micro-step that trains on it."""
+    from trl_gspo.prompt_stream import PromptStream
+
+    dataset = Dataset.from_dict({"prompt": [f"copy {i} :" for i in range(10)], "target": [str(i) for i in range(10)]})
+    args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=4,
+                      num_generations=G, steps_per_generation=2, num_iterations=2, seed=5, shuffle_dataset=shuffle)  # fmt: skip
+    trainer = GSPOTrainer(build_tiny_model(tokenizer), _reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)  # fmt: skip
+    stream = PromptStream.for_trainer(trainer)
+    assert stream.rollouts_per_epoch == 5
+    loader = trainer.get_train_dataloader()
+    repeats = args.steps_per_generation * args.num_iterations
+    seen = []
+    for epoch in range(3):
+        batches = list(loader)
+        assert len(batches) == 5 * repeats
+        seen += [batches[i] for i in range(0, len(batches), repeats)]
+        assert all(batches[i] == batches[i - i % repeats] for i in range(len(batches)))
+    assert [stream.batch(r) for r in range(15)] == seen
+    assert (seen[0] != seen[5]) == shuffle  # a shuffled epoch 2 starts elsewhere
+    fresh = PromptStream.for_trainer(trainer)  # random access: a resumed source asks for rollout 12 first
+    assert fresh.batch(12) == seen[12] and fresh.batch(3) == seen[3]
