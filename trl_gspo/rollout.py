@@ -26,9 +26,11 @@ instead of one mixin per feature intercepting them through `super()`:
                                               _recording_sampler_routes, then _keep_sampler_routes
 
 A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousRollouts` (the default) is TRL's
-behaviour: generate and score the dataloader's batch now. Another source (generation ahead of time, refilling
-filtered groups) implements the same methods; `rollout_source` picks it from the config. Its `state_dict` is saved
-with each checkpoint next to TRL's rollout buffer (checkpointing.py) and handed back on resume.
+behaviour: generate and score the dataloader's batch now. `DynamicSampling` (dynamic_sampling.py,
+`dynamic_sampling=True`) samples rounds of prompts until the batch is filled with groups that carry signal, then
+scores the kept ones. Another source (generation ahead of time) implements the same methods; `rollout_source` picks
+it from the config. Its `state_dict` is saved with each checkpoint next to TRL's rollout buffer (checkpointing.py)
+and handed back on resume.
 
 Sampling apart from scoring. A source that generates at another time than it scores (ahead of time, or in rounds
 before deciding what to keep) splits the batch in two steps with the same result as the one-call path:
@@ -38,6 +40,10 @@ before deciding what to keep) splits the batch in two steps with the same result
     batch = self._score(inputs, generation[, rewards])  TRL's scoring of exactly that generation: `_generate` returns
                                                         it instead of sampling, `_calculate_rewards` returns `rewards`
                                                         (the gathered reward matrix) when given
+
+A `Generation` is per completion, so rows can be selected and merged (`Generation.take`, `gather_rows`: every
+per-row output, the prompts and the R3 routes move with their row), e.g. to score the kept groups of several rounds
+as one batch.
 
 `_sample` runs TRL's `_generate_and_score_completions` up to its `_generate` call and stops there, so prompts are
 prepared by TRL's own code; `_score` runs it again with the generation handed in. Both run on the calling thread
