@@ -173,6 +173,8 @@ def test_group_filling_plans():
     assert plan.groups == [(0, 0), (0, 1)] and plan.discarded == 1 and plan.padded == 0
     plan = _filling([([0, 0, 0, 0], [0, 0.3, 0, 0.1])], unit=2, max_rounds=1).plan()
     assert plan.groups == [(0, 1), (0, 3)] and plan.padded == 2
+    plan = _filling([([0, 0, 1, 0], [0, 0.3, 1, 0.1])], unit=2, max_rounds=1).plan()  # one passed: it stays
+    assert plan.groups == [(0, 2), (0, 1)] and plan.padded == 1 and plan.discarded == 0
 
 
 def test_deal_keeps_groups_whole_and_shares_equal():

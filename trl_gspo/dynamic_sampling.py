@@ -249,9 +249,10 @@ class GroupFilling:
             chosen, pad = passing[: self.target], []
         elif self.underfill == "pad":
             chosen, pad = passing, failing[: self.target - len(passing)]
-        else:  # shrink to whole units; with less than one unit passed, pad up to one (a batch cannot be empty)
-            chosen = passing[: len(passing) // self.unit * self.unit]
-            pad = failing[: self.unit - len(chosen)] if not chosen else []
+        elif len(passing) >= self.unit:  # shrink to whole units
+            chosen, pad = passing[: len(passing) // self.unit * self.unit], []
+        else:  # less than one unit passed: pad up to one with the best failing groups (a batch cannot be empty)
+            chosen, pad = passing, failing[: self.unit - len(passing)]
         generated = sum(len(k) for k in self.keep)
         return FillPlan(groups=chosen + pad, target=self.target, rounds=len(self.keep), generated=generated,
                         passed=len(passing), padded=len(pad), discarded=len(passing) - len(chosen))  # fmt: skip
