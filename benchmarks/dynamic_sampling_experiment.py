@@ -151,12 +151,25 @@ def first_reaching(points, threshold: float, key: str):
     return next((p[key] for p in points if p["held_out"] >= threshold), None)
 
 
-def summarize(runs: list[dict], thresholds) -> dict:
-    """Per arm of one task: held-out reward, time and steps to thresholds, token ratios, dynamic-sampling metrics."""
+def held_out_at(points, seconds: float) -> float:
+    """Held-out reward at `seconds` of training, linearly between evaluations (the last one if the run ended before)."""
+    times, values = [p["seconds"] for p in points], [p["held_out"] for p in points]
+    if seconds >= times[-1]:
+        return values[-1]
+    i = next(i for i, t in enumerate(times) if t >= seconds)
+    if i == 0:
+        return values[0]
+    return values[i - 1] + (values[i] - values[i - 1]) * (seconds - times[i - 1]) / (times[i] - times[i - 1])
+
+
+def summarize(runs: list[dict], thresholds, arms) -> dict:
+    """Per arm of one task: held-out reward, time and steps to thresholds, token ratios, dynamic-sampling metrics.
+    `held_out_at_baseline_seconds`: each run's held-out reward at the training seconds the first arm's run of the same
+    seed took in all (arms of a seed ran back to back, so they saw about the same machine load)."""
     out = {}
-    by_arm = defaultdict(list)
-    for run in runs:
-        by_arm[run["arm"]].append(run)
+    by_arm = {arm: [run for run in runs if run["arm"] == arm] for arm in arms}
+    by_arm = {arm: group for arm, group in by_arm.items() if group}
+    baseline = {run["seed"]: run["points"][-1]["seconds"] for run in next(iter(by_arm.values()))}
     for arm, group in by_arm.items():
         finals = [run["points"][-1]["held_out"] for run in group]
         rows = [row for run in group for row in run["rows"]]
@@ -166,6 +179,8 @@ def summarize(runs: list[dict], thresholds) -> dict:
             "held_out_final": _mean(finals),
             "held_out_final_min_max": [min(finals), max(finals)],
             "held_out_mean_over_run": _mean(_mean(p["held_out"] for p in run["points"][1:]) for run in group),
+            "held_out_at_baseline_seconds": _mean(held_out_at(run["points"], baseline[run["seed"]]) for run in group
+                                                  if run["seed"] in baseline),  # fmt: skip
             "train_seconds": _mean(run["train_seconds"] for run in group),
             "seconds_per_step": _mean(run["train_seconds"] / max(run["points"][-1]["step"], 1) for run in group),
             "generated_per_trained_token": _mean(r["tokens"]["generated"] / max(r["tokens"]["trained"], 1) for r in group),
@@ -189,7 +204,8 @@ def table(summary: dict, thresholds) -> str:
     def fmt(value, digits=3):
         return "n/a" if value is None else f"{value:.{digits}f}"
 
-    head = ["task", "arm", "seeds", "held-out final (min..max)", "held-out mean over run"]
+    head = ["task", "arm", "seeds", "held-out final (min..max)", "held-out mean over run",
+            "held-out at the plain run's seconds"]  # fmt: skip
     head += [f"steps to {t} (reached)" for t in thresholds] + [f"seconds to {t}" for t in thresholds]
     head += ["train s", "s/step", "generated / trained tokens", "generated / signal tokens", "frac_reward_zero_std",
              "rounds", "underfilled", "batch fill"]  # fmt: skip
@@ -198,7 +214,7 @@ def table(summary: dict, thresholds) -> str:
         for arm, s in arms.items():
             low, high = s["held_out_final_min_max"]
             cells = [task, arm, str(len(s["seeds"])), f"{fmt(s['held_out_final'])} ({fmt(low)}..{fmt(high)})",
-                     fmt(s["held_out_mean_over_run"])]  # fmt: skip
+                     fmt(s["held_out_mean_over_run"]), fmt(s["held_out_at_baseline_seconds"])]  # fmt: skip
             for t in thresholds:
                 v = s[f"steps_to_{t}"]
                 cells.append(f"{fmt(v['median_of_reached'], 0)} ({v['reached']})")
@@ -263,7 +279,7 @@ def plot(results: dict, path: str) -> str:
 
 
 def report(results: dict, output_dir: str, spec: dict) -> dict:
-    summary = {task: summarize(runs, spec["thresholds"]) for task, runs in results.items()}
+    summary = {task: summarize(runs, spec["thresholds"], list(spec["arms"])) for task, runs in results.items()}
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump({"experiment": {k: v for k, v in spec.items()}, "results": summary}, f, indent=2)
     with open(os.path.join(output_dir, "dynamic_sampling.md"), "w") as f:
