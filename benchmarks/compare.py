@@ -531,7 +531,8 @@ def main(argv=None):
                         "--max-steps override its settings only when given)")  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--resume", action="store_true", help="reuse finished runs found in --output-dir")
-    parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo)")
+    parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo); "
+                        "with --experiment dynamic-sampling, one of its task names (copy3, copy5)")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--max-completion-length", type=int, default=8,
                         help="longer than the demo's answer so response lengths vary (for the length plot)")
@@ -552,7 +553,7 @@ def main(argv=None):
             return
         summary = experiment.run(args.output_dir, seeds=args.seeds if "--seeds" in given else None,
                                  max_steps=args.max_steps if "--max-steps" in given else None, tiny=args.tiny,
-                                 resume=args.resume)  # fmt: skip
+                                 resume=args.resume, tasks=[args.task] if args.task else None)  # fmt: skip
         print(json.dumps(summary, indent=2))
         return
     if args.replot:

@@ -289,11 +289,17 @@ def report(results: dict, output_dir: str, spec: dict) -> dict:
 
 
 def run(output_dir: str, seeds=None, max_steps: int | None = None, tiny: bool = False, resume: bool = False,
-        log=print) -> dict:  # fmt: skip
-    """Every (task, seed, arm), the arms of a seed back to back; then the summary, table and plot."""
+        tasks=None, log=print) -> dict:  # fmt: skip
+    """Every (task, seed, arm), the arms of a seed back to back; then the summary, table and plot. `tasks`: a subset
+    of the experiment's task names."""
     spec = dict(EXPERIMENT)
     if seeds is not None:
         spec["seeds"] = tuple(seeds)
+    if tasks is not None:
+        unknown = set(tasks) - set(spec["tasks"])
+        if unknown:
+            raise ValueError(f"unknown tasks {sorted(unknown)}; the experiment's tasks: {', '.join(spec['tasks'])}")
+        spec["tasks"] = {name: spec["tasks"][name] for name in tasks}
     os.makedirs(output_dir, exist_ok=True)
     results = defaultdict(list)
     for task_name, task_spec in spec["tasks"].items():
@@ -332,4 +338,5 @@ def replot(output_dir: str) -> dict:
             if name.startswith(f"{task_name}-"):
                 with open(os.path.join(runs_dir, name, "result.json")) as f:
                     results[task_name].append(json.load(f))
-    return report(results, output_dir, dict(EXPERIMENT))
+    spec = dict(EXPERIMENT, tasks={name: EXPERIMENT["tasks"][name] for name in results})
+    return report(results, output_dir, spec)
