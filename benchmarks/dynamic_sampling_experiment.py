@@ -52,18 +52,19 @@ def load_task(name: str, digits: int):
 
 class HeldOutCurve:
     """TrainerCallback: held-out reward at step 0 and every `every` optimizer steps (and the last), with the training
-    seconds elapsed (evaluation time excluded)."""
+    seconds elapsed, wall clock and this process's CPU time (evaluation excluded from both). On a machine shared with
+    other jobs the CPU time is the steadier measure of cost: waiting for a core does not count."""
 
     def __init__(self, evaluate, every: int):
         from transformers import TrainerCallback
 
         self.evaluate, self.every, self.points = evaluate, every, []
-        self.start, self.excluded = None, 0.0
+        self.start, self.excluded, self.cpu_start, self.cpu_excluded = None, 0.0, None, 0.0
         curve = self
 
         class Callback(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
-                curve.start = time.perf_counter()
+                curve.start, curve.cpu_start = time.perf_counter(), time.process_time()
                 curve.point(0)
 
             def on_step_end(self, args, state, control, **kwargs):
@@ -73,11 +74,12 @@ class HeldOutCurve:
         self.callback = Callback()
 
     def point(self, step: int) -> None:
-        began = time.perf_counter()
-        seconds = began - self.start - self.excluded
+        began, cpu_began = time.perf_counter(), time.process_time()
+        seconds, cpu_seconds = began - self.start - self.excluded, cpu_began - self.cpu_start - self.cpu_excluded
         score = self.evaluate()
         self.excluded += time.perf_counter() - began
-        self.points.append({"step": step, "seconds": seconds, "held_out": score})
+        self.cpu_excluded += time.process_time() - cpu_began
+        self.points.append({"step": step, "seconds": seconds, "cpu_seconds": cpu_seconds, "held_out": score})
 
     @property
     def train_seconds(self) -> float:
@@ -151,9 +153,10 @@ def first_reaching(points, threshold: float, key: str):
     return next((p[key] for p in points if p["held_out"] >= threshold), None)
 
 
-def held_out_at(points, seconds: float) -> float:
-    """Held-out reward at `seconds` of training, linearly between evaluations (the last one if the run ended before)."""
-    times, values = [p["seconds"] for p in points], [p["held_out"] for p in points]
+def held_out_at(points, seconds: float, clock: str = "seconds") -> float:
+    """Held-out reward at `seconds` of training (`clock`: "seconds" wall, "cpu_seconds" CPU), linearly between
+    evaluations (the last one if the run ended before)."""
+    times, values = [p[clock] for p in points], [p["held_out"] for p in points]
     if seconds >= times[-1]:
         return values[-1]
     i = next(i for i, t in enumerate(times) if t >= seconds)
@@ -169,7 +172,9 @@ def summarize(runs: list[dict], thresholds, arms) -> dict:
     out = {}
     by_arm = {arm: [run for run in runs if run["arm"] == arm] for arm in arms}
     by_arm = {arm: group for arm, group in by_arm.items() if group}
-    baseline = {run["seed"]: run["points"][-1]["seconds"] for run in next(iter(by_arm.values()))}
+    first = next(iter(by_arm.values()))
+    baseline = {run["seed"]: run["points"][-1]["seconds"] for run in first}
+    baseline_cpu = {run["seed"]: run["points"][-1].get("cpu_seconds") for run in first}
     for arm, group in by_arm.items():
         finals = [run["points"][-1]["held_out"] for run in group]
         rows = [row for run in group for row in run["rows"]]
@@ -181,6 +186,11 @@ def summarize(runs: list[dict], thresholds, arms) -> dict:
             "held_out_mean_over_run": _mean(_mean(p["held_out"] for p in run["points"][1:]) for run in group),
             "held_out_at_baseline_seconds": _mean(held_out_at(run["points"], baseline[run["seed"]]) for run in group
                                                   if run["seed"] in baseline),  # fmt: skip
+            "held_out_at_baseline_cpu_seconds": _mean(
+                held_out_at(run["points"], baseline_cpu[run["seed"]], "cpu_seconds") for run in group
+                if baseline_cpu.get(run["seed"]) is not None and "cpu_seconds" in run["points"][-1]),
+            "cpu_seconds_per_step": _mean(run["points"][-1].get("cpu_seconds", math.nan) / max(run["points"][-1]["step"], 1)
+                                          for run in group),  # fmt: skip
             "train_seconds": _mean(run["train_seconds"] for run in group),
             "seconds_per_step": _mean(run["train_seconds"] / max(run["points"][-1]["step"], 1) for run in group),
             "generated_per_trained_token": _mean(r["tokens"]["generated"] / max(r["tokens"]["trained"], 1) for r in group),
@@ -205,23 +215,25 @@ def table(summary: dict, thresholds) -> str:
         return "n/a" if value is None else f"{value:.{digits}f}"
 
     head = ["task", "arm", "seeds", "held-out final (min..max)", "held-out mean over run",
-            "held-out at the plain run's seconds"]  # fmt: skip
+            "held-out at the plain run's seconds", "... CPU seconds"]  # fmt: skip
     head += [f"steps to {t} (reached)" for t in thresholds] + [f"seconds to {t}" for t in thresholds]
-    head += ["train s", "s/step", "generated / trained tokens", "generated / signal tokens", "frac_reward_zero_std",
+    head += ["train s", "s/step", "CPU s/step", "generated / trained tokens", "generated / signal tokens", "frac_reward_zero_std",
              "rounds", "underfilled", "batch fill"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for task, arms in summary.items():
         for arm, s in arms.items():
             low, high = s["held_out_final_min_max"]
             cells = [task, arm, str(len(s["seeds"])), f"{fmt(s['held_out_final'])} ({fmt(low)}..{fmt(high)})",
-                     fmt(s["held_out_mean_over_run"]), fmt(s["held_out_at_baseline_seconds"])]  # fmt: skip
+                     fmt(s["held_out_mean_over_run"]), fmt(s["held_out_at_baseline_seconds"]),
+                     fmt(s["held_out_at_baseline_cpu_seconds"])]  # fmt: skip
             for t in thresholds:
                 v = s[f"steps_to_{t}"]
                 cells.append(f"{fmt(v['median_of_reached'], 0)} ({v['reached']})")
             for t in thresholds:
                 v = s[f"seconds_to_{t}"]
                 cells.append(f"{fmt(v['median_of_reached'], 1)} ({v['reached']})")
-            cells += [fmt(s["train_seconds"], 1), fmt(s["seconds_per_step"], 4), fmt(s["generated_per_trained_token"], 2),
+            cells += [fmt(s["train_seconds"], 1), fmt(s["seconds_per_step"], 4), fmt(s["cpu_seconds_per_step"], 4),
+                      fmt(s["generated_per_trained_token"], 2),
                       fmt(s["generated_per_signal_token"], 2), fmt(s["frac_reward_zero_std"]), fmt(s["rounds"], 2),
                       fmt(s["underfilled"], 2), fmt(s["batch_fill"], 2)]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
@@ -229,8 +241,8 @@ def table(summary: dict, thresholds) -> str:
 
 
 def plot(results: dict, path: str) -> str:
-    """Held-out reward vs step and vs training seconds, and the pre-filter zero-spread fraction vs step, per task
-    (mean over seeds, band = min..max)."""
+    """Held-out reward vs step, vs training wall-clock seconds and vs training CPU seconds, and the pre-filter
+    zero-spread fraction vs step, per task (mean over seeds, band = min..max)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,7 +250,7 @@ def plot(results: dict, path: str) -> str:
     import numpy as np
 
     tasks = list(results)
-    fig, axes = plt.subplots(len(tasks), 3, figsize=(15, 3.6 * len(tasks)), squeeze=False)
+    fig, axes = plt.subplots(len(tasks), 4, figsize=(20, 3.6 * len(tasks)), squeeze=False)
     for row, task in zip(axes, tasks):
         by_arm = defaultdict(list)
         for run in results[task]:
@@ -249,31 +261,36 @@ def plot(results: dict, path: str) -> str:
             values = np.array([[p["held_out"] for p in run["points"]] for run in group])
             row[0].plot(steps, values.mean(0), color=color, label=arm)
             row[0].fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.2)
-            end = statistics.median(run["points"][-1]["seconds"] for run in group)
-            grid = np.linspace(0, end, 60)
-            curves = np.array([np.interp(grid, [p["seconds"] for p in run["points"]],
-                                         [p["held_out"] for p in run["points"]]) for run in group])  # fmt: skip
-            row[1].plot(grid, curves.mean(0), color=color, label=arm)
-            row[1].fill_between(grid, curves.min(0), curves.max(0), color=color, alpha=0.2)
+            for ax, clock in ((row[1], "seconds"), (row[2], "cpu_seconds")):
+                if not all(clock in run["points"][-1] for run in group):
+                    continue
+                end = statistics.median(run["points"][-1][clock] for run in group)
+                grid = np.linspace(0, end, 60)
+                curves = np.array([np.interp(grid, [p[clock] for p in run["points"]],
+                                             [p["held_out"] for p in run["points"]]) for run in group])  # fmt: skip
+                ax.plot(grid, curves.mean(0), color=color, label=arm)
+                ax.fill_between(grid, curves.min(0), curves.max(0), color=color, alpha=0.2)
             zero = defaultdict(list)
             for run in group:
                 for r in run["rows"]:
                     if isinstance(r.get("frac_reward_zero_std"), (int, float)):
                         zero[(r["step"] - 1) // 50].append(r["frac_reward_zero_std"])
             xs = sorted(zero)
-            row[2].plot([x * 50 + 25 for x in xs], [statistics.fmean(zero[x]) for x in xs], color=color, label=arm)
+            row[3].plot([x * 50 + 25 for x in xs], [statistics.fmean(zero[x]) for x in xs], color=color, label=arm)
         n = len(next(iter(by_arm.values())))
         row[0].set(xlabel="optimizer step", ylabel="held-out reward (greedy)", title=f"{task}: held-out reward vs step\n"
                    f"mean, band = min..max of {n} seeds")  # fmt: skip
-        row[1].set(xlabel="training seconds (evaluation excluded)", ylabel="held-out reward (greedy)",
-                   title=f"{task}: held-out reward vs wall clock\n(shared 2-core machine: noisy)")  # fmt: skip
-        row[2].set(xlabel="optimizer step", ylabel="frac_reward_zero_std", ylim=(-0.02, 1.02),
+        row[1].set(xlabel="training wall-clock seconds (evaluation excluded)", ylabel="held-out reward (greedy)",
+                   title=f"{task}: vs wall clock (to the median run end)\nshared 2-core machine: noisy")  # fmt: skip
+        row[2].set(xlabel="training CPU seconds (evaluation excluded)", ylabel="held-out reward (greedy)",
+                   title=f"{task}: vs CPU time (to the median run end)\nwaiting for a core not counted")  # fmt: skip
+        row[3].set(xlabel="optimizer step", ylabel="frac_reward_zero_std", ylim=(-0.02, 1.02),
                    title=f"{task}: groups with equal rewards (before filtering)\n50-step averages over seeds")  # fmt: skip
         for ax in row:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
