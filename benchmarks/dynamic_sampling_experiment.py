@@ -189,12 +189,14 @@ def summarize(runs: list[dict], thresholds, arms) -> dict:
             "held_out_at_baseline_cpu_seconds": _mean(
                 held_out_at(run["points"], baseline_cpu[run["seed"]], "cpu_seconds") for run in group
                 if baseline_cpu.get(run["seed"]) is not None and "cpu_seconds" in run["points"][-1]),
-            "cpu_seconds_per_step": _mean(run["points"][-1].get("cpu_seconds", math.nan) / max(run["points"][-1]["step"], 1)
-                                          for run in group),  # fmt: skip
+            "cpu_seconds_per_step": _mean(run["points"][-1].get("cpu_seconds", math.nan)
+                                          / max(run["points"][-1]["step"], 1) for run in group),  # fmt: skip
             "train_seconds": _mean(run["train_seconds"] for run in group),
             "seconds_per_step": _mean(run["train_seconds"] / max(run["points"][-1]["step"], 1) for run in group),
-            "generated_per_trained_token": _mean(r["tokens"]["generated"] / max(r["tokens"]["trained"], 1) for r in group),
-            "generated_per_signal_token": _mean(r["tokens"]["generated"] / max(r["tokens"]["signal"], 1) for r in group),
+            "generated_per_trained_token": _mean(r["tokens"]["generated"] / max(r["tokens"]["trained"], 1)
+                                                 for r in group),  # fmt: skip
+            "generated_per_signal_token": _mean(r["tokens"]["generated"] / max(r["tokens"]["signal"], 1)
+                                                for r in group),  # fmt: skip
             "frac_reward_zero_std": _mean(row.get("frac_reward_zero_std") for row in rows),
             "rounds": _mean(row.get("dynamic_sampling/rounds") for row in rows),
             "underfilled": _mean(row.get("dynamic_sampling/underfilled") for row in rows),
@@ -217,8 +219,8 @@ def table(summary: dict, thresholds) -> str:
     head = ["task", "arm", "seeds", "held-out final (min..max)", "held-out mean over run",
             "held-out at the plain run's seconds", "... CPU seconds"]  # fmt: skip
     head += [f"steps to {t} (reached)" for t in thresholds] + [f"seconds to {t}" for t in thresholds]
-    head += ["train s", "s/step", "CPU s/step", "generated / trained tokens", "generated / signal tokens", "frac_reward_zero_std",
-             "rounds", "underfilled", "batch fill"]  # fmt: skip
+    head += ["train s", "s/step", "CPU s/step", "generated / trained tokens", "generated / signal tokens",
+             "frac_reward_zero_std", "rounds", "underfilled", "batch fill"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for task, arms in summary.items():
         for arm, s in arms.items():
@@ -278,14 +280,14 @@ def plot(results: dict, path: str) -> str:
             xs = sorted(zero)
             row[3].plot([x * 50 + 25 for x in xs], [statistics.fmean(zero[x]) for x in xs], color=color, label=arm)
         n = len(next(iter(by_arm.values())))
-        row[0].set(xlabel="optimizer step", ylabel="held-out reward (greedy)", title=f"{task}: held-out reward vs step\n"
-                   f"mean, band = min..max of {n} seeds")  # fmt: skip
+        row[0].set(xlabel="optimizer step", ylabel="held-out reward (greedy)",
+                   title=f"{task}: held-out reward vs step\nmean, band = min..max of {n} seeds")  # fmt: skip
         row[1].set(xlabel="training wall-clock seconds (evaluation excluded)", ylabel="held-out reward (greedy)",
                    title=f"{task}: vs wall clock (to the median run end)\nshared 2-core machine: noisy")  # fmt: skip
         row[2].set(xlabel="training CPU seconds (evaluation excluded)", ylabel="held-out reward (greedy)",
                    title=f"{task}: vs CPU time (to the median run end)\nwaiting for a core not counted")  # fmt: skip
         row[3].set(xlabel="optimizer step", ylabel="frac_reward_zero_std", ylim=(-0.02, 1.02),
-                   title=f"{task}: groups with equal rewards (before filtering)\n50-step averages over seeds")  # fmt: skip
+                   title=f"{task}: equal-reward groups (before filtering)\n50-step averages over seeds")  # fmt: skip
         for ax in row:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

@@ -462,9 +462,10 @@ def test_sampler_logprobs_of_kept_rows_are_pi_old(tokenizer, tmp_path):
     with torch.no_grad():  # each row's own log-probs, recomputed: the sampler's are these minus the gap
         logits = trainer.model(input_ids=ids, attention_mask=torch.cat([batch["prompt_mask"], mask], 1)).logits
     width = mask.size(1)
-    recomputed = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1).gather(-1, batch["completion_ids"][..., None])
+    logps = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1)
+    recomputed = logps.gather(-1, batch["completion_ids"][..., None])[..., 0]
     m = mask.bool()
-    torch.testing.assert_close(batch["old_per_token_logps"][m], recomputed[..., 0][m] - 0.25, rtol=0, atol=1e-4)
+    torch.testing.assert_close(batch["old_per_token_logps"][m], recomputed[m] - 0.25, rtol=0, atol=1e-4)
 
 
 class EnvRollouts:

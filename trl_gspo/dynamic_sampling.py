@@ -489,8 +489,8 @@ class DynamicSampling:
         if plan.underfilled and not self._warned_underfill:
             self._warned_underfill = True
             logger.warning(
-                "dynamic sampling: %d of %d groups passed the filter in %d rounds (max_sampling_rounds=%d); training on "
-                "%d groups, %d of them failing ones added as padding (dynamic_sampling_underfill=%r). Later "
+                "dynamic sampling: %d of %d groups passed the filter in %d rounds (max_sampling_rounds=%d); training "
+                "on %d groups, %d of them failing ones added as padding (dynamic_sampling_underfill=%r). Later "
                 "occurrences are counted in dynamic_sampling/underfilled.", plan.passed, plan.target, plan.rounds,
                 args.max_sampling_rounds, len(plan.groups), plan.padded, args.dynamic_sampling_underfill,
             )  # fmt: skip

@@ -98,7 +98,8 @@ def gather_rows(rows: list[tuple[Generation, int]]) -> Generation:
                              "sampler log-probs or prompts); they cannot be merged.")  # fmt: skip
         return [values_of(g)[i] for g, i in rows]
 
-    prompt_ids, completion_ids, tool_mask, completions, logprobs = (column(lambda g, k=k: g.outputs[k]) for k in range(5))
+    per_row = (column(lambda g, k=k: g.outputs[k]) for k in range(5))
+    prompt_ids, completion_ids, tool_mask, completions, logprobs = per_row
     extra = {}
     for key, values in first.outputs[5].items():
         per_row = isinstance(values, list) and len(values) == len(first)
