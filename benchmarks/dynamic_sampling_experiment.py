@@ -203,7 +203,9 @@ def summarize(runs: list[dict], thresholds, arms) -> dict:
             "batch_fill": _mean(row.get("dynamic_sampling/batch_fill") for row in rows),
         }
         for threshold in thresholds:
-            for key, name in (("step", "steps"), ("seconds", "seconds")):
+            for key, name in (("step", "steps"), ("seconds", "seconds"), ("cpu_seconds", "cpu_seconds")):
+                if not all(key in run["points"][-1] for run in group):
+                    continue
                 reached = [first_reaching(run["points"], threshold, key) for run in group]
                 hit = [v for v in reached if v is not None]
                 entry[f"{name}_to_{threshold}"] = {"median_of_reached": statistics.median(hit) if hit else None,
@@ -218,7 +220,7 @@ def table(summary: dict, thresholds) -> str:
 
     head = ["task", "arm", "seeds", "held-out final (min..max)", "held-out mean over run",
             "held-out at the plain run's seconds", "... CPU seconds"]  # fmt: skip
-    head += [f"steps to {t} (reached)" for t in thresholds] + [f"seconds to {t}" for t in thresholds]
+    head += [f"steps to {t} (reached)" for t in thresholds] + [f"CPU s to {t}" for t in thresholds]
     head += ["train s", "s/step", "CPU s/step", "generated / trained tokens", "generated / signal tokens",
              "frac_reward_zero_std", "rounds", "underfilled", "batch fill"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -232,7 +234,7 @@ def table(summary: dict, thresholds) -> str:
                 v = s[f"steps_to_{t}"]
                 cells.append(f"{fmt(v['median_of_reached'], 0)} ({v['reached']})")
             for t in thresholds:
-                v = s[f"seconds_to_{t}"]
+                v = s.get(f"cpu_seconds_to_{t}", {"median_of_reached": None, "reached": "-"})
                 cells.append(f"{fmt(v['median_of_reached'], 1)} ({v['reached']})")
             cells += [fmt(s["train_seconds"], 1), fmt(s["seconds_per_step"], 4), fmt(s["cpu_seconds_per_step"], 4),
                       fmt(s["generated_per_trained_token"], 2),
@@ -254,9 +256,8 @@ def plot(results: dict, path: str) -> str:
     tasks = list(results)
     fig, axes = plt.subplots(len(tasks), 4, figsize=(20, 3.6 * len(tasks)), squeeze=False)
     for row, task in zip(axes, tasks):
-        by_arm = defaultdict(list)
-        for run in results[task]:
-            by_arm[run["arm"]].append(run)
+        by_arm = {arm: [run for run in results[task] if run["arm"] == arm] for arm in EXPERIMENT["arms"]}
+        by_arm = {arm: group for arm, group in by_arm.items() if group}
         for arm, group in by_arm.items():
             color = COLORS.get(arm)
             steps = [p["step"] for p in group[0]["points"]]
