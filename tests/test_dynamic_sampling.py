@@ -436,6 +436,13 @@ def test_environment_factory_is_refused(tokenizer, tmp_path):
         DynamicSampling(trainer)
 
 
+def test_streaming_dataset_is_refused_at_construction(tokenizer, tmp_path):
+    streamed = Dataset.from_dict({"prompt": PROMPTS}).to_iterable_dataset()
+    with pytest.raises(ValueError, match="needs an indexable \\(map-style\\) training dataset; got a streaming one"):
+        GSPOTrainer(build_tiny_model(tokenizer, seed=0), known_reward, args=_config(tmp_path), train_dataset=streamed,
+                    processing_class=tokenizer)  # fmt: skip
+
+
 def test_bad_filter_path_fails_at_construction(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"dynamic_sampling_filter: module 'test_dynamic_sampling' has no attribute "
                        "'nope'"):  # fmt: skip

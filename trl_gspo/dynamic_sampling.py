@@ -433,6 +433,12 @@ class DynamicSampling:
                 "prompt preparation, which would reset the environments their completions were generated in. Use "
                 "tools or a rollout_func, or dynamic_sampling=False."
             )
+        if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
+            raise ValueError(
+                "dynamic_sampling=True reads further prompts in the sampler's order, which needs an indexable "
+                "(map-style) training dataset; got a streaming one. Load the dataset without streaming, or set "
+                "dynamic_sampling=False."
+            )
         self.group_filter = load_group_filter(args.dynamic_sampling_filter)
         self.cursor: int | None = None  # next generation batch of the prompt stream to draw (None: not started)
         self.end_step: int | None = None  # micro-step after which the data of num_train_epochs is used up
