@@ -7,8 +7,14 @@
 - Rollout state: TRL generates one rollout batch every `steps_per_generation` micro-steps and keeps it in memory, so
   a checkpoint taken mid-rollout would resume with a freshly generated (different) batch. Each process also saves its
   micro-step counter and the buffered rollout (`gspo_rollout_state_rank{i}.pt`, tensors only, loaded with
-  `weights_only=True`), and resume restores them: together with HF's saved RNG states and TRL's seeded sampler, a
-  resumed run reproduces the uninterrupted one.
+  `weights_only=True`), and resume restores them.
+- Prompt order across epochs: TRL's `RepeatSampler` draws each epoch's permutation from one seeded generator, one
+  draw per pass over the data, so a process that resumes in epoch `e` (HF fast-forwards to it without iterating the
+  sampler through the epochs before) would replay epoch 1's order. `EpochRepeatSampler` makes epoch `e`'s order the
+  `e`-th draw of that generator whatever ran before, and `SamplerEpoch` tells it the epoch HF is about to run. An
+  uninterrupted run draws exactly the permutations stock TRL draws, in the same order.
+  Together with HF's saved RNG states (sampling, dropout) this makes a resumed run reproduce the uninterrupted one at
+  any step of any epoch.
 - `SignalCheckpoint`: on SIGTERM/SIGINT, finish the current optimizer step, save a checkpoint, then exit with
   `SystemExit(143)` (SIGTERM) or `KeyboardInterrupt` (SIGINT). A second signal while waiting exits immediately.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -26,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl.trainer.utils import RepeatSampler
 
 from .validation import check_bool
 
@@ -173,6 +181,63 @@ def _to_device(obj, device):
     return obj
 
 
+# ------------------------------------------------------------------------------------- prompt order per epoch
+class EpochRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` whose epoch `e` (0-based) always uses the `e+1`-th permutation of its seeded generator.
+
+    Stock TRL draws the next permutation each time the sampler is iterated, i.e. once per epoch of an uninterrupted
+    run. A resumed run starts iterating at the epoch it resumes in, with a freshly seeded generator, so it would get
+    epoch 0's order again. Here, when the epoch to iterate (`set_epoch`) is not the next draw of the generator, the
+    generator is re-seeded and advanced through the epochs before it (one `randperm` each, on CPU). When it is (every
+    epoch of an uninterrupted run) nothing is re-drawn, so the order is exactly stock TRL's. Without `set_epoch` the
+    epoch advances by one per pass, as stock does."""
+
+    @classmethod
+    def like(cls, sampler: RepeatSampler) -> EpochRepeatSampler:
+        """The same sampler (data, repeats, batch size, shuffle, seed: whatever TRL chose) with epoch-exact order."""
+        return cls(data_source=sampler.data_source, mini_repeat_count=sampler.mini_repeat_count,
+                   batch_size=sampler.batch_size, repeat_count=sampler.repeat_count, shuffle=sampler.shuffle,
+                   seed=sampler.seed)  # fmt: skip
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epoch = 0  # the epoch the next pass yields
+        self._draws = 0  # permutations drawn from the generator so far
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        if self.shuffle and self.seed is not None and self._draws != self.epoch:
+            self.generator.manual_seed(self.seed)
+            for _ in range(self.epoch):  # the permutations of the epochs before, discarded
+                torch.randperm(self.num_samples, generator=self.generator)
+            self._draws = self.epoch
+        self._draws, self.epoch = self._draws + 1, self.epoch + 1
+        yield from super().__iter__()  # draws this epoch's permutation
+
+
+def epoch_about_to_run(state) -> int:
+    """The 0-based epoch HF's loop starts when `on_epoch_begin` fires: `state.epoch` is the fraction of epochs done
+    (`epoch + micro_steps / steps_in_epoch`, restored from `trainer_state.json` on resume), so its floor is the epoch
+    in progress, or the next one at an epoch boundary. Exact: the boundary value is a whole number."""
+    return math.floor(state.epoch or 0.0)
+
+
+class SamplerEpoch(TrainerCallback):
+    """Tell the training sampler which epoch HF runs next. HF's own `set_epoch` call goes through accelerate's
+    wrappers, which do not reach the sampler on every path (several processes, or the fast-forwarded epoch of a
+    resume); this callback does, on every process, before the epoch's first batch is drawn."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        sampler = getattr(self.trainer, "_epoch_sampler", None)
+        if sampler is not None:
+            sampler.set_epoch(epoch_about_to_run(state))
+
+
 # ----------------------------------------------------------------------------------------- signal checkpoint
 class SignalCheckpoint(TrainerCallback):
     """Save a checkpoint at the end of the optimizer step during which SIGTERM/SIGINT arrived, then exit."""
@@ -239,7 +304,18 @@ class SignalCheckpoint(TrainerCallback):
 
 class ResumableTraining:
     """`GSPOTrainer` mixin: checkpoints with a completion marker and TRL's rollout buffer; resume only from
-    complete ones; signal handlers restored when `train()` returns or raises."""
+    complete ones; each epoch's prompt order fixed by (seed, epoch); signal handlers restored when `train()` returns
+    or raises."""
+
+    _epoch_sampler: EpochRepeatSampler | None = None
+
+    def _get_train_sampler(self, *args, **kwargs):
+        """TRL's sampler with epoch-exact order (`EpochRepeatSampler`); `SamplerEpoch` sets its epoch."""
+        sampler = super()._get_train_sampler(*args, **kwargs)
+        if type(sampler) is RepeatSampler:
+            sampler = EpochRepeatSampler.like(sampler)
+            self._epoch_sampler = sampler
+        return sampler
 
     def _save_checkpoint(self, model, trial):
         """HF's checkpoint plus TRL's rollout buffer, with a completion marker written last (see py)."""

@@ -79,6 +79,7 @@ class GSPOTrainer(
         self._guard_reward_funcs()
         self._nonfinite = NonFiniteGuard(self, args.max_consecutive_nonfinite)
         self.add_callback(self._nonfinite)
+        self.add_callback(checkpointing.SamplerEpoch(self))  # each epoch's prompt order, also after a resume
         self._signal_checkpoint = checkpointing.SignalCheckpoint(self) if args.checkpoint_on_signal else None
         if self._signal_checkpoint is not None:
             self.add_callback(self._signal_checkpoint)
