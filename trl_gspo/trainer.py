@@ -97,6 +97,13 @@ class GSPOTrainer(
         if os.path.abspath(output_dir) != os.path.abspath(self.args.output_dir) and os.path.exists(card):
             shutil.copyfile(card, os.path.join(output_dir, "README.md"))
 
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card, naming a base model loaded from a local folder by the folder's name (`model_card.py`)."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            base = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", None)
+            model_card.name_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
+
     def _get_grad_norm(self, model, grad_norm=None):
         """HF's pre-clip gradient norm, kept for the non-finite guard's optimizer-step check (nonfinite.py)."""
         self.last_grad_norm = super()._get_grad_norm(model, grad_norm)
