@@ -51,6 +51,20 @@ def test_resume_mid_rollout_is_exact(straight_run, tmp_path):
     _assert_same_weights(_weights(resumed), final)
 
 
+def test_resume_restores_the_adaptive_entropy_controller(tmp_path):
+    """`use_adaptive_entropy` moves `entropy_coef` every optimizer step; a resume that restarted it from the config
+    would pay a different entropy bonus (the target is set above the tiny model's ~3.8 nats, so it pays every step).
+    TRL saves and restores it (`entropy_ctrl_state.json`); this checks that the whole resume is still exact with it."""
+    settings = dict(max_steps=N, use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.05,
+                    entropy_coef_max=1.0, entropy_target=10.0)  # fmt: skip
+    straight = make_trainer(tmp_path / "straight", save_strategy="steps", save_steps=3, **settings)
+    straight.train()
+    resumed = make_trainer(tmp_path / "resumed", **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-3"))
+    assert resumed.entropy_coef == straight.entropy_coef == pytest.approx(0.01 + N * 0.05)
+    _assert_same_weights(_weights(resumed), _weights(straight))
+
+
 def test_resume_without_rollout_state_differs(straight_run, tmp_path):
     """Control: with TRL's stock behaviour (rollout regenerated on resume) the weights do not match, so the test
     above checks something real."""

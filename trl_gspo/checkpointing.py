@@ -6,8 +6,9 @@
   mid-save (or a truncated copy) is never resumed from: `resume_from_checkpoint=True` takes the newest complete one.
 - Rollout state: TRL generates one rollout batch every `steps_per_generation` micro-steps and keeps it in memory, so
   a checkpoint taken mid-rollout would resume with a freshly generated (different) batch. Each process also saves its
-  micro-step counter and the buffered rollout (`gspo_rollout_state_rank{i}.pt`, tensors only, loaded with
-  `weights_only=True`), and resume restores them.
+  micro-step counter and the buffered rollout (`gspo_rollout_state_rank{i}.pt`, tensors and numbers only, loaded with
+  `weights_only=True`); resume restores them (`ResumableTraining._resume_state` / `_restore_resume_state`, the pair a
+  rollout pipeline holding more extends). TRL itself saves the adaptive entropy controller (`entropy_ctrl_state.json`).
 - Prompt order across epochs: TRL's `RepeatSampler` draws each epoch's permutation from one seeded generator, one
   draw per pass over the data, so a process that resumes in epoch `e` (HF fast-forwards to it without iterating the
   sampler through the epochs before) would replay epoch 1's order. `EpochRepeatSampler` makes epoch `e`'s order the
@@ -158,17 +159,19 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
 
 
 # ---------------------------------------------------------------------------------------------- rollout state
-def save_rollout_state(checkpoint: str, process_index: int, step: int, buffered_inputs) -> None:
-    torch.save({"step": step, "buffered_inputs": buffered_inputs}, rollout_state_file(checkpoint, process_index))
+def save_rollout_state(checkpoint: str, process_index: int, state: dict) -> None:
+    """This process's part of the training state HF's checkpoint lacks (`ResumableTraining._resume_state`)."""
+    torch.save(state, rollout_state_file(checkpoint, process_index))
 
 
-def load_rollout_state(checkpoint: str, process_index: int, device) -> tuple[int, list | None] | None:
+def load_rollout_state(checkpoint: str, process_index: int, device) -> dict | None:
+    """What `save_rollout_state` wrote for this process, tensors on `device`; None for a checkpoint without it."""
     path = rollout_state_file(checkpoint, process_index)
     if not os.path.exists(path):
         return None
     # Load on CPU, then move: a distributed CPU run tags storages "cpu:0", which map_location cannot restore.
     state = torch.load(path, map_location="cpu", weights_only=True)
-    return state["step"], _to_device(state["buffered_inputs"], device)
+    return {**state, "buffered_inputs": _to_device(state["buffered_inputs"], device)}
 
 
 def _to_device(obj, device):
@@ -309,6 +312,21 @@ class ResumableTraining:
 
     _epoch_sampler: EpochRepeatSampler | None = None
 
+    def _resume_state(self) -> dict:
+        """This process's training state that neither HF's checkpoint nor TRL's holds: TRL's micro-step counter and
+        its buffered rollout batch."""
+        return {"step": self._step, "buffered_inputs": self._buffered_inputs}
+
+    def _restore_resume_state(self, state: dict, checkpoint: str) -> None:
+        """Put back what `_resume_state` saved. A buffered rollout saved with another `steps_per_generation` is
+        dropped (TRL then generates a new one, as stock TRL does on every resume)."""
+        buffered = state["buffered_inputs"]
+        if buffered is None or len(buffered) == self.args.steps_per_generation:
+            self._step, self._buffered_inputs = state["step"], buffered
+        else:
+            logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.", checkpoint,
+                           self.args.steps_per_generation)  # fmt: skip
+
     def _get_train_sampler(self, *args, **kwargs):
         """TRL's sampler with epoch-exact order (`EpochRepeatSampler`); `SamplerEpoch` sets its epoch."""
         sampler = super()._get_train_sampler(*args, **kwargs)
@@ -324,7 +342,7 @@ class ResumableTraining:
             mark_incomplete(path)
         super()._save_checkpoint(model, trial)
         os.makedirs(path, exist_ok=True)
-        save_rollout_state(path, self.accelerator.process_index, self._step, self._buffered_inputs)
+        save_rollout_state(path, self.accelerator.process_index, self._resume_state())
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             mark_complete(path)
@@ -336,11 +354,8 @@ class ResumableTraining:
             state = load_rollout_state(
                 resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
             )
-            if state is not None and (state[1] is None or len(state[1]) == self.args.steps_per_generation):
-                self._step, self._buffered_inputs = state
-            elif state is not None:  # batch settings changed since the save: TRL regenerates, as stock TRL does
-                logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.",
-                                             resume_from_checkpoint, self.args.steps_per_generation)
+            if state is not None:
+                self._restore_resume_state(state, resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:  # also when training raised: give the process its own signal handlers back
