@@ -242,6 +242,8 @@ NO_MODEL = "/nonexistent/model"  # a check that ran after model loading would fa
          "eval_strategy='steps' needs an evaluation set, but the dataset has no 'test' split (dataset_test_split; "
          "splits found: ['train']). Give an eval file or dataset with eval_dataset_name, set dataset_test_split to one "
          "of ['train'], or set eval_strategy: 'no'."),
+        ({"eval_dataset_name": "eval.jsonl"}, "eval_dataset_name='eval.jsonl' is set but eval_strategy is 'no', so "
+                                              "nothing would evaluate on it"),
         ({"remove_unused_columns": True},
          "remove_unused_columns=True removes the dataset column(s) ['target'] that reward 'demo_reward' reads "
          "(GRPOTrainer keeps only ['prompt', 'image', 'images']); set remove_unused_columns: false"),

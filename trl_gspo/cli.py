@@ -398,9 +398,13 @@ def load_eval_set(script_args, args, dataset):
     split, strategy = script_args.dataset_test_split, str(getattr(args.eval_strategy, "value", args.eval_strategy))
     if script_args.eval_dataset_name:
         name = script_args.eval_dataset_name
+        if strategy == "no":
+            raise RecipeError(
+                f"eval_dataset_name={name!r} is set but eval_strategy is 'no', so nothing would evaluate on it; set "
+                "eval_strategy: 'steps' (with eval_steps) or 'epoch', or remove eval_dataset_name."
+            )
         eval_data = load_any_dataset(name, None, script_args.dataset_streaming)
-        eval_split = recipe_inputs.pick_eval_split(name, split, list(eval_data))
-        return eval_data[eval_split] if strategy != "no" else None
+        return eval_data[recipe_inputs.pick_eval_split(name, split, list(eval_data))]
     default = GSPOScriptArguments.__dataclass_fields__["dataset_test_split"].default
     if problem := recipe_inputs.eval_split_problem(strategy, split, list(dataset), default):
         raise RecipeError(problem)
