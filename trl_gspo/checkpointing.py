@@ -11,8 +11,9 @@
   rollout pipeline holding more extends). TRL itself saves the adaptive entropy controller (`entropy_ctrl_state.json`).
 - Prompt order across epochs: TRL's `RepeatSampler` draws each epoch's permutation from one seeded generator, one
   draw per pass over the data, so a process that resumes in epoch `e` (HF fast-forwards to it without iterating the
-  sampler through the epochs before) would replay epoch 1's order. `EpochRepeatSampler` makes epoch `e`'s order the
-  `e`-th draw of that generator whatever ran before, and `SamplerEpoch` tells it the epoch HF is about to run. An
+  sampler through the epochs before) would replay epoch 1's order. `EpochRepeatSampler` makes epoch `e`'s order draw
+  number `e` of that generator (both counted from 0) whatever ran before, and `SamplerEpoch` tells it the epoch HF is
+  about to run. An
   uninterrupted run draws exactly the permutations stock TRL draws, in the same order.
   Together with HF's saved RNG states (sampling, dropout) this makes a resumed run reproduce the uninterrupted one at
   any step of any epoch.
@@ -186,7 +187,7 @@ def _to_device(obj, device):
 
 # ------------------------------------------------------------------------------------- prompt order per epoch
 class EpochRepeatSampler(RepeatSampler):
-    """TRL's `RepeatSampler` whose epoch `e` (0-based) always uses the `e+1`-th permutation of its seeded generator.
+    """TRL's `RepeatSampler` whose epoch `e` always uses permutation number `e` of its seeded generator (from 0).
 
     Stock TRL draws the next permutation each time the sampler is iterated, i.e. once per epoch of an uninterrupted
     run. A resumed run starts iterating at the epoch it resumes in, with a freshly seeded generator, so it would get
