@@ -397,9 +397,11 @@ def test_eval_file_split_choice():
 
 
 @pytest.mark.parametrize("model, message", [
-    ("empty_folder", "model_name_or_path='{path}' is a folder without config.json (not a saved model)."),
+    ("empty_folder", "model_name_or_path='{path}' is a folder without config.json (not a saved model); give the "
+                     "folder save_pretrained wrote, or a Hub id."),
     ("./models/qwen-typo", "model_name_or_path='./models/qwen-typo': no such folder next to the recipe ({dir}) or in "
-                           "the working directory"),
+                           "the working directory ({cwd}); give an existing model folder (relative paths: next to the "
+                           "recipe, then the working directory) or a Hub id."),
     ("not a hub id", "model_name_or_path='not a hub id': no such folder, and not a valid Hub id (org/name)"),
     ("some-org/not-cached-model", "model_name_or_path='some-org/not-cached-model': not a local folder (next to the "
                                   "recipe ({dir}) or in the working directory), and HF_HUB_OFFLINE is set but the "
@@ -416,7 +418,7 @@ def test_model_that_cannot_load_fails_in_one_line_before_loading(tmp_path, copy_
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--config", recipe]) == 2
     path = recipe_dir / "empty_folder"
-    assert message.format(path=path, dir=recipe_dir) in _error_line(capsys.readouterr().err)
+    assert message.format(path=path, dir=recipe_dir, cwd=tmp_path) in _error_line(capsys.readouterr().err)
 
 
 # ------------------------------------------------------------------------------------------- mixed precision
