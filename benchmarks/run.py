@@ -54,8 +54,19 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 QWEN3_VOCAB = 151_936
-#: Dense bf16 tensor-core peak (FLOP/s) by device-name substring, for MFU. Override with --peak-tflops.
-BF16_PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+#: Dense bf16 tensor-core peak (FLOP/s) by device-name substring, for MFU; the first substring found in
+#: `torch.cuda.get_device_name()` wins, so form factors come before the bare name ("NVIDIA H100 NVL", "NVIDIA H100
+#: PCIe", "NVIDIA H100 80GB HBM3" for SXM). NVIDIA's spec tables (nvidia.com/en-us/data-center/h100 and .../h200) give
+#: bf16 tensor-core figures with 2:4 sparsity; dense is half: H100 SXM and H200 SXM 1,979 -> 989, H100 NVL and H200
+#: NVL 1,671 -> 835, H100 PCIe 1,513 -> 756. A100 312, L40S 362 and A10G 70 are dense already. Override with
+#: --peak-tflops.
+BF16_PEAK_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "A10G": 70e12}  # fmt: skip
+
+
+def bf16_peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak of the device named `device_name` (`BF16_PEAK_FLOPS`), or None if it is not listed."""
+    return next((flops for key, flops in BF16_PEAK_FLOPS.items() if key in device_name), None)
 #: GSPO paper loss settings, given explicitly to both trainers (GRPOConfig defaults differ).
 LOSS_SETTINGS = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0)
 
@@ -694,7 +705,7 @@ def main(argv=None):
         device_name = torch.cuda.get_device_name()
         peak = args.peak_tflops * 1e12 if args.peak_tflops else None
         if peak is None:
-            peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in device_name), None)
+            peak = bf16_peak_flops(device_name)
         shape["peak_flops"] = peak
     default_name = f"{args.device}{'-tiny' if args.tiny else ''}.json"
     out = args.out or os.path.join(REPO_ROOT, "benchmarks", "results", default_name)

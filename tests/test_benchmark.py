@@ -70,3 +70,16 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
         assert math.isclose(sc["ratio_seconds_per_step"], ratio)
     # identical rollouts: every run of every trainer saw the same completion tokens
     assert len({(r["completion_tokens"], r["train_tokens"]) for runs in lt["runs"].values() for r in runs}) == 1
+
+
+def test_mfu_peak_tells_form_factors_apart():
+    """torch.cuda.get_device_name() of each part -> its dense bf16 peak: NVL and PCIe parts must not get the SXM one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", os.path.join(ROOT, "benchmarks", "run.py"))
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    expected = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 PCIe": 756e12,
+                "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
+                "NVIDIA GeForce RTX 4090": None}  # fmt: skip
+    assert {name: run.bf16_peak_flops(name) for name in expected} == expected

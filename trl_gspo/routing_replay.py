@@ -52,6 +52,15 @@ logger = logging.getLogger(__name__)
 #: MoE routing replay modes.
 ROUTING_REPLAY_MODES = ("none", "R2", "R3")
 
+#: When vLLM returns routes at all: the checks of vLLM's `VllmConfig._verify_aux_output_compatibility`
+#: (vllm/config/vllm.py; tests/config/test_aux_output_config.py) refuse `enable_return_routed_experts` otherwise.
+VLLM_ROUTES_PRECONDITIONS = (
+    "vLLM returns routes only with Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1 where it is not the default), prefix "
+    "caching on (--enable-prefix-caching), no pipeline or context parallelism (pipeline_parallel_size, "
+    "decode_context_parallel_size and prefill_context_parallel_size all 1), no KV connector, and a generating MoE "
+    "model; check the vLLM server's or engine's start-up log."
+)
+
 
 @dataclass
 class RoutingReplayOptions:
@@ -189,7 +198,7 @@ class MoERouting:
             raise ValueError(
                 f"routing_replay='R3': {where} returned routes for {0 if raw is None else len(raw)} completions, the "
                 f"batch has {len(completion_ids)} (vLLM: start it with enable_return_routed_experts / "
-                "--enable-return-routed-experts)."
+                f"--enable-return-routed-experts; {VLLM_ROUTES_PRECONDITIONS})"
             )
         config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         layers = [r.decoder_layer for r in hooks.routers]
@@ -386,9 +395,48 @@ def vllm_routes_from_choices(choices: list[dict]) -> list:
     return [choice.get("routed_experts") for choice in choices]
 
 
+class ServerResponses:
+    """The routes in the responses TRL's vLLM client receives during one `client.generate` call (server mode, main
+    process only), in the order of TRL's completions. TRL 1.16 sends either one `/v1/completions` request for every
+    prompt (its choices are prompt-major: the n completions of prompt 0, then of prompt 1, ...) or, with images, one
+    request per prompt from a thread pool, whose replies arrive in any order; those are put back in prompt order by
+    the prompt each request carried (the same list object TRL passed to `generate`, or failing that equal ids)."""
+
+    def __init__(self):
+        self.prompts, self.batch, self.per_prompt = None, None, {}
+
+    def start(self, prompts):
+        self.prompts, self.batch, self.per_prompt = list(prompts or []), None, {}
+
+    def keep(self, url, payload, response):
+        if not isinstance(response, dict) or "choices" not in response:
+            return
+        token_ids = payload.get("token_ids") if isinstance(payload, dict) else None
+        if token_ids is None:  # one request for the whole batch
+            self.batch = vllm_routes_from_choices(response["choices"])
+            return
+        index = next((i for i, p in enumerate(self.prompts) if p is token_ids), None)
+        if index is None:  # the client copied the ids: the first prompt with these ids not yet answered
+            index = next((i for i, p in enumerate(self.prompts) if list(p) == list(token_ids) and i not in
+                          self.per_prompt), None)  # fmt: skip
+        if index is not None:
+            self.per_prompt[index] = vllm_routes_from_choices(response["choices"])
+
+    def routes(self) -> list | None:
+        if self.per_prompt:
+            if sorted(self.per_prompt) != list(range(len(self.prompts))):
+                return None  # some prompt got no reply with routes: reported as missing routes below
+            return [routes for i in range(len(self.prompts)) for routes in self.per_prompt[i]]
+        return self.batch
+
+
 def _capture_vllm_routes(trainer):
     """Keep the routes vLLM returns with each `VLLMGeneration.generate` call in `vllm_generation.last_routed_experts`
-    (this process's completions, in TRL's order), by wrapping the engine / client calls TRL makes on this instance."""
+    (this process's completions, in TRL's order), by wrapping the engine / client calls TRL makes on this instance.
+
+    Server mode: TRL gathers every process's prompts, and only the main process has a client (`vllm_client`) and
+    talks to the server; it then broadcasts the completions. The routes are read from the main process's client and
+    broadcast the same way, so every rank gets its own slice."""
     generation = trainer.vllm_generation
     seen = {"raw": None}
     if getattr(generation, "mode", None) == "colocate":
@@ -400,18 +448,24 @@ def _capture_vllm_routes(trainer):
             return outputs
 
         generation.llm.generate = generate_and_keep
-    else:  # server: TRL's client keeps only ids and log-probs of vLLM's response; read the routes on the way
+    elif not trl_compat.vllm_server_returns_routes():  # decided from TRL's client class: the same on every rank
+        raise ValueError(
+            f"routing_replay='R3' with vllm_mode='server': this TRL ({trl_compat.installed_trl_version()}) talks to "
+            "`trl vllm-serve`'s own endpoint, whose responses carry no expert routes. Use vllm_mode='colocate', "
+            "a TRL whose client calls vLLM's server directly (1.14.2 and 1.16 do), or routing_replay='R2'."
+        )
+    elif getattr(generation, "vllm_client", None) is not None:  # TRL creates the client on the main process only
+        client, responses = generation.vllm_client, ServerResponses()
+        client_generate = client.generate
 
-        def keep(response):
-            if isinstance(response, dict) and "choices" in response:
-                seen["raw"] = vllm_routes_from_choices(response["choices"])
+        def client_generate_and_keep(*args, **kwargs):
+            responses.start(kwargs.get("prompts", args[0] if args else None))
+            out = client_generate(*args, **kwargs)
+            seen["raw"] = responses.routes()
+            return out
 
-        if not trl_compat.watch_vllm_server_responses(generation.vllm_client, keep):
-            raise ValueError(
-                f"routing_replay='R3' with vllm_mode='server': this TRL ({trl_compat.installed_trl_version()}) talks to "
-                "`trl vllm-serve`'s own endpoint, whose responses carry no expert routes. Use vllm_mode='colocate', "
-                "a TRL whose client calls vLLM's server directly (1.14.2 and 1.16 do), or routing_replay='R2'."
-            )
+        client.generate = client_generate_and_keep
+        trl_compat.watch_vllm_server_responses(client, responses.keep)
     generate = generation.generate
 
     def generate_with_routes(prompts, *args, **kwargs):
@@ -433,7 +487,8 @@ def _capture_vllm_routes(trainer):
             raise ValueError(
                 "routing_replay='R3' with vLLM: the engine returned no routed_experts. Colocate: trl-gspo builds the "
                 "engine with enable_return_routed_experts=True (needs vLLM >= 0.14). Server: start the server with "
-                "--enable-return-routed-experts (e.g. `trl vllm-serve --model ... --enable-return-routed-experts`)."
+                f"--enable-return-routed-experts (e.g. `trl vllm-serve --model ... --enable-return-routed-experts`). "
+                f"{VLLM_ROUTES_PRECONDITIONS}"
             )
         generation.last_routed_experts = raw
         return out

@@ -81,6 +81,7 @@ class GSPOTrainer(
         self._guard_reward_funcs()
         self._nonfinite = NonFiniteGuard(self, args.max_consecutive_nonfinite)
         self.add_callback(self._nonfinite)
+        self.add_callback(checkpointing.SamplerEpoch(self))  # each epoch's prompt order, also after a resume
         self._signal_checkpoint = checkpointing.SignalCheckpoint(self) if args.checkpoint_on_signal else None
         if self._signal_checkpoint is not None:
             self.add_callback(self._signal_checkpoint)
@@ -97,6 +98,13 @@ class GSPOTrainer(
         card = os.path.join(self.args.output_dir, "README.md")
         if os.path.abspath(output_dir) != os.path.abspath(self.args.output_dir) and os.path.exists(card):
             shutil.copyfile(card, os.path.join(output_dir, "README.md"))
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card, naming a base model loaded from a local folder by the folder's name (`model_card.py`)."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            base = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", None)
+            model_card.name_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """HF's pre-clip gradient norm, kept for the non-finite guard's optimizer-step check (nonfinite.py)."""

@@ -32,7 +32,8 @@ differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range)
 | `transformers.Trainer.end()` (TRL's base class) | cli, via `end_training` here | transformers >= 5.19 only |
 | `_generate(prompts)` index 5 (`extra_fields`), `rollout_func`, `tools` | routing_replay (R3 routes from a `rollout_func`) | none |
 | `vllm_generation.generate`, `.mode`, `.llm.generate` (colocate), `.tp_group`, `trl.generation.vllm_generation.LLM` | routing_replay (R3 routes from vLLM) | none |
-| `vllm_generation.vllm_client._post` (server) | routing_replay, via `watch_vllm_server_responses` here | 1.14.2 and 1.16: posts to vLLM's own `/v1/completions` (routes in each choice); 1.10: `trl vllm-serve`'s `/generate/`, no routes |
+| `vllm_generation.vllm_client` (main process only), its `generate(prompts=..., features=...)` and `_post(url, json=...)` (server) | routing_replay, via `vllm_server_returns_routes` / `watch_vllm_server_responses` here | 1.14.2 and 1.16: posts to vLLM's own `/v1/completions` (routes in each choice), and 1.16 with images one `/inference/v1/generate` request per prompt from a thread pool; 1.10: `trl vllm-serve`'s `/generate/`, no routes |
+| `trl.trainer.utils.RepeatSampler` (`data_source`, `mini_repeat_count`, `batch_size`, `repeat_count`, `shuffle`, `seed`, `generator`, `num_samples`), `GRPOTrainer._get_train_sampler` | checkpointing (`EpochRepeatSampler`) | none: one seeded `torch.Generator`, one `randperm` per pass over the data |
 
 A new TRL-internal use (a mixin overriding another private method, a hook on TRL's old-policy pass) belongs in this
 table, and a difference across the range gets a helper here, not a version check at the call site.
@@ -127,19 +128,26 @@ def old_logprob_pass_needed(trainer) -> bool:
     )  # fmt: skip
 
 
-def watch_vllm_server_responses(client, keep) -> bool:
-    """Call `keep(response)` with every JSON response TRL's vLLM client receives in server mode, leaving the
-    response unchanged. Newer TRL clients call vLLM's own OpenAI server through `client._post`, whose completions
-    response carries `routed_experts` per choice when the server runs with `--enable-return-routed-experts`. Older
-    ones (1.10) talk to `trl vllm-serve`'s own endpoint, which returns no routes: False there, nothing wrapped."""
-    post = getattr(client, "_post", None)
-    if post is None:
+def vllm_server_returns_routes() -> bool:
+    """Whether TRL's vLLM client (server mode) talks to vLLM's own OpenAI server, whose responses carry
+    `routed_experts` per choice: 1.14.2 and 1.16 post there through `VLLMClient._post`; 1.10 talks to `trl
+    vllm-serve`'s `/generate/`, which returns no routes. Read from the class, so every process answers the same (TRL
+    creates the client instance on the main process only)."""
+    try:
+        from trl.generation.vllm_client import VLLMClient
+    except ImportError:
         return False
+    return hasattr(VLLMClient, "_post")
+
+
+def watch_vllm_server_responses(client, keep) -> None:
+    """Call `keep(url, payload, response)` with every JSON response `client` (TRL's `VLLMClient`, main process)
+    receives through `_post`, leaving the response unchanged. `payload` is the request's `json=` body."""
+    post = client._post
 
     def post_and_keep(url, *args, **kwargs):
         response = post(url, *args, **kwargs)
-        keep(response)
+        keep(url, kwargs.get("json"), response)
         return response
 
     client._post = post_and_keep
-    return True
