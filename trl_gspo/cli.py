@@ -30,6 +30,7 @@ from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
 from . import trl_compat
 from .config import GSPOConfig
+from .console import ConsoleArguments, quiet_library_deprecations, use_console
 
 
 class RecipeError(ValueError):
@@ -37,8 +38,9 @@ class RecipeError(ValueError):
 
 
 @dataclass
-class GSPOScriptArguments(ScriptArguments):
-    """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...) plus rewards.
+class GSPOScriptArguments(ScriptArguments, ConsoleArguments):
+    """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...), rewards and the
+    console (console.py).
 
     `dataset_name` may be a Hub id, a local folder (a `save_to_disk` folder or data files), or a local
     `.json`/`.jsonl`/`.parquet`/`.csv` file. The training split needs a `prompt` column.
@@ -65,8 +67,8 @@ class GSPOScriptArguments(ScriptArguments):
 
 
 @dataclass
-class DemoArguments:
-    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code)."""
+class DemoArguments(ConsoleArguments):
+    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code) and the console."""
 
     num_train_prompts: int = field(default=2000, metadata={"help": "Training prompts drawn for the copy task."})
     num_eval_prompts: int = field(default=200, metadata={"help": "Held-out prompts (digits never seen in training)."})
@@ -276,7 +278,7 @@ def demo(argv: list[str]) -> int:
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
     result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
-                      args=args, peft_config=get_peft_config(model_args))  # fmt: skip
+                      args=args, peft_config=get_peft_config(model_args), console=demo_args.console)  # fmt: skip
     trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does
     return 0
 
@@ -388,6 +390,7 @@ def train(argv: list[str]) -> int:
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
+    use_console(trainer, script_args.console)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
     trainer.accelerator.print(f"Model saved to {args.output_dir}")
@@ -454,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl-gspo: unknown command {command!r}.{hint}\n\n{USAGE}", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_library_deprecations()
     try:
         return COMMANDS[command](rest)
     except RecipeError as err:
