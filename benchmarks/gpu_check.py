@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -50,7 +51,8 @@ def environment() -> dict:
 
     import torch
 
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = [torch.cuda.get_device_name(i) for i in range(count)]
     versions = {}
     for name in ("torch", "trl", "transformers", "accelerate", "peft", "datasets", "deepspeed", "vllm", "flash-attn"):
         try:
@@ -214,17 +216,36 @@ def _errors(result, reference) -> tuple[float, float]:
     return abs(float(loss) - float(ref_loss)), (diff / max(norm, 1e-300)) ** 0.5
 
 
-def parity_bf16(device: str = "cuda") -> dict:
-    """Each case three times on `device`: stock in fp32 (the reference), stock in bf16 and ours in bf16, from the same
-    weights and batch. Passes when ours is not meaningfully farther from the fp32 result than stock's bf16 is."""
+def _bf16_case(settings: dict, fp32, tokenizer, workdir: str, device: str) -> dict:
+    """One case three times on `device`, from the same weights and batch: stock in fp32 (the reference), stock in
+    bf16 and ours in bf16. Passes when ours is not meaningfully farther from the fp32 result than stock is."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_gspo import GSPOConfig, GSPOTrainer, parity
+
+    inputs = parity.make_inputs(fp32, seed=2, beta=settings.get("beta", 0) > 0)
+    runs = {}
+    for label, cls, config_cls, dtype in (("reference", GRPOTrainer, GRPOConfig, torch.float32),
+                                          ("stock", GRPOTrainer, GRPOConfig, torch.bfloat16),
+                                          ("ours", GSPOTrainer, GSPOConfig, torch.bfloat16)):  # fmt: skip
+        model = copy.deepcopy(fp32).to(device=device, dtype=dtype)
+        runs[label] = parity.loss_and_grads(cls, config_cls, model, settings, inputs, f"{workdir}/{label}", tokenizer)
+    (loss_stock, grad_stock), (loss_ours, grad_ours) = (_errors(runs[k], runs["reference"]) for k in ("stock", "ours"))
+    passed = (bool(torch.isfinite(runs["ours"][0])) and loss_ours <= SLACK * loss_stock + LOSS_FLOOR
+              and grad_ours <= SLACK * grad_stock + GRAD_FLOOR)  # fmt: skip
+    return {"passed": passed, "loss_fp32": float(runs["reference"][0]), "loss_error_stock": loss_stock,
+            "loss_error_ours": loss_ours, "grad_error_stock": grad_stock, "grad_error_ours": grad_ours,
+            "loss_ours_minus_stock": float(runs["ours"][0]) - float(runs["stock"][0])}  # fmt: skip
+
+
+def parity_bf16(device: str = "cuda") -> dict:
+    """`BF16_CASES` on a dense tiny Qwen3 and `BF16_MOE_CASES` on a tiny Qwen3-MoE (hidden 256), in bf16 on `device`."""
+    from trl_gspo import parity
     from trl_gspo.tiny import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
-    cases, worst = {}, {"ours": 0.0, "stock": 0.0}
+    cases = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-parity-") as work:
         for moe, names in ((False, BF16_CASES), (True, BF16_MOE_CASES)):
             path = f"{work}/model-{'moe' if moe else 'dense'}"  # saved: with beta > 0 TRL loads the reference from it
@@ -232,29 +253,15 @@ def parity_bf16(device: str = "cuda") -> dict:
             fp32 = type(build_tiny_model(tokenizer, moe=moe)).from_pretrained(path)
             for name in names:
                 settings = dict(parity.CASES.get(name) or parity.MOE_CASES[name])
-                if "epsilon" in settings:
-                    settings.update(WIDE_CLIP)
-                inputs = parity.make_inputs(fp32, seed=2, beta=settings.get("beta", 0) > 0)
-                run = {}
-                for label, cls, config_cls, dtype in (("reference", GRPOTrainer, GRPOConfig, torch.float32),
-                                                      ("stock", GRPOTrainer, GRPOConfig, torch.bfloat16),
-                                                      ("ours", GSPOTrainer, GSPOConfig, torch.bfloat16)):  # fmt: skip
-                    model = copy.deepcopy(fp32).to(device=device, dtype=dtype)
-                    run[label] = parity.loss_and_grads(cls, config_cls, model, settings, inputs, f"{work}/{label}", tokenizer)
-                (loss_stock, grad_stock), (loss_ours, grad_ours) = (_errors(run[k], run["reference"]) for k in ("stock", "ours"))
-                finite = bool(torch.isfinite(run["ours"][0]))
-                passed = finite and loss_ours <= SLACK * loss_stock + LOSS_FLOOR and grad_ours <= SLACK * grad_stock + GRAD_FLOOR
-                cases[name] = {"passed": passed, "loss_fp32": float(run["reference"][0]),
-                               "loss_error_stock": loss_stock, "loss_error_ours": loss_ours,
-                               "grad_error_stock": grad_stock, "grad_error_ours": grad_ours,
-                               "loss_ours_minus_stock": float(run["ours"][0]) - float(run["stock"][0])}  # fmt: skip
-                worst = {"ours": max(worst["ours"], grad_ours), "stock": max(worst["stock"], grad_stock)}
+                settings.update(WIDE_CLIP if "epsilon" in settings else {})
+                cases[name] = _bf16_case(settings, fp32, tokenizer, f"{work}/{len(cases)}", device)
     problems = [f"{name}: loss error {c['loss_error_ours']:.3g} (stock {c['loss_error_stock']:.3g}), gradient error "
-                f"{c['grad_error_ours']:.3g} (stock {c['grad_error_stock']:.3g})" for name, c in cases.items() if not c["passed"]]
-    passed = len(cases) - len(problems)
-    return {"status": "failed" if problems else "ok", "problems": problems, "passed": passed, "cases": cases, "worst": worst,
-            "rule": f"error(ours) <= {SLACK} * error(stock) + {LOSS_FLOOR} (loss) / {GRAD_FLOOR} (gradient, relative)",
-            "wide_clip": WIDE_CLIP, "device": device}  # fmt: skip
+                f"{c['grad_error_ours']:.3g} (stock {c['grad_error_stock']:.3g})"
+                for name, c in cases.items() if not c["passed"]]  # fmt: skip
+    worst = {who: max(c[f"grad_error_{who}"] for c in cases.values()) for who in ("ours", "stock")}
+    return {"status": "failed" if problems else "ok", "problems": problems, "passed": len(cases) - len(problems),
+            "cases": cases, "worst": worst, "wide_clip": WIDE_CLIP, "device": device,
+            "rule": f"error(ours) <= {SLACK} * error(stock) + {LOSS_FLOOR} (loss) / {GRAD_FLOOR} (gradient, relative)"}
 
 
 # ------------------------------------------------------------------------------------------------ demo and smoke runs
@@ -339,7 +346,8 @@ def vllm_colocate(use_vllm: bool = True, device: str = "cuda", max_steps: int = 
     problems = [f"{max_steps - len(rows)} steps not logged"] if len(rows) != max_steps else []
     problems += ["a loss is not finite"] if not all(math.isfinite(row["loss"]) for row in rows) else []
     problems += [f"TRL's pi_old pass ran {passes[0]} times (sampler log-probs not reused)"] if passes[0] else []
-    problems += [f"{key} never logged" for key in ("sampler_logp_abs_diff", "r3_sampler_mismatch") if found[key] is None]
+    problems += [f"{key} never logged" for key in ("sampler_logp_abs_diff", "r3_sampler_mismatch")
+                 if found[key] is None]  # fmt: skip
     problems += ["routing replay covered no completion token"] if not found["replay_coverage"] else []
     return {"status": "failed" if problems else "ok", "problems": problems, **found}
 
@@ -358,10 +366,11 @@ def zero_command(stage: int, output_dir: str, num_processes: int = 2) -> list[st
     from trl_gspo.cli import resolve_shipped
 
     config = resolve_shipped(f"zero{stage}", "accelerate config")
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-            str(num_processes), "--main_process_port", str(_free_port()), "-m", "trl_gspo", "demo", "--use_cpu", "false",
-            "--bf16", "true", "--max_steps", str(ZERO_STEPS), "--logging_steps", "10", "--num_eval_prompts", "50",
-            "--output_dir", output_dir]  # fmt: skip
+    launch = ["--config_file", str(config), "--num_processes", str(num_processes), "--main_process_port",
+              str(_free_port())]  # fmt: skip
+    demo = ["--use_cpu", "false", "--bf16", "true", "--max_steps", str(ZERO_STEPS), "--logging_steps", "10",
+            "--num_eval_prompts", "50", "--output_dir", output_dir]  # fmt: skip
+    return [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "trl_gspo", "demo", *demo]
 
 
 def check_saved_demo(output_dir: str, steps: int, moe: bool = False) -> list[str]:
@@ -414,6 +423,9 @@ IN_PROCESS = {"parity_bf16": parity_bf16, "demo_cuda": demo_cuda, "vllm_colocate
 
 def run_part(name: str, result_path: str) -> int:
     """Child process of one part: run it, write its result JSON; exit 1 when its check failed."""
+    from trl_gspo.console import quiet_library_deprecations
+
+    quiet_library_deprecations()  # as the command line does: the part's log shows the warnings that matter
     result = IN_PROCESS[name]()
     with open(result_path, "w") as f:
         json.dump(result, f, indent=2)
@@ -465,7 +477,8 @@ def _execute(part: Part, budget_s: float, result_path: str, log_path: str) -> di
                 _kill(proc)
                 code = None
     except Exception as err:  # noqa: BLE001 - the driver goes on to the next part whatever happened here
-        entry.update(status="error", error=f"{type(err).__name__}: {err}", seconds=round(time.perf_counter() - start, 1))
+        entry.update(status="error", error=f"{type(err).__name__}: {err}")
+        entry["seconds"] = round(time.perf_counter() - start, 1)
         return entry
     entry["seconds"] = round(time.perf_counter() - start, 1)
     result = None
@@ -495,7 +508,7 @@ def markdown(report: dict) -> str:
     env = report["environment"]
     gpus = ", ".join(env["gpus"]) or "none"
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    lines = [f"# `make gpu-check`, {report['updated']}", "", f"GPUs: {gpus} (CUDA {env['cuda']}). Versions: {versions}.", "",
+    lines = [f"# `make gpu-check`, {report['updated']}", "", f"GPUs: {gpus} (CUDA {env['cuda']}). {versions}.", "",
              "| part | checks | status | time (budget) | result |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for part in PARTS:
         entry = report["parts"].get(part.name)
@@ -511,12 +524,20 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def scrub(text: str) -> str:
+    """The results are committed: paths of this machine in error messages and log tails become placeholders."""
+    text = text.replace(REPO_ROOT, "<repo>")
+    text = re.sub(r"(?<![\w.<>])/[^\s'\"<>]*?/(?:site|dist)-packages/", "<site-packages>/", text)
+    return re.sub(r"(?<![\w.~$<>-])/(?:work|root|home/[\w.-]+|Users/[\w.-]+)/", "<home>/", text)
+
+
 def save(report: dict, out_dir: str) -> None:
+    """gpu-check.json and gpu-check.md (the logs stay beside them, unscrubbed and git-ignored)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, JSON_NAME), "w") as f:
-        json.dump(report, f, indent=2)
+        f.write(scrub(json.dumps(report, indent=2)))
     with open(os.path.join(out_dir, TABLE_NAME), "w") as f:
-        f.write(markdown(report))
+        f.write(scrub(markdown(report)))
 
 
 def run(parts: list[Part], env: dict, out_dir: str | None, dry_run: bool = False, max_seconds: float = 1800,

@@ -277,6 +277,8 @@ def demo(argv: list[str]) -> int:
     demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
+    if args.use_cpu:  # DeepSpeed (when installed) would warn on import that it found no GPU: the demo asked for none
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
                       args=args, peft_config=get_peft_config(model_args), console=demo_args.console)  # fmt: skip
     trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does

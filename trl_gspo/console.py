@@ -5,7 +5,7 @@ transformers prints the whole log dict on every logging step (`ProgressCallback.
 `CompactPrinterCallback` are those two callbacks with `on_log` replaced by :func:`format_line`, which keeps the
 numbers people watch while a run goes:
 
-    step   40/2000 | reward 0.412 ± 0.213 | clip seq 0.106 tok 0.104 | entropy 3.85 | len 2.9 | grad 0.86 | 0.021 s/step
+    step 40/2000 | reward 0.412 ± 0.213 | clip seq 0.106 tok 0.104 | entropy 3.846 | len 2.9 | grad 0.86 | 0.021 s/step
 
 Only the printing changes. The log dict itself is untouched, so every `report_to` logger, `trainer.state.log_history`
 (and the demo's `metrics.csv`) still get every metric. `trl-gspo demo` and `trl-gspo train` use this console;
@@ -32,9 +32,9 @@ GROUPS = (
     ("reward", (("", "reward", "{:.3f}"), ("±", "reward_std", "{:.3f}"))),
     ("clip", (("seq", "clip_fraction/sequence/total", "{:.3f}"), ("tok", "clip_fraction/token/total", "{:.3f}"))),
     ("clip", (("", "clip_ratio/region_mean", "{:.3f}"),)),
-    ("entropy", (("", "entropy", "{:.3g}"),)),
+    ("entropy", (("", "entropy", "{:.3f}"),)),
     ("kl", (("", "kl", "{:.3g}"),)),
-    ("len", (("", "completions/mean_length", "{:.3g}"),)),
+    ("len", (("", "completions/mean_length", "{:.1f}"),)),
     ("grad", (("", "grad_norm", "{:.3g}"),)),
 )
 #: TRL's mean seconds per optimizer step over the logging window (generation included).
