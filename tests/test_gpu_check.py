@@ -3,6 +3,7 @@ driver survives parts that crash, fail or overrun their budget, and the parts' o
 the GPU is only a device choice) and fail when the property they check is broken."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -31,8 +32,10 @@ def test_dry_run_lists_every_part_with_its_skip_reason_on_cpu(tmp_path):
                           cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = [part.name for part in gpu_check.PARTS]
-    assert {"parity_bf16", "demo_cuda", "benchmark", "packing", "vllm_routes", "vllm_colocate", "zero2",
+    assert {"parity_bf16", "demo_cuda", "benchmark", "loss_path", "packing", "vllm_routes", "vllm_colocate", "zero2",
             "zero3"} == set(names)  # fmt: skip
+    one_gpu = [part.budget_s for part in gpu_check.PARTS if not part.name.startswith("zero")]
+    assert sum(one_gpu) <= 28 * 60  # the whole check fits 30 minutes on one GPU, set-up included
     listed = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
     assert list(listed) == names, proc.stdout
     assert all("skipped" in line and "no CUDA GPU visible" in line for line in listed.values()), proc.stdout
@@ -108,10 +111,12 @@ def test_the_whole_run_has_a_time_cap(tmp_path):
 def test_benchmark_headline_reads_run_py_ratios_and_mfu():
     result = {"attention": "sdpa", "scenarios": {
         "equal_settings": {"ratio_seconds_per_step": 0.9712, "mfu": {"stock": 0.31, "ours": 0.33}},
+        "loss_path": {"ratio_seconds": 1.02, "ratio_cpu_seconds": 1.5},
         "long_tail": {"trim_sort": {"ratio_seconds_per_step": 0.61}, "packed": {"ratio_seconds_per_step": 0.52}},
         "logprob_memory": {"ratio_ours_over_stock": 0.25}}}  # fmt: skip
     assert gpu_check._bench_headline(result) == {
         "equal_settings ours/stock": 0.971, "equal_settings MFU stock": 0.31, "equal_settings MFU ours": 0.33,
+        "loss_path ours/stock": 1.02,
         "long_tail.trim_sort ours/stock": 0.61, "long_tail.packed ours/stock": 0.52,
         "logprob_memory ours/stock": 0.25, "attention": "sdpa"}  # fmt: skip
 
@@ -169,3 +174,23 @@ def test_make_target_runs_the_dry_run(tmp_path):
                           cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "gpu-check.json").read_text())["parts"].keys() == {p.name for p in gpu_check.PARTS}
+
+
+def test_zero_part_streams_its_launch_and_checks_what_it_saved(monkeypatch, capsys):
+    # the 2-GPU launch replaced by the one-process CPU demo: the same outputs for the part to check
+    def cpu_demo(stage, output_dir):
+        return [sys.executable, "-m", "trl_gspo", "demo", "--output_dir", output_dir, "--max_steps",
+                str(gpu_check.ZERO_STEPS), "--logging_steps", "10", "--num_train_prompts", "64", "--num_eval_prompts",
+                "8", "--disable_tqdm", "true"]  # fmt: skip
+
+    monkeypatch.setattr(gpu_check, "zero_command", cpu_demo)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    result = gpu_check.zero(2)
+    assert result["status"] == "ok" and result["exit_code"] == 0, result
+    assert re.fullmatch(r"0\.\d{3} -> 0\.\d{3}", result["held_out"])
+    assert f"step {gpu_check.ZERO_STEPS}/{gpu_check.ZERO_STEPS} | reward" in capsys.readouterr().out  # streamed
+
+    monkeypatch.setattr(gpu_check, "zero_command", lambda stage, out: [sys.executable, "-c", "import sys; sys.exit(7)"])
+    failed = gpu_check.zero(3)
+    assert failed["status"] == "failed" and failed["problems"][0] == "launcher exited 7"
+    assert failed["problems"][1].startswith("output unreadable")
