@@ -264,6 +264,13 @@ def parse(command: str, argv: list[str], defaults: dict | None = None):
     return parsed
 
 
+def _quiet_deepspeed_on_cpu(args) -> None:
+    """A run that asked for the CPU tells DeepSpeed (when installed) so, before it is imported: otherwise DeepSpeed
+    warns that it could not find a GPU."""
+    if args.use_cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 # ----------------------------------------------------------------------------------------------------- demo
 def demo(argv: list[str]) -> int:
     from trl import get_peft_config
@@ -277,8 +284,7 @@ def demo(argv: list[str]) -> int:
     demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
-    if args.use_cpu:  # DeepSpeed (when installed) would warn on import that it found no GPU: the demo asked for none
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _quiet_deepspeed_on_cpu(args)
     result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
                       args=args, peft_config=get_peft_config(model_args), console=demo_args.console)  # fmt: skip
     trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does
@@ -356,6 +362,7 @@ def train(argv: list[str]) -> int:
     argv, recipe = resolve_config_argument(argv)
     search_dirs = (str(recipe.parent),) if recipe is not None else ()  # a recipe's own modules sit next to it
     script_args, args, model_args, mixture = parse("train", argv)
+    _quiet_deepspeed_on_cpu(args)
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
     try:
