@@ -550,10 +550,15 @@ def save(report: dict, out_dir: str) -> None:
         f.write(scrub(markdown(report)))
 
 
+def _print(message: str) -> None:
+    print(message, flush=True)  # flushed: under make or a pipe the progress would otherwise arrive at the end
+
+
 def run(parts: list[Part], env: dict, out_dir: str | None, dry_run: bool = False, max_seconds: float = 1800,
-        keep: dict | None = None, log=print) -> dict:  # fmt: skip
+        keep: dict | None = None, log=_print) -> dict:  # fmt: skip
     """Run (or, with `dry_run`, only plan) `parts` in order; results are saved after each part when `out_dir` is set.
-    `keep`: entries of parts not run this time (from an earlier report), kept in the new one."""
+    `keep`: entries of parts not run this time (from an earlier report), kept in the new one; each entry says when
+    and on which GPUs it ran."""
     report = {"updated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "environment": env,
               "max_minutes": max_seconds / 60, "parts": dict(keep or {})}  # fmt: skip
     start = time.perf_counter()
@@ -571,7 +576,7 @@ def run(parts: list[Part], env: dict, out_dir: str | None, dry_run: bool = False
             entry = execute(part, min(part.budget_s, left), out_dir)
         if part.note(env) and entry["status"] != "skipped":
             entry["note"] = part.note(env)
-        entry["ran_at"] = report["updated"]
+        entry.update(ran_at=report["updated"], gpus=env["gpus"])
         report["parts"][part.name] = entry
         took = f" ({entry['seconds']} s)" if "seconds" in entry else ""
         log(f"  {part.name:<14} {entry['status']:<9} {entry.get('reason') or entry.get('error') or ''}{took}")

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: An absolute path that exists on one machine only: a home or work folder (`/root/...`, `/home/NAME/...`, ...).
+#: An absolute path that exists on one machine only: a home or work folder (root's, a user's under home or Users).
 MACHINE_PATH = re.compile(r"(?<![\w.~$-])/(?:work|root|home/[\w.-]+|Users/[\w.-]+)/|\b[A-Za-z]:\\Users\\")
 #: First person singular or plural ("our"/"ours" stay: they name this project's code next to stock TRL's).
 FIRST_PERSON = re.compile(r"\b(?:I|I'm|I've|I'd|I'll|[Mm]y|[Ww]e|[Ww]e're|[Ww]e've|[Ww]e'd|[Ww]e'll)\b")
@@ -62,10 +62,11 @@ def test_patterns_catch_what_they_are_for():
     assert findings("W" + "e measured 0.5") == ["first person: 'We'"]
     assert findings("No GPU was available to the sess" + "ions that wrote this")[0].startswith("session note")
     assert findings("it was stopped by my 30-minute limit")[0] == "first person: 'my'"
-    assert findings("when a GPU was l" + "ent") == ["session note: 'was lent'"]
+    lent = "l" + "ent"
+    assert findings(f"when a GPU was {lent}") == [f"session note: 'was {lent}'"]
     for fine in ("/tmp/demo", "outputs/demo", "https://example.com/root/x", "ours / stock", "our loss",
                  'scope="session"', "my_pkg.rewards.my_reward", "The helpers here are pure functions",
-                 "~/work/ and $HOME/work/", "the Qwen team", "Stock is `trl.GRPOTrainer`"):  # fmt: skip
+                 "~/" + "work/ and $HOME/" + "work/", "the Qwen team", "Stock is `trl.GRPOTrainer`"):  # fmt: skip
         assert findings(fine) == [], fine
 
 
