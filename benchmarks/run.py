@@ -153,11 +153,13 @@ def _model(tokenizer, shape: dict, device: str, seed: int = 0):
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         )  # fmt: skip
         torch.manual_seed(seed)
-        # flash-attention when installed (varlen kernels for padding_free), else sdpa; the same for stock and ours
-        attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
-        print(f"benchmark model attention: {attention}", file=sys.stderr)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=cuda_attention())
     return build_tiny_model(tokenizer, seed=seed, hidden_size=shape["hidden"], num_layers=shape["layers"])
+
+
+def cuda_attention() -> str:
+    """flash-attention when installed (varlen kernels for padding_free), else sdpa; the same for stock and ours."""
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
 
 
 def _dataset(shape: dict, n: int = 512):
@@ -732,8 +734,17 @@ def main(argv=None):
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "scenarios": {},
     }
+    if args.device == "cuda":
+        report["attention"] = cuda_attention()
     wanted = args.scenarios.split(",")
     started = time.perf_counter()
+
+    def save():  # after every scenario, so a run stopped by a time limit keeps what it finished
+        report["wall_seconds"] = time.perf_counter() - started
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+
     if "loss_path" in wanted:
         log("loss_path (_compute_loss + backward, stock vs ours, alternating in one process)")
         iters = 5 if args.tiny else 200
@@ -742,22 +753,26 @@ def main(argv=None):
         lp = report["scenarios"]["loss_path"]
         log(f"  ratio ours/stock: {lp['ratio_cpu_seconds']:.4f}, diagnostics off: "
             f"{lp['ratio_cpu_seconds_no_diagnostics']:.4f}, untrimmed: {lp['ratio_untrimmed_cpu_seconds']:.4f} (cpu time)")
+        save()
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
         report["scenarios"]["equal_settings"] = compare(
             "equal_settings", "recompute", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
+        save()
     if "equal_settings_no_diagnostics" in wanted:
         log("equal_settings_no_diagnostics (old_logprobs_source='recompute', diagnostics=False)")
         report["scenarios"]["equal_settings_no_diagnostics"] = compare(
             "equal_settings_no_diagnostics", "recompute", shape, args.device, reps, work_dir, log,
             gradient_checkpointing, diagnostics=False,
         )  # fmt: skip
+        save()
     if "sampler_logprobs" in wanted:
         log("sampler_logprobs (old_logprobs_source='sampler')")
         report["scenarios"]["sampler_logprobs"] = compare(
             "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
+        save()
     from trl_gspo import fused_head
 
     if "long_tail" in wanted and not fused_head.available():  # padding removal needs TRL's fused head (>= 1.15)
@@ -769,15 +784,12 @@ def main(argv=None):
         report["scenarios"]["long_tail"] = long_tail_scenario(
             lt_shape, args.device, args.reps or lt_shape["reps"], work_dir, log, gradient_checkpointing
         )
+        save()
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
         # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.
         report["scenarios"]["logprob_memory"] = memory_scenario(shape, args.device, min(reps, 2), log)
-    report["wall_seconds"] = time.perf_counter() - started
-
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
+    save()
     summary = {
         name: {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu" or k in LONG_TAIL_VARIANTS}
         for name, sc in report["scenarios"].items()

@@ -33,11 +33,13 @@ from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 from . import recipe_inputs, trl_compat
 from .config import GSPOConfig
 from .recipe_inputs import RecipeError
+from .console import ConsoleArguments, quiet_library_deprecations, use_console
 
 
 @dataclass
-class GSPOScriptArguments(ScriptArguments):
-    """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...) plus rewards.
+class GSPOScriptArguments(ScriptArguments, ConsoleArguments):
+    """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...), rewards and the
+    console (console.py).
 
     `dataset_name` may be a Hub id, a local folder (a `save_to_disk` folder or data files), or a local
     `.json`/`.jsonl`/`.parquet`/`.csv` file. The training split needs a `prompt` column.
@@ -72,8 +74,8 @@ class GSPOScriptArguments(ScriptArguments):
 
 
 @dataclass
-class DemoArguments:
-    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code)."""
+class DemoArguments(ConsoleArguments):
+    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code) and the console."""
 
     num_train_prompts: int = field(default=2000, metadata={"help": "Training prompts drawn for the copy task."})
     num_eval_prompts: int = field(default=200, metadata={"help": "Held-out prompts (digits never seen in training)."})
@@ -319,6 +321,13 @@ def parse(command: str, argv: list[str], defaults: dict | None = None):
     return parsed
 
 
+def _quiet_deepspeed_on_cpu(args) -> None:
+    """A run that asked for the CPU tells DeepSpeed (when installed) so, before it is imported: otherwise DeepSpeed
+    warns that it could not find a GPU."""
+    if args.use_cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 # ----------------------------------------------------------------------------------------------------- demo
 def demo(argv: list[str]) -> int:
     from trl import get_peft_config
@@ -333,8 +342,9 @@ def demo(argv: list[str]) -> int:
     demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
+    _quiet_deepspeed_on_cpu(args)
     result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
-                      args=args, peft_config=get_peft_config(model_args))  # fmt: skip
+                      args=args, peft_config=get_peft_config(model_args), console=demo_args.console)  # fmt: skip
     trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does
     return 0
 
@@ -439,6 +449,7 @@ def train(argv: list[str]) -> int:
     search_dirs = (str(recipe_dir),) if recipe is not None else ()  # a recipe's own modules sit next to it
     argv = reconcile_mixed_precision("train", argv)
     script_args, args, model_args, mixture = parse("train", argv)
+    _quiet_deepspeed_on_cpu(args)
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
     recipe_inputs.resolve_recipe_paths(script_args, model_args, mixture, recipe_dir)
@@ -481,6 +492,7 @@ def train(argv: list[str]) -> int:
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
+    use_console(trainer, script_args.console)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
     trainer.accelerator.print(f"Model saved to {args.output_dir}")
@@ -545,10 +557,6 @@ def version_line() -> str:
     return f"trl-gspo {__version__} ({others})"
 
 
-#: Warnings the user cannot act on: transformers 5.x renamed `gradient_checkpointing*` to `activation_checkpointing*`,
-#: and TRL (its GRPOConfig default, its trainer's calls) still uses the old names, ~8 lines per process per run.
-#: Silenced once, here, for the command's duration; the library leaves Python's warning filters alone.
-QUIET_WARNINGS = (r"`(is_)?gradient_checkpointing\w*` is deprecated and will be removed in v6",)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -569,8 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     with warnings.catch_warnings():  # the caller's filters come back afterwards (main() is also called in-process)
-        for message in QUIET_WARNINGS:
-            warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        quiet_library_deprecations()
         try:
             return COMMANDS[command](rest)
         except RecipeError as err:
