@@ -31,6 +31,7 @@ from . import checkpointing, losses, model_card
 from .checkpointing import ResumableTraining
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 from .diagnostics import TrainingDiagnostics
+from .forward import LogprobForward
 from .nonfinite import NonFiniteGuard
 from .padding import PaddingRemoval
 from .rewards_guard import GuardedRewards
@@ -54,7 +55,7 @@ _FORWARD_KEYS = (
 
 class GSPOTrainer(
     ResumableTraining, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics, PaddingRemoval,
-    GRPOTrainer,
+    LogprobForward, GRPOTrainer,
 ):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 
