@@ -211,7 +211,7 @@ class LogprobForward:
             else:
                 out = self._planned_forward(model, input_ids, attention_mask, logits_to_keep, batch_size or b,
                                             compute_entropy, compute_aux_loss, observed, replay)  # fmt: skip
-        if observed is not None:
+        if role is not None:
             self._after_route_pass(role, replay, observed, out, logits_to_keep)  # 5. routes kept / metrics
         if not torch.is_grad_enabled():
             self._release_forward()  # no backward follows a no-grad pass

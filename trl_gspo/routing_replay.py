@@ -253,9 +253,11 @@ class MoERouting:
 
     @contextlib.contextmanager
     def _route_pass(self, role, replay, batch, width):
-        """The router pass of one observed forward (None when this forward is not observed)."""
+        """The router pass of one observed forward. Not observed (`role` None): a pass opened around this forward by
+        the caller, if any, so its model calls still say which positions they hold; else None."""
         if role is None:
-            yield None
+            current = None if self._router_hooks is None else self._router_hooks.active
+            yield current if isinstance(current, RouterPass) and not current.closed else None
             return
         record = not (role == "old" and self._replay == "R3")  # R3's pi_old routes are the sampler's, already known
         with self._router_hooks.forward_pass(
