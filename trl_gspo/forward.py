@@ -88,24 +88,60 @@ def unit_widths(spans, units, prompt_width) -> list[tuple[int, int, list[int]]]:
 
 
 def segment_cost(widths, pack, one_row, alpha) -> float:
-    """Estimated cost of a segment layout: positions run (rows x capacity, from first-fit decreasing), the attention
-    pairs of its blocks (a prefix attends causally, a segment to the prefix and causally to itself, each query to
-    about half a block more), the blocks' fixed cost and the gather."""
-    sizes = sorted((w for w, _, _ in widths), reverse=True)
-    capacity = sum(sizes) if one_row else sizes[0]
-    rows, room = 0, []
-    for w in sizes if pack else []:
-        j = next((j for j, r in enumerate(room) if r >= w), None)
+    """Cost of a segment layout: positions run (rows x capacity, from first-fit decreasing as `segment_layout`
+    places the units), the (query, key) pairs its SDPA blocks compute (`block_pairs`, the rule
+    `SegmentPlan.build_blocks` follows), the blocks' fixed cost and the gather."""
+    order = sorted(range(len(widths)), key=lambda i: -widths[i][0]) if pack else range(len(widths))
+    capacity = (sum(w for w, _, _ in widths) if one_row else max(w for w, _, _ in widths))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        j = next((j for j, r in enumerate(room) if r >= widths[i][0]), None) if pack else None
         if j is None:
-            room.append(capacity - w)
+            rows.append([]), room.append(capacity)
+            j = len(rows) - 1
+        rows[j].append(i), room.__setitem__(j, room[j] - widths[i][0])
+    layout_rows = [[widths[i][1:] for i in members] for members in rows]
+    blocks = len(rows) * math.ceil(capacity / segment_attention.BLOCK)
+    pairs = block_pairs(layout_rows, capacity, segment_attention.BLOCK)
+    return len(rows) * capacity * (1 + GATHER_OVERHEAD) + alpha * pairs + BLOCK_OVERHEAD * blocks
+
+
+def block_pairs(rows, width, block) -> int:
+    """(query, key) pairs the SDPA blocks of a segment layout compute: `rows[r]` lists the units of row `r` as
+    `(prefix, [segment lengths])`. Per block of `block` query columns, the keys reach back to the earliest own range
+    start of its queries (over all rows), plus the prefixes they see (gathered when far), as `build_blocks` does."""
+    intervals = []  # per row: (start, end, own_start, ctx_start, ctx_end), in order
+    for units in rows:
+        row, at = [], 0
+        for prefix, segments in units:
+            if prefix:
+                row.append((at, at + prefix, at, 0, 0))
+            start = at + prefix
+            for length in segments:
+                row.append((start, start + length, start, at, at + prefix if prefix else 0))
+                start += length
+            at = start
+        intervals.append(row)
+    total = 0
+    for q0 in range(0, width, block):
+        q1 = min(q0 + block, width)
+        own_min, c0, c1 = q0, None, None
+        for row in intervals:
+            for start, end, own, ctx0, ctx1 in row:
+                if end <= q0 or start >= q1:
+                    continue
+                own_min = min(own_min, own)
+                if ctx1 > ctx0:
+                    c0, c1 = (ctx0, ctx1) if c0 is None else (min(c0, ctx0), max(c1, ctx1))
+        if c0 is None:
+            keys = q1 - own_min
+        elif own_min - c1 > block // 2:
+            keys = (c1 - c0) + (q1 - own_min)
         else:
-            room[j] -= w
-    rows = len(room) if pack else len(sizes)
-    half = segment_attention.BLOCK / 2
-    pairs = sum(p * (p / 2 + half) + sum(c * (p + c / 2 + half) for c in segs) for _, p, segs in widths)
-    blocks = rows * math.ceil(capacity / segment_attention.BLOCK)
-    positions = rows * capacity
-    return positions * (1 + GATHER_OVERHEAD) + alpha * pairs + BLOCK_OVERHEAD * blocks
+            keys = q1 - min(c0, own_min)
+        total += len(rows) * (q1 - q0) * keys
+    return total
 
 
 def plan_forward(spans, batch_shape, prompt_width, chunk_rows, *, groups, sort, trim, pack, share, one_row, alpha,
