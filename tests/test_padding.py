@@ -409,27 +409,33 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(name, dtype, token
     """Loss and every parameter gradient within 1e-6 relative (fp32, what users run), and every logged metric too
     in fp64: in fp32 the log-ratio metrics are differences of two ~-4 log-probs, each rounded to ~5e-7, so a
     5e-4 log-ratio statistic carries ~1e-3 relative rounding whatever the forward; fp64 shows the math is unchanged
-    (a wrong token, position, mask or label would differ by orders of magnitude more)."""
+    (a wrong token, position, mask or label would differ by orders of magnitude more). Trimming alone, and the
+    defaults (each call's layout chosen by cost: here the micro-batch is packed), against the full padded forward."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)  # a path: beta > 0 loads the reference
     inputs = _loss_inputs(model, seed=4)
     if dtype == torch.float64:
         inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     settings = dict(LOSS_CASES[name], model_init_kwargs={"dtype": dtype})
     off = _loss_grads_metrics(model, tokenizer, tmp_path / "off", inputs, dict(settings, trim_padding=False))
-    on = _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, dict(settings, trim_padding=True))
+    trimmed = dict(settings, trim_padding=True, padding_free=False, shared_prefix=False)
+    runs = {"trimmed": _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, trimmed),
+            "defaults": _loss_grads_metrics(model, tokenizer, tmp_path / "auto", inputs, settings)}  # fmt: skip
     assert off[0].abs() > 1e-2
-    assert (on[0] - off[0]).abs() <= 1e-6 * off[0].abs()
-    assert on[1].keys() == off[1].keys() and len(off[1]) > 0
-    for n, g in off[1].items():
-        assert (on[1][n] - g).norm() <= 1e-6 * g.norm() + 1e-12, n
     # 16 columns, the longest completion (6 of 9) ends 3 early, the longest prompt fills all 7: 13 columns run
-    assert off[2]["throughput/positions_vs_stock"] == 1.0 and on[2]["throughput/positions_vs_stock"] == 13 / 16
-    assert set(on[2]) == set(off[2])
-    if dtype == torch.float64:
-        skip = {"throughput/positions_vs_stock", "throughput/padding_per_step", "throughput/padding_fraction"}
-        for key, value in off[2].items():
-            if key not in skip and isinstance(value, float):
-                assert on[2][key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
+    assert off[2]["throughput/positions_vs_stock"] == 1.0 and runs["trimmed"][2]["throughput/positions_vs_stock"] == 13 / 16
+    # the defaults packed the sequences (9, 8, 8, 7, 7, 5 real tokens) into rows as long as the longest: 6 x 9
+    assert runs["defaults"][2]["throughput/positions_vs_stock"] == 54 / 96
+    for variant, on in runs.items():
+        assert (on[0] - off[0]).abs() <= 1e-6 * off[0].abs(), variant
+        assert on[1].keys() == off[1].keys() and len(off[1]) > 0
+        for n, g in off[1].items():
+            assert (on[1][n] - g).norm() <= 1e-6 * g.norm() + 1e-12, (variant, n)
+        assert set(on[2]) == set(off[2])
+        if dtype == torch.float64:
+            skip = {"throughput/positions_vs_stock", "throughput/padding_per_step", "throughput/padding_fraction"}
+            for key, value in off[2].items():
+                if key not in skip and isinstance(value, float):
+                    assert on[2][key] == pytest.approx(value, rel=1e-6, abs=1e-12), (variant, key)
 
 
 # ------------------------------------------------------------------------------- sorted micro-batches
@@ -689,7 +695,7 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
 def test_throughput_counts_by_hand(tokenizer, tmp_path):
     """throughput/* from one no-grad pass in chunks of 3 rows, against counts made here."""
     model = build_tiny_model(tokenizer, seed=0)
-    trainer = _trainer(model, tokenizer, tmp_path, sort_by_length="never")
+    trainer = _trainer(model, tokenizer, tmp_path, sort_by_length="never", padding_free=False, shared_prefix=False)
     batch = _long_tail_batch(model.config.vocab_size)
     _forward(trainer, batch, chunk=3, grad=False)
     trainer.state.global_step = 1

@@ -292,8 +292,9 @@ class LogprobForward:
         return logps, entropies, aux_loss
 
     # -------------------------------------------------------------------------------------------- 3. the plan
-    def _plan(self, spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay):
-        args, grad = self.args, torch.is_grad_enabled()
+    def _layout_settings(self, compute_aux_loss: bool):
+        """(pack, share) for a forward: each "auto", True or False after what the forward rules out."""
+        args = self.args
         pack, share = args.padding_free, args.shared_prefix
         if not args.trim_padding:
             pack = False  # `padding_free=True` with trimming off is refused by the config
@@ -303,6 +304,10 @@ class LogprobForward:
             share = False  # sharing would count each prompt once in the load-balancing loss
         if pack is not False and not self._packing_supported:
             pack = False
+        return pack, share
+
+    def _plan(self, spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay):
+        pack, share = self._layout_settings(compute_aux_loss)
         groups = []
         if share is not False:
             groups = shared_prefix.prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
@@ -310,10 +315,22 @@ class LogprobForward:
                 groups = shared_prefix.split_by_routes(groups, replay.ids, replay.valid, prompt_width)
         return plan_forward(
             spans, tuple(input_ids.shape), prompt_width, chunk_rows, groups=groups,
-            sort=self._sort_no_grad and not grad,  # no-grad passes: sort the batch, unsort outputs
-            trim=args.trim_padding, pack=pack, share=share, one_row=self._flash, alpha=self._pair_cost,
-            multiple_of=args.pad_to_multiple_of,
+            sort=self._sort_no_grad and not torch.is_grad_enabled(),  # no-grad passes: sort the batch, unsort outputs
+            trim=self.args.trim_padding, pack=pack, share=share, one_row=self._flash, alpha=self._pair_cost,
+            multiple_of=self.args.pad_to_multiple_of,
         )  # fmt: skip
+
+    def _loss_forward_cost(self, batch: dict) -> float:
+        """Estimated cost of the loss forward on a rollout micro-batch (the cheapest layout `plan_forward` would
+        pick), so `_prepare_inputs` can compare arrangements of an optimizer step's rows."""
+        pack, share = self._layout_settings(self.aux_loss_enabled)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        spans, prompt_width = row_spans(mask), batch["prompt_mask"].size(1)
+        groups = shared_prefix.prompt_groups(batch["prompt_ids"], batch["prompt_mask"]) if share is not False else []
+        group_of = {r: tuple(rows) for rows in groups for r in rows}
+        rows = list(range(mask.size(0)))
+        return _choose(spans, rows, prompt_width, group_of, self.args.trim_padding, pack, share, self._flash,
+                       self._pair_cost)[1]  # fmt: skip
 
     # ------------------------------------------------------------------------------------- 4. the model call
     def _call_model(self, model, layout: ForwardLayout, **model_inputs):

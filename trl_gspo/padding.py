@@ -1,38 +1,31 @@
-"""Stop running the model on padding: trimmed, length-sorted and packed forwards (`PaddingRemoval` mixin).
+"""Stop running the model on padding: trimmed, length-sorted and packed layouts (`PaddingRemoval` mixin).
 
 TRL 1.16 pads the whole rollout batch once (prompts left, completions right, each to the longest in the batch)
 and runs every forward at that width: the loss forward, the no-grad pi_old pass and the reference pass. With
-long-tailed completion lengths most of those positions are padding. Three exact ways to skip them, cheapest first:
+long-tailed completion lengths most of those positions are padding. Three exact ways to skip them:
 
 1. **Trim** (`GSPOConfig.trim_padding`, default on): each model call gets only the columns where at least one of
    its rows has a real token; outputs are scattered back to the batch width. Kept tokens keep their absolute
    positions (`position_ids` are passed when leading columns go), so the math is TRL's; only float rounding
-   differs (matmul shapes change).
+   differs (matmul shapes change). The model's own attention runs, with the padding mask.
 2. **Sort** (`GSPOConfig.sort_by_length`): rows of each optimizer step are ordered by length before they are
    cut into micro-batches, so each micro-batch trims to its own short width. A row never leaves its optimizer
    step. The no-grad passes sort the whole batch and unsort their outputs.
-3. **Pack** (`GSPOConfig.padding_free`, opt-in): the real tokens of a call's sequences are laid end to end in rows,
-   `position_ids` restarting at 0 at each sequence and no `attention_mask`, which is what makes transformers keep
-   sequences apart (packed-sequence detection for sdpa/eager/flex: block-diagonal mask; flash-attention: varlen
-   kernels on one row). Any `attention_mask` or cache turns that detection off *silently*; `_call_model` refuses
-   an `attention_mask` on a packed call, and `tests/test_padding.py` checks that no sequence can see another.
+3. **Pack** (`GSPOConfig.padding_free`, `"auto"` by default): the real tokens of a call's sequences are laid end to
+   end in rows (`segment_layout`), each at its padded-batch position, kept apart by the segment attention
+   (segment_attention.py), never by transformers' packed-sequence detection. The same layout runs a prompt once
+   for several completions (shared_prefix.py).
 
-Integration points (for mixins that must see every model call, e.g. MoE routing replay):
-
-- **`PaddingRemoval._call_model(model, layout, **model_inputs)`** is the one place where this path calls the
-  model: it returns `model(**model_inputs)`. Every forward of `_get_per_token_logps_and_entropies` for text
-  inputs (loss, pi_old, reference; trimmed, sorted, packed or none of these) goes through it, once per chunk,
-  inside `accelerator.autocast()`. Override it (calling `super()`) to arm hooks for exactly that call.
-  Multimodal inputs (any image/video field set) are left to TRL's own loop, which does not call it.
-- **`ForwardLayout`** (the `layout` argument) says where each position `[row, col]` of the model input
-  `[rows, width]` came from: `layout.source[row, col]` is the flat index `b * S + s` into the `[B, S]` `input_ids`
-  given to `_get_per_token_logps_and_entropies`, or -1 for a filler position that exists in no original row (the
-  tail of a packed row). `layout.to_model(x, fill)` moves any per-position tensor `[B, S, ...]` into the model
-  input's layout `[rows, width, ...]` (one gather); `layouts_to_batch` maps per-call outputs back.
-- **Sorting permutes every per-row value** of the rollout batch (tensors whose first dimension is the row count,
-  and lists of that length), whatever its key, like TRL's `shuffle_sequence_dict` / `split_tensor_dict`. A
-  tensor whose first dimension is not the row count (e.g. concatenated image patches) disables sorting for that
-  rollout, logged once.
+forward.py plans every forward with these layouts (the cheapest per model call) and makes the model calls.
+**`ForwardLayout`** says where each position `[row, col]` of a call's input `[rows, width]` came from:
+`layout.source[row, col]` is the flat index `b * S + s` into the `[B, S]` `input_ids` given to
+`_get_per_token_logps_and_entropies`, or -1 for filler (the tail of a packed row); `aliases` adds the batch
+positions a shared prompt prefix also stands for. `layout.to_model(x, fill)` moves any per-position tensor
+`[B, S, ...]` into the call's layout (one gather or a slice); `layouts_to_batch` maps per-call outputs back.
+**Sorting permutes every per-row value** of the rollout batch (tensors whose first dimension is the row count, and
+lists of that length), whatever its key, like TRL's `shuffle_sequence_dict` / `split_tensor_dict`. A tensor whose
+first dimension is not the row count (e.g. concatenated image patches) disables sorting for that rollout, logged
+once. `arrange_micro_batches` is that arrangement as a pure function (sorting, whole-group mini-batches).
 """
 
 from __future__ import annotations
@@ -476,9 +469,13 @@ class PaddingRemoval:
         grouped = self.args.group_minibatches
         if not (self._sort_micro_batches or grouped):
             return inputs
+        # Sorting may also keep each prompt's rows together inside an optimizer step, so the loss forward shares the
+        # prompt: the forward's cost model picks between the two orders (rows still never leave their step).
+        sharing = self.args.shared_prefix is not False and not self._shared_prefix_off_reason
         buffer = arrange_micro_batches(
             list(self._buffered_inputs), step, self.args.steps_per_generation, self.num_iterations,
             self.args.gradient_accumulation_steps, sort=self._sort_micro_batches, group_minibatches=grouped,
+            cost=self._loss_forward_cost if sharing else None,
         )  # fmt: skip
         if buffer is None:
             self._warn_once("sort", "Rollout batch holds values that are not per row (e.g. image patches): "
@@ -527,13 +524,15 @@ class PaddingRemoval:
 
 
 def arrange_micro_batches(buffer, first_step, steps_per_generation, num_iterations, accumulation, *, sort,
-                          group_minibatches):  # fmt: skip
+                          group_minibatches, cost=None):  # fmt: skip
     """A fresh rollout buffer (TRL's shuffled, split micro-batches) arranged for the forwards, a pure function.
 
     `group_minibatches`: rows laid out again group by group over the whole buffer (shared_prefix.group_rows), so
     whole groups share an optimizer step. `sort`: inside each set of micro-batches that always fall in the same
-    optimizer steps (`optimizer_step_groups`), rows ordered longest first (whole groups by their longest row when
-    grouped), so a row never changes optimizer step here. None if a value is not per row (nothing is arranged)."""
+    optimizer steps (`optimizer_step_groups`), rows ordered longest first, so a row never changes optimizer step
+    here; whole prompt groups by their longest row when grouped, or when `cost` (a micro-batch's estimated loss
+    forward cost) says keeping each prompt's rows together (so the loss forward shares the prompt) is cheaper than
+    pure length order. None if a value is not per row (nothing is arranged)."""
     from . import shared_prefix
 
     keys = _per_row_keys(buffer[0])
@@ -544,9 +543,14 @@ def arrange_micro_batches(buffer, first_step, steps_per_generation, num_iteratio
     if not sort:
         return buffer
     for group in optimizer_step_groups(first_step, steps_per_generation, num_iterations, accumulation):
-        if len(group) < 2 and not group_minibatches:
+        if len(group) < 2:
             continue
-        sorted_batches = sort_rows_by_length([buffer[k] for k in group], grouped=group_minibatches)
+        batches = [buffer[k] for k in group]
+        sorted_batches = sort_rows_by_length(batches, grouped=group_minibatches)
+        if cost is not None and not group_minibatches:
+            by_group = sort_rows_by_length(batches, grouped=True)
+            if sum(map(cost, by_group)) < sum(map(cost, sorted_batches)):
+                sorted_batches = by_group
         for k, batch in zip(group, sorted_batches):
             buffer[k] = batch
     return buffer

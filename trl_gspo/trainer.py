@@ -16,8 +16,10 @@ checks loss and gradients against stock `GRPOTrainer` so drift is caught when th
 Features around the loss are mixins, one per module, each overriding TRL methods through `super()`:
 `ResumableTraining` (checkpointing.py), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py: MoE
 routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py), `TrainingDiagnostics`
-(diagnostics.py) and `PaddingRemoval` (padding.py: trimmed, sorted and packed forwards). The non-finite guard is a
-callback (nonfinite.py) plus one line at the end of the loss.
+(diagnostics.py) and `PaddingRemoval` (padding.py: sorted micro-batches, throughput counts). Every log-prob forward
+is one explicit pipeline, `LogprobForward` (forward.py), whose named steps call into sampler_logprobs,
+routing_replay, padding and shared_prefix. The non-finite guard is a callback (nonfinite.py) plus one line at the
+end of the loss.
 """
 from __future__ import annotations
 
