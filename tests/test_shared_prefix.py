@@ -214,14 +214,18 @@ def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path):
     trainer = _trainer(model, tokenizer, tmp_path, **ON)
     trainer.model.eval()
     batch = _grouped_batch(model.config.vocab_size, seed=2)
+    before, _, _ = _forward(trainer, batch, grad=False)
+    for row in (0, 2, 5):  # rows sharing one prompt; each in turn changes, wherever its segment sits in the row
+        changed = copy.deepcopy(batch)
+        m = batch["completion_mask"][row].bool()
+        changed["completion_ids"][row, m] = (batch["completion_ids"][row, m] + 5) % (model.config.vocab_size - 4) + 4
+        after, _, _ = _forward(trainer, changed, grad=False)
+        assert torch.equal(before[row], after[row]) is (not m.any())  # its own log-probs move (if it has tokens)
+        for sibling in {0, 2, 5} - {row}:
+            torch.testing.assert_close(after[sibling], before[sibling], atol=1e-6 if moe else 0, rtol=0)
     changed = copy.deepcopy(batch)
     m = batch["completion_mask"][0].bool()
     changed["completion_ids"][0, m] = (batch["completion_ids"][0, m] + 5) % (model.config.vocab_size - 4) + 4
-    before, _, _ = _forward(trainer, batch, grad=False)
-    after, _, _ = _forward(trainer, changed, grad=False)
-    assert not torch.equal(before[0], after[0])
-    for sibling in (2, 5):  # rows sharing row 0's prompt
-        torch.testing.assert_close(after[sibling], before[sibling], atol=1e-6 if moe else 0, rtol=0)
 
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     ids_changed = torch.cat([changed["prompt_ids"], changed["completion_ids"]], 1)
