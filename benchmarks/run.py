@@ -717,6 +717,8 @@ def main(argv=None):
                         help="train both trainers without activation checkpointing (TRL's default is on)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak for MFU (TFLOP/s)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/<device>.json)")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated subset of the layout scenarios' variants to run (default: all)")  # fmt: skip
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -795,7 +797,7 @@ def main(argv=None):
         )
     from trl_gspo import fused_head
 
-    for name in ("long_tail", "long_prompt"):
+    for name in ("long_prompt", "long_tail"):
         if name not in wanted:
             continue
         if not fused_head.available():  # padding removal needs TRL's fused head (>= 1.15)
@@ -809,7 +811,7 @@ def main(argv=None):
                 f"micro-batches per optimizer step, {STEPS_PER_GENERATION} optimizer steps per rollout)")
             report["scenarios"][name][key] = layout_scenario(
                 key, sc_shape, args.device, args.reps or sc_shape["reps"], work_dir, log, gradient_checkpointing,
-                LAYOUT_VARIANTS[name],
+                {k: v for k, v in LAYOUT_VARIANTS[name].items() if args.variants is None or k in args.variants.split(",")},
             )  # fmt: skip
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
