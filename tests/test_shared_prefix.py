@@ -496,3 +496,31 @@ def test_group_minibatches_keeps_whole_groups_in_each_optimizer_step(tokenizer, 
         assert whole is grouped
         if grouped:
             assert all(len(set(prompts)) == 1 for _, prompts in record)
+
+
+def test_sorting_inside_a_step_groups_prompts_only_when_cheaper():
+    """`arrange_micro_batches` with a cost: inside each optimizer step (2 micro-batches here) rows are ordered by
+    length, or by prompt group when the cost says the grouped micro-batches are cheaper; either way each step keeps
+    exactly its rows."""
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(4, 40, (4, 3), generator=g)
+    group = torch.tensor([0, 1, 2, 3, 1, 0, 3, 2, 0, 0, 1, 1, 2, 3, 2, 3])  # 4 micro-batches of 4 rows, 2 per step
+    lengths = torch.randint(1, 6, (16,), generator=g)
+    buffer = [{"prompt_ids": prompts[group[i : i + 4]], "prompt_mask": torch.ones(4, 3, dtype=torch.long),
+               "completion_mask": (torch.arange(6)[None] < lengths[i : i + 4, None]).long(),
+               "row": torch.arange(i, i + 4)} for i in range(0, 16, 4)]  # fmt: skip
+
+    def groups_in(batch):  # distinct prompts in a micro-batch: fewer means more sharing
+        return len({tuple(p.tolist()) for p in batch["prompt_ids"]})
+
+    arranged = {}
+    for name, cost in (("length", lambda b: -groups_in(b)), ("grouped", groups_in)):
+        out = padding.arrange_micro_batches([dict(b) for b in buffer], 0, 4, 1, 2, sort=True, group_minibatches=False,
+                                            cost=cost)  # fmt: skip
+        for step in (0, 1):  # rows never leave their optimizer step
+            got = sorted(torch.cat([out[2 * step]["row"], out[2 * step + 1]["row"]]).tolist())
+            assert got == list(range(8 * step, 8 * step + 8))
+        arranged[name] = out
+    assert sum(map(groups_in, arranged["grouped"])) < sum(map(groups_in, arranged["length"]))
+    plain = padding.arrange_micro_batches([dict(b) for b in buffer], 0, 4, 1, 2, sort=True, group_minibatches=False)
+    assert all(torch.equal(a["row"], b["row"]) for a, b in zip(plain, arranged["length"]))  # = length order
