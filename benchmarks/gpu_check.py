@@ -144,16 +144,23 @@ def _round(value, digits: int = 4):
 
 
 def _bench_headline(result: dict) -> dict:
-    """ours/stock seconds per step (and MFU, peak memory) per scenario of `benchmarks/run.py`'s JSON."""
+    """ours/stock seconds per step (and MFU, peak memory) per scenario of `benchmarks/run.py`'s JSON, at any depth
+    (a layout scenario nests shape -> variant), named by their path."""
     found = {}
-    for name, scenario in result.get("scenarios", {}).items():
-        for variant, numbers in [("", scenario), *((f".{k}", v) for k, v in scenario.items() if isinstance(v, dict))]:
-            for key in ("ratio_seconds_per_step", "ratio_seconds", "ratio_ours_over_stock"):  # wall time, memory
-                if isinstance(numbers.get(key), float):
-                    found[f"{name}{variant} ours/stock"] = _round(numbers[key], 3)
-        for kind, mfu in (scenario.get("mfu") or {}).items():
+
+    def walk(path: str, node: dict):
+        for key in ("ratio_seconds_per_step", "ratio_seconds", "ratio_ours_over_stock"):  # wall time, memory
+            if isinstance(node.get(key), float):
+                found[f"{path} ours/stock"] = _round(node[key], 3)
+        for kind, mfu in (node.get("mfu") or {}).items():
             if isinstance(mfu, float):
-                found[f"{name} MFU {kind}"] = _round(mfu, 3)
+                found[f"{path} MFU {kind}"] = _round(mfu, 3)
+        for key, value in node.items():
+            if isinstance(value, dict) and key not in ("mfu", "median", "runs"):
+                walk(f"{path}.{key}", value)
+
+    for name, scenario in result.get("scenarios", {}).items():
+        walk(name, scenario)
     if "attention" in result:
         found["attention"] = result["attention"]
     return found
@@ -178,8 +185,9 @@ PARTS = [
          _bench("equal_settings", "sampler_logprobs", "logprob_memory"), _bench_headline),
     Part("loss_path", "`benchmarks/run.py --device cuda --scenarios loss_path`: _compute_loss + backward alone, ours "
          "vs stock (the loss pipeline's overhead)", 180, _needs(), _bench("loss_path"), _bench_headline),
-    Part("packing", "long-tail rollouts: padding_free packing vs trim + sort vs stock, training phase",
-         420, _needs(), _bench("long_tail"), _bench_headline, _packing_note),
+    Part("packing", "layouts vs stock, training phase: long-tail rollouts at two batch shapes (the default layout, "
+         "trim + sort, packing) and ~1024-token prompts (shared prefixes, whole-group mini-batches)",
+         420, _needs(), _bench("long_tail", "long_prompt"), _bench_headline, _packing_note),
     Part("vllm_routes", "`benchmarks/vllm_routes_smoke.py`: vLLM returns MoE routes R3 can replay; sampler/trainer "
          "route mismatch", 120, _needs(_modules("vllm")),
          lambda out: [sys.executable, os.path.join(BENCHMARKS, "vllm_routes_smoke.py"), "--out", out],
@@ -286,27 +294,31 @@ def demo_cuda() -> dict:
 
 @contextlib.contextmanager
 def _count_no_grad_forwards():
-    """Counts the log-prob forwards that run without gradient (beta = 0: TRL's pi_old pass, nothing else), at the
-    first class below sampler log-prob reuse in GSPOTrainer's MRO, i.e. after reuse had its chance to skip them."""
+    """Counts the log-prob forwards that run the model without gradient (beta = 0: TRL's pi_old pass, nothing else):
+    the forward pipeline's model-running step (forward.py, after sampler reuse had its chance to answer) and TRL's
+    own padded loop, which the pipeline falls back to for multimodal inputs."""
     import torch
+    from trl import GRPOTrainer
 
-    from trl_gspo import GSPOTrainer
-    from trl_gspo.sampler_logprobs import SamplerLogprobReuse
+    from trl_gspo.forward import LogprobForward
 
-    name = "_get_per_token_logps_and_entropies"
-    mro = GSPOTrainer.__mro__
-    below = next(cls for cls in mro[mro.index(SamplerLogprobReuse) + 1 :] if name in vars(cls))
-    original, passes = vars(below)[name], [0]
+    targets = [(LogprobForward, "_planned_forward"), (GRPOTrainer, "_get_per_token_logps_and_entropies")]
+    originals, passes = [vars(cls)[name] for cls, name in targets], [0]
 
-    def counted(self, *args, **kwargs):
-        passes[0] += not torch.is_grad_enabled()
-        return original(self, *args, **kwargs)
+    def counting(original):
+        def counted(self, *args, **kwargs):
+            passes[0] += not torch.is_grad_enabled()
+            return original(self, *args, **kwargs)
 
-    setattr(below, name, counted)
+        return counted
+
+    for (cls, name), original in zip(targets, originals):
+        setattr(cls, name, counting(original))
     try:
         yield passes
     finally:
-        setattr(below, name, original)
+        for (cls, name), original in zip(targets, originals):
+            setattr(cls, name, original)
 
 
 def vllm_colocate(use_vllm: bool = True, device: str = "cuda", max_steps: int = 8) -> dict:

@@ -112,12 +112,14 @@ def test_benchmark_headline_reads_run_py_ratios_and_mfu():
     result = {"attention": "sdpa", "scenarios": {
         "equal_settings": {"ratio_seconds_per_step": 0.9712, "mfu": {"stock": 0.31, "ours": 0.33}},
         "loss_path": {"ratio_seconds": 1.02, "ratio_cpu_seconds": 1.5},
-        "long_tail": {"trim_sort": {"ratio_seconds_per_step": 0.61}, "packed": {"ratio_seconds_per_step": 0.52}},
+        "long_tail": {"long_tail": {"trim_sort": {"ratio_seconds_per_step": 0.61},
+                                    "median": {"stock": {"seconds_per_step": 2.0}}},
+                      "long_tail_one_micro_batch": {"packed": {"ratio_seconds_per_step": 0.52}}},
         "logprob_memory": {"ratio_ours_over_stock": 0.25}}}  # fmt: skip
     assert gpu_check._bench_headline(result) == {
         "equal_settings ours/stock": 0.971, "equal_settings MFU stock": 0.31, "equal_settings MFU ours": 0.33,
         "loss_path ours/stock": 1.02,
-        "long_tail.trim_sort ours/stock": 0.61, "long_tail.packed ours/stock": 0.52,
+        "long_tail.long_tail.trim_sort ours/stock": 0.61, "long_tail.long_tail_one_micro_batch.packed ours/stock": 0.52,
         "logprob_memory ours/stock": 0.25, "attention": "sdpa"}  # fmt: skip
 
 

@@ -59,8 +59,10 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
      ("multi_gpu.yaml", ("MULTI_CPU",), ("--moe", "true", "--routing_replay", "R2")),
      # packed forwards (padding.py): each rank packs its own rows, ZeRO-3 ranks still make the same model calls
      # (longer completions, so rows end at different lengths and the ranks' packed widths differ)
-     ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12"))],
-    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed"],
+     ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12")),
+     # shared-prefix forwards with whole-group mini-batches: every pass (pi_old and loss) runs each prompt once
+     ("zero3.yaml", ("DEEPSPEED",), ("--shared_prefix", "true", "--group_minibatches", "true"))],
+    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed", "zero3-shared-prefix"],
 )  # fmt: skip
 def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type, extra):
     from transformers import AutoModelForCausalLM
@@ -71,7 +73,7 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
         pytest.importorskip("deepspeed")
     from trl_gspo import fused_head
 
-    if "--padding_free" in extra and not fused_head.available():
+    if ("--padding_free" in extra or "--shared_prefix" in extra) and not fused_head.available():
         pytest.skip("TRL < 1.15: no fused log-prob head, padding_free=True is refused (tests/test_padding.py)")
     out = tmp_path / "run"
     result = _launch(config, out, *extra)
@@ -102,5 +104,7 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
     if "R2" in extra:  # both steps replayed every completion token's route, pooled over the two ranks
         assert [float(r["moe/replay/coverage"]) for r in rows] == [1.0, 1.0]
         assert float(rows[0]["moe/routing_shift"]) == 0.0  # step 1: on-policy mini-batch
+    if "--shared_prefix" in extra:  # prompts ran once for their completions on both ranks' steps
+        assert all(float(r["throughput/prompt_tokens_saved_per_step"]) > 0 for r in rows)
     if "--padding_free" in extra:  # packing ran and removed padding TRL would have computed
         assert all(float(r["throughput/padding_fraction"]) < float(r["throughput/stock_padding_fraction"]) for r in rows)

@@ -22,6 +22,7 @@ from .padding import PaddingOptions
 from .rewards_guard import RewardGuardOptions
 from .routing_replay import RoutingReplayOptions
 from .sampler_logprobs import SamplerLogprobOptions
+from .shared_prefix import SharedPrefixOptions
 from .validation import check_choice
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ MAX_FINITE_LOG_RATIO = 88.0
 #: Each feature's fields and their validation, in the order they are checked.
 FEATURE_OPTIONS = (
     NonFiniteOptions, RewardGuardOptions, CheckpointOptions, FusedHeadOptions, SamplerLogprobOptions,
-    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions,
+    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions, SharedPrefixOptions,
 )  # fmt: skip
 
 
@@ -52,7 +53,7 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     Configuration for [`GSPOTrainer`]: every [`trl.GRPOConfig`] field, with the GSPO paper's defaults, plus each
     feature's fields (documented in its options class: `NonFiniteOptions`, `RewardGuardOptions`,
     `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `DiagnosticsOptions`, `RoutingReplayOptions`,
-    `PaddingOptions`).
+    `PaddingOptions`, `SharedPrefixOptions`).
 
     Defaults that differ from `trl.GRPOConfig` (paper, arXiv 2507.18071, Sec. 5):
     - `importance_sampling_level="sequence"` (GSPO) instead of `"token"` (GRPO).

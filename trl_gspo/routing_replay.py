@@ -252,62 +252,51 @@ class MoERouting:
         finally:
             self._moe_role, self._moe_inputs = None, None
 
-    def training_step(self, *args, **kwargs):
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:  # the backward (and its checkpointing recompute) is done: generate() must route natively
-            self._release_routes()
-
-    def prediction_step(self, *args, **kwargs):
-        try:
-            return super().prediction_step(*args, **kwargs)
-        finally:
-            self._release_routes()
-
     def _release_routes(self):
         if self._router_hooks is not None:
             self._router_hooks.release()
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        forward = super()._get_per_token_logps_and_entropies
-        role, self._moe_role = self._moe_role, None  # one observed forward per role
+    # Steps of the forward pipeline (forward.py): which forward this is, the router pass around it, what it recorded.
+    def _take_route_role(self) -> str | None:
+        """"old" (TRL's pi_old pass), "loss" (the loss forward) or None: one observed forward per role."""
+        role, self._moe_role = self._moe_role, None
+        return role
+
+    @contextlib.contextmanager
+    def _route_pass(self, role, replay, batch, width):
+        """The router pass of one observed forward. Not observed (`role` None): a pass opened around this forward by
+        the caller, if any, so its model calls still say which positions they hold; else None."""
         if role is None:
-            return forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        batch, width = input_ids.shape
-        replay = self._replay_table(role, width, logits_to_keep)
+            current = None if self._router_hooks is None else self._router_hooks.active
+            yield current if isinstance(current, RouterPass) and not current.closed else None
+            return
         record = not (role == "old" and self._replay == "R3")  # R3's pi_old routes are the sampler's, already known
         with self._router_hooks.forward_pass(
             batch, width, record=record, replay=replay, keep_for_recompute=torch.is_grad_enabled()
         ) as observed:
-            out = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            yield observed
+
+    def _after_route_pass(self, role, replay, observed, out, logits_to_keep):
+        """Keep pi_old's routes for the rollout batch, or record the loss forward's routing metrics."""
         if observed.idle:
-            return out  # no model call ran (pi_old came from the sampler's log-probs): nothing observed
+            return  # no model call ran: nothing observed
         problem = observed.check()
         if problem is not None:
             if self._replay != "none":  # replay would force routes onto the wrong tokens, or have none to force
                 raise RuntimeError(f"routing_replay={self._replay!r}: {problem}; routes cannot be replayed reliably.")
             logger.warning("MoE routing metrics skipped for this forward: %s.", problem)
-            return out
+            return
         native = observed.native_routes()
         if role == "old":
             self._old_pass_logps = out[0]
-            if not record:
-                return out
+            if self._replay == "R3":  # its pi_old routes are the sampler's, replayed here, not recorded
+                return
             valid = observed.recorded_positions()  # padding.py may have skipped all-padding columns
             if self._replay == "none":  # metrics only need the completion part
                 native, valid = native[:, -logits_to_keep:], valid[:, -logits_to_keep:]
             self._rollout_routes = RouteTable(native.cpu(), valid.cpu())
         else:
             self._record_moe_metrics(native[:, -logits_to_keep:], replay, logits_to_keep)
-        return out
-
-    def _call_model(self, model, layout, **model_inputs):
-        # padding.py's one model call (trimmed, length-sorted or packed): tell the open router pass which batch
-        # positions this call's input holds, so recorded and replayed routes follow the rows and columns it moved.
-        current = None if self._router_hooks is None else self._router_hooks.active
-        if isinstance(current, RouterPass) and not current.closed:
-            current.set_call_positions(layout.source)
-        return super()._call_model(model, layout, **model_inputs)
 
     def _replay_table(self, role, width, logits_to_keep) -> RouteTable | None:
         """Routes to force in this forward: R3's sampler routes in the pi_old pass; R2/R3's `old_routes` in the loss."""

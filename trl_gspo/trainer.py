@@ -17,8 +17,10 @@ Features around the loss are mixins, one per module: `ResumableTraining` (checkp
 (rollout.py: owns TRL's rollout path, `_prepare_inputs` -> `_generate_and_score_completions` -> `_generate`, and
 calls each feature's step there explicitly), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py:
 MoE routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py), `TrainingDiagnostics`
-(diagnostics.py) and `PaddingRemoval` (padding.py: trimmed, sorted and packed forwards). The non-finite guard is a
-callback (nonfinite.py) plus one line at the end of the loss.
+(diagnostics.py) and `PaddingRemoval` (padding.py: sorted micro-batches, throughput counts). Every log-prob forward
+is one explicit pipeline, `LogprobForward` (forward.py), whose named steps call into sampler_logprobs,
+routing_replay, padding and shared_prefix. The non-finite guard is a callback (nonfinite.py) plus one line at the
+end of the loss.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from . import checkpointing, losses, model_card
 from .checkpointing import ResumableTraining
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 from .diagnostics import TrainingDiagnostics
+from .forward import LogprobForward
 from .nonfinite import NonFiniteGuard
 from .padding import PaddingRemoval
 from .rewards_guard import GuardedRewards
@@ -56,7 +59,7 @@ _FORWARD_KEYS = (
 
 class GSPOTrainer(
     ResumableTraining, RolloutPipeline, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics,
-    PaddingRemoval, GRPOTrainer,
+    PaddingRemoval, LogprobForward, GRPOTrainer,
 ):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 

@@ -17,7 +17,7 @@ differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range)
 | name | used by | difference across the range |
 | --- | --- | --- |
 | `_compute_loss(model, inputs)` | trainer.py (owned) | none (the loss the parity tests compare against) |
-| `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *, compute_entropy, compute_aux_loss, <multimodal>)` | trainer, padding, routing_replay, sampler_logprobs | same call and `(logps, entropies, aux_loss)` return; inside: full logits up to 1.13, full logits or a Liger-only chunked path in 1.14, TRL's fused chunked LM head from 1.15 |
+| `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *, compute_entropy, compute_aux_loss, <multimodal>)` | trainer, forward (owned: the forward pipeline) | same call and `(logps, entropies, aux_loss)` return; inside: full logits up to 1.13, full logits or a Liger-only chunked path in 1.14, TRL's fused chunked LM head from 1.15 |
 | `trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE` | fused_head, via `fused_logprob_head_module` here | from 1.15 (32768, the fused head's tile); absent before, where no fused head exists |
 | `_generate_single_turn(prompt_ids, images, multimodal_fields, [num_generations,] has_tool_images=False)` | rollout (for sampler_logprobs, routing_replay) | `num_generations` added in 1.14.2; the override passes `*args, **kwargs` through |
 | `_generate(prompts)` | rollout (for sampler_logprobs, routing_replay) | none: 8-tuple, per-token sampler log-probs at index 4 |
@@ -25,7 +25,8 @@ differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range)
 | `_calculate_rewards(...)`, `get_high_entropy_mask`, `get_off_policy_mask` | rewards_guard, trainer | none |
 | `_prepare_inputs` (owned), `_step`, `_buffered_inputs` | rollout, checkpointing | none (rollout buffer split into `steps_per_generation` mini-batches, regenerated every `steps_per_generation * num_iterations` micro-steps) |
 | `trl.trainer.utils.shuffle_sequence_dict`, `split_tensor_dict`, `split_pixel_values_by_grid`, `unsplit_pixel_values_by_grid` | rollout (TRL's shuffle and split of a rollout batch) | none |
-| model call `model(..., labels=, fused_lm_head=True)` returning `.log_probs`, `.entropy`, `.aux_loss` (TRL's `add_fused_lm_head`) | padding (trimmed / sorted / packed forwards) | from 1.15; before, padding removal is off (logged) and `padding_free=True` is refused |
+| model call `model(..., labels=, fused_lm_head=True)` returning `.log_probs`, `.entropy`, `.aux_loss` (TRL's `add_fused_lm_head`) | forward (trimmed / sorted / packed / shared forwards) | from 1.15; before, padding removal and prompt sharing are off (logged) and `padding_free=True` / `shared_prefix=True` are refused |
+| transformers: `AttentionInterface.register`, `AttentionMaskInterface.register`, `config._attn_implementation`, extra model kwargs reaching the attention function | segment_attention (packed and shared-prefix calls) | public extension points of transformers 5.x; same from 5.18 to 5.23 |
 | `_metrics`, `_entropy_bonus_enabled`, `_last_world_entropy`, `_entropy_window_stats`, `aux_loss_enabled`, `router_aux_loss_coef` | trainer, mixins | none; `GRPOConfig.router_aux_loss_coef` defaults to 0.001 up to 1.13 and to the model config's value from 1.14 (the trainer attribute TRL resolved is read) |
 | `trl.trainer.utils.is_async_callable` | rewards_guard, via `is_async_callable` here | from 1.14; before, TRL decides with `inspect.iscoroutinefunction` |
 | old-policy log-prob pass condition | sampler_logprobs, routing_replay, config (R2 check), via `old_logprob_pass_needed` / `old_logprob_pass_runs` here | none |
