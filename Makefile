@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test check
+.PHONY: demo test check gpu-check gpu-wheels
 demo: $(VENV)/.installed
 	$(BIN)/trl-gspo demo
 
@@ -22,3 +22,27 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
+
+# `make gpu-check`: every GPU check in one go (benchmarks/gpu_check.py, docs/gpu-check.md); parts whose GPU or package
+# is missing are skipped with the reason. It runs in GPU_PYTHON, the Python that holds CUDA torch (default python3;
+# `make gpu-check GPU_PYTHON=.venv/bin/python` for the venv above). For a GPU machine that cannot reach a package
+# index: `make gpu-wheels` on one that can, copy the checkout over; gpu-check then installs $(WHEELS)/*.whl for
+# GPU_PYTHON into $(GPU_SITE)/ first, offline. Arguments: `make gpu-check GPU_CHECK_ARGS="--parts parity_bf16"`.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+WHEELS ?= .whl
+GPU_SITE ?= .gpu-site
+# What a Python with torch and accelerate needs besides: the tested TRL and transformers; pure-Python wheels, ~16 MB.
+GPU_WHEELS ?= trl==1.16.0 transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+GPU_WHEELS_PYTHON_VERSION ?= 3.12
+
+gpu-check:
+	@if ls $(WHEELS)/*.whl >/dev/null 2>&1; then \
+		echo "installing $(WHEELS)/*.whl into $(GPU_SITE)/"; \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl; \
+	fi
+	PYTHONPATH="$(CURDIR)/$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEELS_PYTHON_VERSION) \
+		--implementation cp --platform manylinux2014_x86_64 -d $(WHEELS) $(GPU_WHEELS)

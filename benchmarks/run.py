@@ -18,11 +18,18 @@ Scenarios, each reported as ratios ours/stock of medians over repetitions (runs 
   completion tokens, each in a fresh process: stock `_compute_loss`, ours with defaults (TRL's own fused, chunked
   head), ours with `logprob_vocab_chunk_size=4096` (`ours_chunked`), and a naive full-fp32-logits reference.
 - `long_tail`: the training phase on identical long-tailed rollouts handed to both trainers through TRL's
-  `rollout_func` (`LongTailRollouts`: completions lognormal, median 0.3 x 256, ~10% truncated; 4 rows x 16
-  micro-batches per optimizer step, 4 optimizer steps per rollout, so the pi_old pass runs): stock vs ours with
-  trimming + sorting (the defaults) and with `padding_free=True`, rotated ABC/CBA in fresh processes. Generation
-  costs nothing there, so the step time is the training phase. `ratio_positions` is what the token count alone
-  predicts (positions the model ran on / positions stock runs, from padding.py's counters).
+  `rollout_func` (`LongTailRollouts`: completions lognormal, median 0.3 x 256, ~10% truncated; 4 optimizer steps per
+  rollout, so the pi_old pass runs), at two shapes: 4 rows x 16 micro-batches per optimizer step, and one micro-batch
+  of 8 rows per optimizer step (`long_tail_one_micro_batch`, where sorting cannot narrow a micro-batch). Variants of
+  ours, rotated ABC/CBA in fresh processes: `defaults` (every layout chosen by cost), `trim_sort` (no packing, no
+  sharing: the previous defaults), `packed` (`padding_free=True`), `no_sharing` (`shared_prefix=False`).
+  Generation costs nothing there, so the step time is the training phase. `ratio_positions` is what the token count
+  alone predicts (positions the model ran on / positions stock runs, from padding.py's counters).
+- `long_prompt`: the same on prompts of 896-1152 tokens (one per group of G = 8), completions lognormal with median
+  128 (~10% truncated at 384), 8 rows x 2 micro-batches per optimizer step: `shared` (defaults,
+  `shared_prefix="auto"`), `group_minibatches` (whole groups per optimizer step, so the loss forward shares too),
+  `no_sharing`. `prompt_tokens_saved_per_step`: prompt positions not run again because a sibling's prefix stood
+  for them.
 Both trainers' log-prob method is wrapped by one timer that sums its no-grad calls (with beta=0: TRL's pi_old pass);
 `stock_old_logprob_pass_share` = that time / step time in the stock runs, so 1 - share is what skipping the pass alone
 would give. `--no-gradient-checkpointing` trains both without TRL's default activation checkpointing.
@@ -54,8 +61,19 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 QWEN3_VOCAB = 151_936
-#: Dense bf16 tensor-core peak (FLOP/s) by device-name substring, for MFU. Override with --peak-tflops.
-BF16_PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+#: Dense bf16 tensor-core peak (FLOP/s) by device-name substring, for MFU; the first substring found in
+#: `torch.cuda.get_device_name()` wins, so form factors come before the bare name ("NVIDIA H100 NVL", "NVIDIA H100
+#: PCIe", "NVIDIA H100 80GB HBM3" for SXM). NVIDIA's spec tables (nvidia.com/en-us/data-center/h100 and .../h200) give
+#: bf16 tensor-core figures with 2:4 sparsity; dense is half: H100 SXM and H200 SXM 1,979 -> 989, H100 NVL and H200
+#: NVL 1,671 -> 835, H100 PCIe 1,513 -> 756. A100 312, L40S 362 and A10G 70 are dense already. Override with
+#: --peak-tflops.
+BF16_PEAK_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "A10G": 70e12}  # fmt: skip
+
+
+def bf16_peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak of the device named `device_name` (`BF16_PEAK_FLOPS`), or None if it is not listed."""
+    return next((flops for key, flops in BF16_PEAK_FLOPS.items() if key in device_name), None)
 #: GSPO paper loss settings, given explicitly to both trainers (GRPOConfig defaults differ).
 LOSS_SETTINGS = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0)
 
@@ -63,15 +81,25 @@ LOSS_SETTINGS = dict(importance_sampling_level="sequence", loss_type="grpo", eps
 SHAPES = {
     "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=6, completion=8, warmup_rollouts=1,
                  measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64,
-                 long_tail=dict(batch=2, accumulation=4, completion=32, prompt_range=(3, 8))),  # fmt: skip
+                 long_tail=dict(batch=2, accumulation=4, completion=32, prompt_range=(3, 8)),
+                 long_tail_one_micro_batch=dict(batch=4, accumulation=1),
+                 long_prompt=dict(batch=4, accumulation=2, completion=12, prompt_range=(24, 32), median_fraction=0.5)),  # fmt: skip
     "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=48, completion=32,
                 warmup_rollouts=1, measured_rollouts=3, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048,
                 long_tail=dict(layers=2, batch=4, accumulation=16, completion=256, prompt_range=(8, 32),
-                               measured_rollouts=1, reps=3)),  # fmt: skip
+                               measured_rollouts=1, reps=3),
+                # issue 19's shape: one micro-batch of 8 rows per optimizer step, sorting cannot narrow it
+                long_tail_one_micro_batch=dict(batch=8, accumulation=1),
+                # ~1024-token prompts, completions lognormal with median 128 (~10% truncated at 384), G = 8
+                long_prompt=dict(layers=2, batch=8, accumulation=2, completion=384, median_fraction=1 / 3,
+                                 prompt_range=(896, 1152), measured_rollouts=1, reps=3)),  # fmt: skip
     "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=128, completion=512,
                  warmup_rollouts=1, measured_rollouts=2, reps=3, mem_vocab=QWEN3_VOCAB, mem_tokens=2048,
                  long_tail=dict(batch=4, accumulation=16, completion=2048, prompt_range=(64, 256), measured_rollouts=1,
-                                reps=3)),  # fmt: skip
+                                reps=3),
+                 long_tail_one_micro_batch=dict(batch=8, accumulation=1),
+                 long_prompt=dict(batch=8, accumulation=2, completion=384, median_fraction=1 / 3,
+                                  prompt_range=(896, 1152), measured_rollouts=1, reps=3)),  # fmt: skip
 }
 STEPS_PER_GENERATION = 4
 
@@ -142,11 +170,13 @@ def _model(tokenizer, shape: dict, device: str, seed: int = 0):
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         )  # fmt: skip
         torch.manual_seed(seed)
-        # flash-attention when installed (varlen kernels for padding_free), else sdpa; the same for stock and ours
-        attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
-        print(f"benchmark model attention: {attention}", file=sys.stderr)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=cuda_attention())
     return build_tiny_model(tokenizer, seed=seed, hidden_size=shape["hidden"], num_layers=shape["layers"])
+
+
+def cuda_attention() -> str:
+    """flash-attention when installed (varlen kernels for padding_free), else sdpa; the same for stock and ours."""
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
 
 
 def _dataset(shape: dict, n: int = 512):
@@ -202,15 +232,17 @@ class LongTailRollouts:
 
     MEDIAN_FRACTION, TRUNCATED_FRACTION = 0.3, 0.10
 
-    def __init__(self, tokenizer, max_completion: int, prompt_range: tuple[int, int], num_generations: int, seed=0):
+    def __init__(self, tokenizer, max_completion: int, prompt_range: tuple[int, int], num_generations: int, seed=0,
+                 median_fraction: float | None = None):  # fmt: skip
         import math
         from statistics import NormalDist
 
         self.vocab, self.eos = len(tokenizer), tokenizer.eos_token_id
         self.max_completion, self.prompt_range, self.num_generations = max_completion, prompt_range, num_generations
-        self.mu = math.log(self.MEDIAN_FRACTION * max_completion)
+        median_fraction = median_fraction or self.MEDIAN_FRACTION
+        self.mu = math.log(median_fraction * max_completion)
         # P(length >= max) = 10%: ln(max) - mu = z_0.9 * sigma
-        self.sigma = math.log(1 / self.MEDIAN_FRACTION) / NormalDist().inv_cdf(1 - self.TRUNCATED_FRACTION)
+        self.sigma = math.log(1 / median_fraction) / NormalDist().inv_cdf(1 - self.TRUNCATED_FRACTION)
         self.seed, self.calls, self.tokens = seed, 0, 0
 
     def __call__(self, prompts, trainer):
@@ -279,7 +311,8 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
     rollout_func = None
     if long_tail:
         os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func's "experimental" notice
-        rollout_func = LongTailRollouts(tokenizer, shape["completion"], shape["prompt_range"], shape["num_generations"])
+        rollout_func = LongTailRollouts(tokenizer, shape["completion"], shape["prompt_range"], shape["num_generations"],
+                                        median_fraction=shape.get("median_fraction"))  # fmt: skip
     trainer = trainer_cls(model, counter, args=args, train_dataset=_dataset(shape), processing_class=tokenizer,
                           rollout_func=rollout_func)  # fmt: skip
 
@@ -333,8 +366,8 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
         "old_logprob_pass_seconds_per_step": (marks["pass_end"] - marks["pass_start"]) / measured_steps,
     }
     if marks["positions_end"] is not None:  # ours: tokens the model ran on vs what TRL's padded forwards would run
-        real, run, padded = (b - a for a, b in zip(marks["positions_start"], marks["positions_end"]))
-        result["positions"] = {"real_tokens": real, "run": run, "stock_would_run": padded}
+        real, run, padded, saved = (b - a for a, b in zip(marks["positions_start"], marks["positions_end"]))
+        result["positions"] = {"real_tokens": real, "run": run, "stock_would_run": padded, "prompt_tokens_saved": saved}
     if long_tail:  # real (prompt + completion) tokens of the rollouts trained in the measured window
         result["train_tokens"] = rollout_func.tokens - marks["rollout_tokens"]
         result["train_tokens_per_s"] = result["train_tokens"] / seconds
@@ -589,33 +622,49 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
     return result
 
 
-#: Variants of the long-tail scenario: GSPOConfig settings of ours (stock is plain GRPOTrainer).
-LONG_TAIL_VARIANTS = {
-    "trim_sort": dict(trim_padding=True, sort_by_length="auto"),  # the defaults
-    "packed": dict(trim_padding=True, sort_by_length="auto", padding_free=True),
+#: Layout scenarios on identical rollouts (`LongTailRollouts`): GSPOConfig settings of each variant of ours (stock is
+#: plain GRPOTrainer). `defaults`: every layout choice left to the trainer (trim, sort, pack and share by cost);
+#: `trim_sort`: the layouts of the previous release's defaults (no packing, no sharing).
+LAYOUT_VARIANTS = {
+    "long_tail": {
+        "defaults": {},
+        "trim_sort": dict(padding_free=False, shared_prefix=False),
+        "packed": dict(padding_free=True, shared_prefix=False),
+        "no_sharing": dict(shared_prefix=False),
+    },
+    "long_prompt": {
+        "shared": {},  # the defaults: shared_prefix="auto"
+        "group_minibatches": dict(group_minibatches=True),
+        "no_sharing": dict(shared_prefix=False),
+    },
 }
+#: Shapes of each layout scenario: overrides of the device shape's scenario entry (SHAPES).
+LAYOUT_SHAPES = {"long_tail": ("long_tail", "long_tail_one_micro_batch"), "long_prompt": ("long_prompt",)}
 
 
-def long_tail_scenario(shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool) -> dict:
-    """Stock vs each padding variant on identical long-tailed rollouts (`LongTailRollouts`), fresh processes,
-    order rotated every repetition (ABCD, DCBA, ...). Ratios: median ours / median stock."""
-    kinds = ["stock", *LONG_TAIL_VARIANTS]
+def layout_scenario(name: str, shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool,
+                    variants: dict) -> dict:  # fmt: skip
+    """Stock vs each variant on identical rollouts (`LongTailRollouts`), fresh processes, order rotated every
+    repetition (ABCD, DCBA, ...). Ratios: median ours / median stock."""
+    kinds = ["stock", *variants]
     runs = {k: [] for k in kinds}
     for rep in range(reps):
         for kind in kinds if rep % 2 == 0 else kinds[::-1]:
             spec = dict(task="train", kind="stock" if kind == "stock" else "ours", source="recompute", shape=shape,
                         device=device, out_dir=out_dir, gradient_checkpointing=gradient_checkpointing,
-                        settings=LONG_TAIL_VARIANTS.get(kind), long_tail=True)  # fmt: skip
+                        settings=variants.get(kind), long_tail=True)  # fmt: skip
             runs[kind].append(_run_worker(spec))
             r = runs[kind][-1]
-            log(f"  long_tail rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, {r['cpu_seconds_per_step']:.4f} "
+            saved = r.get("positions", {}).get("prompt_tokens_saved", 0)
+            log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, {r['cpu_seconds_per_step']:.4f} "
                 f"CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step, "
-                f"peak {r['peak_memory_bytes'] / 2**20:.1f} MiB")
+                f"peak {r['peak_memory_bytes'] / 2**20:.1f} MiB, prompt tokens saved {saved:.0f}")
     numeric = ("seconds_per_step", "cpu_seconds_per_step", "peak_memory_bytes", "old_logprob_pass_seconds_per_step",
                "train_tokens_per_s") + (("model_flops_per_s",) if device == "cuda" else ())
     med = {k: {m: _median(v, m) for m in numeric} for k, v in runs.items()}
-    result = {"variants": {"stock": "trl.GRPOTrainer", **LONG_TAIL_VARIANTS}, "median": med, "runs": runs}
-    for kind in LONG_TAIL_VARIANTS:
+    result = {"variants": {"stock": "trl.GRPOTrainer", **variants}, "median": med, "runs": runs,
+              "shape": {k: shape[k] for k in ("batch", "accumulation", "completion", "prompt_range", "num_generations")}}
+    for kind in variants:
         positions = runs[kind][0]["positions"]  # identical rollouts: the same counts in every repetition
         result[kind] = {
             "ratio_seconds_per_step": _ratio(med[kind]["seconds_per_step"], med["stock"]["seconds_per_step"]),
@@ -624,6 +673,7 @@ def long_tail_scenario(shape: dict, device: str, reps: int, out_dir: str, log, g
             # What the token count alone predicts: positions the model ran on / positions stock TRL runs
             "ratio_positions": _ratio(positions["run"], positions["stock_would_run"]),
             "stock_padding_fraction": 1 - positions["real_tokens"] / positions["stock_would_run"],
+            "prompt_tokens_saved_per_step": positions["prompt_tokens_saved"] / (shape["measured_rollouts"] * STEPS_PER_GENERATION),
         }
     if device == "cuda" and shape.get("peak_flops"):
         result["mfu"] = {k: med[k]["model_flops_per_s"] / shape["peak_flops"] for k in kinds}
@@ -658,6 +708,14 @@ def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
     }
 
 
+def _summary(sc: dict) -> dict:
+    """Ratios of a scenario (layout scenarios: per shape and variant)."""
+    if all(isinstance(v, dict) and "variants" in v for v in sc.values()):
+        return {key: {v: {k: x for k, x in sub[v].items() if k.startswith("ratio") or k == "prompt_tokens_saved_per_step"}
+                      for v in sub["variants"] if v != "stock"} for key, sub in sc.items()}  # fmt: skip
+    return {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu"}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -665,12 +723,15 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=None, help="repetitions per scenario (default: per shape)")
     parser.add_argument(
         "--scenarios",
-        default="loss_path,equal_settings,equal_settings_no_diagnostics,sampler_logprobs,logprob_memory,long_tail",
+        default="loss_path,equal_settings,equal_settings_no_diagnostics,sampler_logprobs,logprob_memory,long_tail,"
+        "long_prompt",
     )
     parser.add_argument("--no-gradient-checkpointing", action="store_true",
                         help="train both trainers without activation checkpointing (TRL's default is on)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak for MFU (TFLOP/s)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/<device>.json)")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated subset of the layout scenarios' variants to run (default: all)")  # fmt: skip
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -694,7 +755,7 @@ def main(argv=None):
         device_name = torch.cuda.get_device_name()
         peak = args.peak_tflops * 1e12 if args.peak_tflops else None
         if peak is None:
-            peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in device_name), None)
+            peak = bf16_peak_flops(device_name)
         shape["peak_flops"] = peak
     default_name = f"{args.device}{'-tiny' if args.tiny else ''}.json"
     out = args.out or os.path.join(REPO_ROOT, "benchmarks", "results", default_name)
@@ -721,8 +782,17 @@ def main(argv=None):
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "scenarios": {},
     }
+    if args.device == "cuda":
+        report["attention"] = cuda_attention()
     wanted = args.scenarios.split(",")
     started = time.perf_counter()
+
+    def save():  # after every scenario, so a run stopped by a time limit keeps what it finished
+        report["wall_seconds"] = time.perf_counter() - started
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+
     if "loss_path" in wanted:
         log("loss_path (_compute_loss + backward, stock vs ours, alternating in one process)")
         iters = 5 if args.tiny else 200
@@ -731,45 +801,52 @@ def main(argv=None):
         lp = report["scenarios"]["loss_path"]
         log(f"  ratio ours/stock: {lp['ratio_cpu_seconds']:.4f}, diagnostics off: "
             f"{lp['ratio_cpu_seconds_no_diagnostics']:.4f}, untrimmed: {lp['ratio_untrimmed_cpu_seconds']:.4f} (cpu time)")
+        save()
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
         report["scenarios"]["equal_settings"] = compare(
             "equal_settings", "recompute", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
+        save()
     if "equal_settings_no_diagnostics" in wanted:
         log("equal_settings_no_diagnostics (old_logprobs_source='recompute', diagnostics=False)")
         report["scenarios"]["equal_settings_no_diagnostics"] = compare(
             "equal_settings_no_diagnostics", "recompute", shape, args.device, reps, work_dir, log,
             gradient_checkpointing, diagnostics=False,
         )  # fmt: skip
+        save()
     if "sampler_logprobs" in wanted:
         log("sampler_logprobs (old_logprobs_source='sampler')")
         report["scenarios"]["sampler_logprobs"] = compare(
             "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
+        save()
     from trl_gspo import fused_head
 
-    if "long_tail" in wanted and not fused_head.available():  # padding removal needs TRL's fused head (>= 1.15)
-        log("long_tail skipped: this TRL has no fused log-prob head, so padding removal is off (padding.py)")
-    elif "long_tail" in wanted:
-        lt_shape = dict(shape, **shape["long_tail"])
-        log(f"long_tail (identical rollouts, completions lognormal median 0.3 x {lt_shape['completion']}, ~10% "
-            f"truncated; {lt_shape['batch']} rows x {lt_shape['accumulation']} micro-batches per optimizer step)")
-        report["scenarios"]["long_tail"] = long_tail_scenario(
-            lt_shape, args.device, args.reps or lt_shape["reps"], work_dir, log, gradient_checkpointing
-        )
+    for name in ("long_prompt", "long_tail"):
+        if name not in wanted:
+            continue
+        if not fused_head.available():  # padding removal needs TRL's fused head (>= 1.15)
+            log(f"{name} skipped: this TRL has no fused log-prob head, so padding removal is off (padding.py)")
+            continue
+        report["scenarios"][name] = {}
+        for key in LAYOUT_SHAPES[name]:
+            sc_shape = {**shape, **shape["long_tail"], **shape[key]}  # long_tail's entry is every scenario's base
+            log(f"{name} / {key} (identical rollouts: prompts of {sc_shape['prompt_range']} tokens, completions "
+                f"lognormal up to {sc_shape['completion']}; {sc_shape['batch']} rows x {sc_shape['accumulation']} "
+                f"micro-batches per optimizer step, {STEPS_PER_GENERATION} optimizer steps per rollout)")
+            report["scenarios"][name][key] = layout_scenario(
+                key, sc_shape, args.device, args.reps or sc_shape["reps"], work_dir, log, gradient_checkpointing,
+                {k: v for k, v in LAYOUT_VARIANTS[name].items() if args.variants is None or k in args.variants.split(",")},
+            )  # fmt: skip
+            save()
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
         # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.
         report["scenarios"]["logprob_memory"] = memory_scenario(shape, args.device, min(reps, 2), log)
-    report["wall_seconds"] = time.perf_counter() - started
-
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
+    save()
     summary = {
-        name: {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu" or k in LONG_TAIL_VARIANTS}
-        for name, sc in report["scenarios"].items()
+        name: _summary(sc) for name, sc in report["scenarios"].items()
     }
     log(json.dumps(summary, indent=2))
     print(json.dumps({"out": out, "device_name": device_name, "ratios": summary}))  # last stdout line: machine-readable

@@ -9,6 +9,7 @@ from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo.tiny import build_tiny_model, build_tokenizer
+from transformers import TrainerCallback  # after TRL: with peft 0.17 (oldest set) TRL's import-time patch is needed
 
 PROMPTS = [f"add {a} {b} =" for a in range(1, 5) for b in range(1, 5)]
 
@@ -18,7 +19,7 @@ def length_reward(completions, **kwargs):
     return [1.0 / (1 + len(c.split())) for c in completions]
 
 
-def make_trainer(output_dir, reward_funcs=length_reward, trainer_cls=GSPOTrainer, **overrides):
+def make_trainer(output_dir, reward_funcs=length_reward, trainer_cls=GSPOTrainer, prompts=PROMPTS, **overrides):
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, seed=0)
     settings = dict(
@@ -40,21 +41,65 @@ def make_trainer(output_dir, reward_funcs=length_reward, trainer_cls=GSPOTrainer
     )
     settings.update(overrides)
     args = GSPOConfig(**settings)
-    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    dataset = Dataset.from_dict({"prompt": list(prompts)})
     return trainer_cls(model, reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer)
 
 
+class SaveAt(TrainerCallback):
+    """Save a checkpoint after each of the given optimizer steps (HF's save_steps only saves at multiples)."""
+
+    def __init__(self, steps):
+        self.steps = set(steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.steps:
+            control.should_save = True
+        return control
+
+
+def weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def straight_then_resumed(output_dir, max_steps, save_at, **overrides):
+    """Train `max_steps` without interruption, saving after each step in `save_at`; then, in the same process, a new
+    trainer per saved checkpoint resumes from it and trains to `max_steps`. Returns (straight weights, {step: resumed
+    weights}). Each resumed trainer starts from scratch like a restarted job (new model, sampler, generator); HF
+    restores the RNG states from the checkpoint."""
+    trainer = make_trainer(os.path.join(output_dir, "straight"), max_steps=max_steps, **overrides)
+    trainer.add_callback(SaveAt(save_at))
+    trainer.train()
+    straight, resumed = weights(trainer), {}
+    for step in save_at:
+        again = make_trainer(os.path.join(output_dir, f"resumed-{step}"), max_steps=max_steps, **overrides)
+        again.train(resume_from_checkpoint=os.path.join(output_dir, "straight", f"checkpoint-{step}"))
+        assert again.state.global_step == max_steps
+        resumed[step] = weights(again)
+    return straight, resumed
+
+
 def main():
-    """Train to --max_steps, optionally resuming; write a marker line per optimizer step and the final weights."""
+    """Train to --max_steps, optionally resuming; write a marker line per optimizer step and the final weights.
+    With --resume_each, run `straight_then_resumed` instead and save its weights."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_steps", type=int, required=True)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--step_delay", type=float, default=0.0)
     parser.add_argument("--weights_out")
+    parser.add_argument("--num_prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--resume_each", type=int, nargs="*", help="steps to save at, then resume from")
     cli = parser.parse_args()
+    prompts = PROMPTS[: cli.num_prompts]
 
-    from transformers import TrainerCallback
+    if cli.resume_each:
+        straight, resumed = straight_then_resumed(cli.output_dir, cli.max_steps, cli.resume_each, prompts=prompts)
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:
+            torch.save({"straight": straight, "resumed": resumed}, cli.weights_out)
+        print("DONE", flush=True)
+        return
 
     class Progress(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -64,7 +109,7 @@ def main():
 
                 time.sleep(cli.step_delay)
 
-    trainer = make_trainer(cli.output_dir, max_steps=cli.max_steps, save_strategy="no")
+    trainer = make_trainer(cli.output_dir, max_steps=cli.max_steps, save_strategy="no", prompts=prompts)
     trainer.add_callback(Progress())
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     if cli.weights_out and trainer.accelerator.is_main_process:

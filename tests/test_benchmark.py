@@ -29,8 +29,9 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
     from trl_gspo import fused_head
 
     padding_path = fused_head.available()  # TRL < 1.15: padding removal is off, so long_tail is skipped (logged)
+    layouts = {"long_tail", "long_prompt"} if padding_path else set()
     assert set(report["scenarios"]) == {"loss_path", "equal_settings", "equal_settings_no_diagnostics",
-                                        "sampler_logprobs", "logprob_memory"} | ({"long_tail"} if padding_path else set())
+                                        "sampler_logprobs", "logprob_memory"} | layouts
     lp = report["scenarios"]["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
     assert _positive(lp["ratio_seconds_no_diagnostics"]) and _positive(lp["ratio_cpu_seconds_no_diagnostics"])
@@ -58,15 +59,38 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
     if not padding_path:
         assert "long_tail skipped" in proc.stderr + proc.stdout
         return
-    lt = report["scenarios"]["long_tail"]
-    assert set(lt["runs"]) == {"stock", "trim_sort", "packed"} and all(len(v) == report["reps"] for v in lt["runs"].values())
-    for variant in ("trim_sort", "packed"):
-        sc = lt[variant]
-        assert _positive(sc["ratio_seconds_per_step"]) and _positive(sc["ratio_cpu_seconds_per_step"])
-        assert 0 < sc["stock_padding_fraction"] < 1  # the long-tailed rollouts do pad
-        assert 0 < sc["ratio_positions"] < 1  # and the variant ran on fewer positions than stock
-        assert _positive(lt["median"][variant]["train_tokens_per_s"])
-        ratio = lt["median"][variant]["seconds_per_step"] / lt["median"]["stock"]["seconds_per_step"]
-        assert math.isclose(sc["ratio_seconds_per_step"], ratio)
-    # identical rollouts: every run of every trainer saw the same completion tokens
-    assert len({(r["completion_tokens"], r["train_tokens"]) for runs in lt["runs"].values() for r in runs}) == 1
+    shapes = {"long_tail": ("long_tail", "long_tail_one_micro_batch"), "long_prompt": ("long_prompt",)}
+    variants = {"long_tail": {"defaults", "trim_sort", "packed", "no_sharing"},
+                "long_prompt": {"shared", "group_minibatches", "no_sharing"}}  # fmt: skip
+    for scenario, keys in shapes.items():
+        assert set(report["scenarios"][scenario]) == set(keys)
+        for key in keys:
+            lt = report["scenarios"][scenario][key]
+            assert set(lt["runs"]) == {"stock"} | variants[scenario]
+            assert all(len(v) == report["reps"] for v in lt["runs"].values())
+            for variant in variants[scenario]:
+                sc = lt[variant]
+                assert _positive(sc["ratio_seconds_per_step"]) and _positive(sc["ratio_cpu_seconds_per_step"])
+                assert 0 < sc["stock_padding_fraction"] < 1  # the long-tailed rollouts do pad
+                assert 0 < sc["ratio_positions"] < 1  # and the variant ran on fewer positions than stock
+                assert sc["prompt_tokens_saved_per_step"] >= 0
+                assert _positive(lt["median"][variant]["train_tokens_per_s"])
+                ratio = lt["median"][variant]["seconds_per_step"] / lt["median"]["stock"]["seconds_per_step"]
+                assert math.isclose(sc["ratio_seconds_per_step"], ratio)
+            # identical rollouts: every run of every trainer saw the same completion tokens
+            assert len({(r["completion_tokens"], r["train_tokens"]) for runs in lt["runs"].values() for r in runs}) == 1
+        if scenario == "long_prompt":  # the no-grad pass shares each group's prompt; with sharing off nothing is saved
+            assert lt["shared"]["prompt_tokens_saved_per_step"] > 0 and lt["no_sharing"]["prompt_tokens_saved_per_step"] == 0
+
+
+def test_mfu_peak_tells_form_factors_apart():
+    """torch.cuda.get_device_name() of each part -> its dense bf16 peak: NVL and PCIe parts must not get the SXM one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", os.path.join(ROOT, "benchmarks", "run.py"))
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    expected = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 PCIe": 756e12,
+                "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
+                "NVIDIA GeForce RTX 4090": None}  # fmt: skip
+    assert {name: run.bf16_peak_flops(name) for name in expected} == expected

@@ -111,6 +111,8 @@ def test_train_runs_from_every_local_dataset_form(tmp_path, tiny_model_dir, copy
     assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
     model, _ = _load(tmp_path / "out")
     assert model.config.model_type == "qwen3"
+    card = (tmp_path / "out" / "README.md").read_text()  # a local base model is named by its folder, not "[None]"
+    assert f"fine-tuned version of `{Path(tiny_model_dir).name}` (a local model folder)" in card and "[None]" not in card
 
 
 BESIDE_RECIPE = """
@@ -234,6 +236,22 @@ NO_MODEL = "/nonexistent/model"  # a check that ran after model loading would fa
         ({"reward_funcs": ["accuracy_reward"]}, "reward 'accuracy_reward' needs dataset column(s) ['solution']"),
         ({"trainer_class": "trl_gspo.GSPOConfig"}, "trainer_class='trl_gspo.GSPOConfig' is not a subclass"),
         ({"dataset_train_split": "validation"}, "dataset_train_split='validation' not found"),
+        ({"dataset_test_split": "validation"}, "dataset_test_split='validation' not found; the dataset has splits "
+                                               "['train']"),
+        ({"eval_strategy": "steps", "eval_steps": 1},
+         "eval_strategy='steps' needs an evaluation set, but the dataset has no 'test' split (dataset_test_split; "
+         "splits found: ['train']). Give an eval file or dataset with eval_dataset_name, set dataset_test_split to one "
+         "of ['train'], or set eval_strategy: 'no'."),
+        ({"eval_dataset_name": "eval.jsonl"}, "eval_dataset_name='eval.jsonl' is set but eval_strategy is 'no', so "
+                                              "nothing would evaluate on it"),
+        ({"remove_unused_columns": True},
+         "remove_unused_columns=True removes the dataset column(s) ['target'] that reward 'demo_reward' reads "
+         "(GRPOTrainer keeps only ['prompt', 'image', 'images']); set remove_unused_columns: false"),
+        ({"num_generations": 3},
+         "num_generations=3 must divide the generation batch of 32 completions = per_device_train_batch_size 8 x 1 "
+         "process(es) x steps_per_generation 4 (the default: 4 x gradient_accumulation_steps=1, the paper's 4 "
+         "mini-batches per rollout)"),
+        ({}, f"model_name_or_path={NO_MODEL!r}: no such folder"),  # the last check: every other key here is valid
     ],
     ids=lambda x: str(x)[:40],
 )
@@ -244,7 +262,14 @@ def test_bad_recipe_fails_before_loading_a_model(tmp_path, copy_jsonl, capsys, k
     except SystemExit as err:  # argparse's own type errors (a string that is not a bool/number) exit with 2
         code = err.code
     assert code == 2
-    assert message in capsys.readouterr().err
+    assert message in _error_line(capsys.readouterr().err)
+
+
+def _error_line(err: str) -> str:
+    """The CLI's one error line (stderr may also hold library log lines); the whole message must be on it."""
+    lines = [line for line in err.splitlines() if line.startswith("trl-gspo ") and ": error: " in line]
+    assert len(lines) == 1, err
+    return lines[0]
 
 
 def test_dataset_without_prompt_column_names_the_column(tmp_path, capsys):
@@ -298,3 +323,192 @@ def test_model_card_fields_per_variant():
     assert name == "GSPO-token (luspo loss)" and paper["id"] == "2507.18071" and "gspo-token" in tags
     name, paper, tags = card_fields("token", "grpo", GRPOTrainer._paper)
     assert name == "GRPO" and paper is GRPOTrainer._paper and "grpo" in tags
+
+
+# ---------------------------------------------------------------------- the first hour: paths, model, eval, precision
+RECIPE_MODULE = """
+from trl_gspo import GSPOTrainer
+from trl_gspo.demo import demo_reward
+
+
+def copy_reward(completions, target, **kwargs):
+    return demo_reward(completions, target=target)
+
+
+class ProbeTrainer(GSPOTrainer):
+    seen = {}
+
+    def evaluate(self, *args, **kwargs):
+        type(self).seen["eval_rows"] = len(self.eval_dataset)
+        return super().evaluate(*args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        type(self).seen.update(bf16=self.args.bf16, mixed_precision=self.accelerator.mixed_precision)
+        return super().train(*args, **kwargs)
+"""
+
+
+def _recipe_folder(tmp_path, tiny_model_dir, **keys):
+    """recipes/ holding a recipe that names its model folder, data file and module by relative paths."""
+    import shutil
+
+    folder = tmp_path / "recipes"
+    (folder / "data").mkdir(parents=True)
+    shutil.copytree(tiny_model_dir, folder / "model")
+    make_demo_dataset(32, seed=1).to_json(str(folder / "data" / "copy.jsonl"))
+    (folder / "first_hour.py").write_text(RECIPE_MODULE)
+    base = yaml.safe_load(open(_train_recipe(tmp_path, "model", "data/copy.jsonl")))
+    base.update(reward_funcs=["first_hour.copy_reward"], trainer_class="first_hour.ProbeTrainer", max_steps=1, **keys)
+    return _write_recipe(folder / "recipe.yaml", **base)
+
+
+@pytest.fixture
+def recipe_module(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the recipe's folder on it; undone after the test
+    monkeypatch.delitem(sys.modules, "first_hour", raising=False)
+    yield lambda: sys.modules["first_hour"].ProbeTrainer.seen
+    sys.modules.pop("first_hour", None)
+
+
+def test_recipe_paths_resolve_next_to_the_recipe_first_then_the_working_directory(tmp_path, tiny_model_dir, monkeypatch,
+                                                                                   recipe_module):  # fmt: skip
+    """Model folder, data file and module next to the recipe are found when launched from elsewhere, and win over
+    a same-named file in the working directory; the eval file exists only in the working directory."""
+    recipe = _recipe_folder(tmp_path, tiny_model_dir, eval_dataset_name="eval.jsonl", eval_strategy="steps",
+                            eval_steps=1, per_device_eval_batch_size=8)  # fmt: skip
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "data").mkdir(parents=True)
+    (elsewhere / "data" / "copy.jsonl").write_text('{"question": "not the recipe\'s data"}\n')  # would fail the checks
+    make_demo_dataset(8, seed=2, split="test").to_json(str(elsewhere / "eval.jsonl"))
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--config", recipe, "--disable_tqdm", "true"]) == 0
+    assert recipe_module()["eval_rows"] == 8  # the working directory's eval file was used for evaluation
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_eval_file_split_choice():
+    from trl_gspo.recipe_inputs import pick_eval_split
+
+    assert pick_eval_split("e.jsonl", "test", ["train"]) == "train"  # a single file loads as "train"
+    assert pick_eval_split("org/data", "test", ["train", "test"]) == "test"
+    with pytest.raises(RecipeError, match=r"eval_dataset_name='org/data' has splits \['train', 'dev'\] and none is "
+                       r"dataset_test_split='test'; set dataset_test_split"):  # fmt: skip
+        pick_eval_split("org/data", "test", ["train", "dev"])
+
+
+@pytest.mark.parametrize("model, message", [
+    ("empty_folder", "model_name_or_path='{path}' is a folder without config.json (not a saved model); give the "
+                     "folder save_pretrained wrote, or a Hub id."),
+    ("./models/qwen-typo", "model_name_or_path='./models/qwen-typo': no such folder next to the recipe ({dir}) or in "
+                           "the working directory ({cwd}); give an existing model folder (relative paths: next to the "
+                           "recipe, then the working directory) or a Hub id."),
+    ("not a hub id", "model_name_or_path='not a hub id': no such folder, and not a valid Hub id (org/name)"),
+    ("some-org/not-cached-model", "model_name_or_path='some-org/not-cached-model': not a local folder (next to the "
+                                  "recipe ({dir}) or in the working directory), and HF_HUB_OFFLINE is set but the "
+                                  "Hugging Face cache holds no copy of it; download it first"),
+])  # fmt: skip
+def test_model_that_cannot_load_fails_in_one_line_before_loading(tmp_path, copy_jsonl, capsys, monkeypatch, model,
+                                                                 message):  # fmt: skip
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as a machine without the Hub runs
+    recipe_dir = tmp_path / "recipes"
+    (recipe_dir / "empty_folder").mkdir(parents=True)
+    recipe = _write_recipe(recipe_dir / "r.yaml", **yaml.safe_load(open(_train_recipe(tmp_path, model, copy_jsonl))))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", recipe]) == 2
+    path = recipe_dir / "empty_folder"
+    assert message.format(path=path, dir=recipe_dir, cwd=tmp_path) in _error_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------------------------------- mixed precision
+def test_precision_rules():
+    from trl_gspo.recipe_inputs import reconcile_precision
+
+    # no CUDA: fp32, naming what is ignored; nothing to say when nothing asked for mixed precision
+    assert reconcile_precision("bf16", False, False, False, cuda=False) == (
+        "no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch.")
+    assert reconcile_precision(None, None, False, False, cuda=False) == (
+        "no CUDA device: training in fp32, ignoring the recipe's bf16 (GRPOConfig's default when neither bf16 nor "
+        "fp16 is set).")
+    assert reconcile_precision("no", False, False, True, cuda=True) is None
+    assert reconcile_precision("fp16", False, False, True, cuda=True).startswith("use_cpu is set: training in fp32")
+    # GPU: accelerate and the recipe agree, or accelerate is off (the recipe decides): nothing to do
+    for accelerate, bf16, fp16 in (("bf16", True, False), ("bf16", None, False), ("fp16", False, True), ("no", True,
+                                                                                                          False),
+                                   (None, False, False)):  # fmt: skip
+        assert reconcile_precision(accelerate, bf16, fp16, False, cuda=True) is None
+    with pytest.raises(RecipeError, match=r"mixed precision: accelerate launch asks for mixed_precision='bf16' \(the "
+                       r"accelerate config or --mixed_precision\) but the recipe trains in no \(bf16: false, fp16: "
+                       r"false \(fp32\)\)\. Make them agree: set bf16: true in the recipe, or pass --mixed_precision "
+                       r"no"):  # fmt: skip
+        reconcile_precision("bf16", False, False, False, cuda=True)
+    with pytest.raises(RecipeError, match=r"asks for mixed_precision='fp16' .* trains in bf16 \(bf16 \(GRPOConfig's "
+                       r"default"):  # fmt: skip
+        reconcile_precision("fp16", None, False, False, cuda=True)
+
+
+def test_accelerate_bf16_on_a_cpu_machine_trains_fp32_and_says_so(tmp_path, tiny_model_dir, monkeypatch, capsys,
+                                                                  recipe_module):  # fmt: skip
+    """What `accelerate launch` with a bf16 config exports, and a recipe that leaves bf16 to TRL's default (True):
+    without CUDA the run is fp32 (TrainingArguments would otherwise take bf16 from the environment)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    recipe = _recipe_folder(tmp_path, tiny_model_dir, use_cpu=False)
+    keys = yaml.safe_load(open(recipe))
+    del keys["bf16"]
+    _write_recipe(Path(recipe), **keys)
+    assert main(["train", "--config", recipe, "--disable_tqdm", "true"]) == 0
+    assert recipe_module() == {"bf16": False, "mixed_precision": "no"}
+    err = capsys.readouterr().err
+    note = ("trl-gspo train: no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch "
+            "and the recipe's bf16 (GRPOConfig's default when neither bf16 nor fp16 is set).")  # fmt: skip
+    assert err.count(note) == 1, err
+
+
+def test_gpu_precision_conflict_fails_before_launching(tmp_path, copy_jsonl, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = []
+    monkeypatch.setattr("subprocess.call", lambda cmd: calls.append(cmd) or 0)
+    recipe = _train_recipe(tmp_path, NO_MODEL, copy_jsonl, use_cpu=False)  # bf16: false in the recipe
+    assert main(["train", "--config", recipe, "--accelerate_config", "zero2", "--num_processes", "2"]) == 2
+    assert not calls  # stopped before any process started
+    assert "accelerate launch asks for mixed_precision='bf16'" in _error_line(capsys.readouterr().err)
+    assert main(["train", "--config", recipe, "--accelerate_config", "zero2", "--mixed_precision", "no"]) == 0
+    assert calls and calls[0][calls[0].index("--mixed_precision") + 1] == "no"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # the same inside `accelerate launch -m trl_gspo train`
+    assert main(["train", "--config", recipe]) == 2
+    assert "asks for mixed_precision='bf16'" in _error_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------------------------------- version, warnings
+def test_version_is_one_line_with_the_library_versions(capsys):
+    from importlib import metadata
+
+    import trl_gspo
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out == (f"trl-gspo {trl_gspo.__version__} (trl {metadata.version('trl')}, transformers "
+                   f"{metadata.version('transformers')}, torch {metadata.version('torch')})\n")  # fmt: skip
+
+
+def test_gradient_checkpointing_deprecation_noise_is_filtered_in_the_cli_only(tmp_path, tiny_model_dir, copy_jsonl):
+    import warnings
+
+    from trl_gspo import GSPOConfig
+
+    def deprecations(caught):
+        return [str(w.message) for w in caught if "gradient_checkpointing" in str(w.message) and "deprecated" in str(
+            w.message)]  # fmt: skip
+
+    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl, gradient_checkpointing=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
+        inside = deprecations(caught)
+        GSPOConfig(str(tmp_path / "x"), use_cpu=True, bf16=False, report_to=[], gradient_checkpointing=True)
+    if not deprecations(caught):
+        pytest.skip("the installed transformers does not deprecate gradient_checkpointing: nothing to filter")
+    assert inside == []  # the control above warned: outside the CLI (the filter is undone after it), the library does

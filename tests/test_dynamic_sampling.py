@@ -38,6 +38,7 @@ from trl_gspo.dynamic_sampling import (
     prefilter_reward_metrics,
 )
 from trl_gspo.tiny import build_tiny_model
+from trl_gspo import trl_compat
 from trl_gspo.trl_compat import fused_logprob_head_module
 
 G = 4
@@ -523,16 +524,12 @@ def test_rollout_func_with_env_mask_and_packed_forwards(tokenizer, tmp_path):
     assert all(np.isfinite(row["loss"]) for row in trainer.state.log_history if "loss" in row)
 
 
-def _token_routes(prompt_ids, completion_ids, layers, experts, top_k):
-    """Routes derived from the tokens themselves, so a row's expected routes can be recomputed from the batch."""
-    seed = hash((tuple(prompt_ids), tuple(completion_ids))) % 2**32
-    rng = np.random.default_rng(seed)
-    rows = len(prompt_ids) + len(completion_ids) - 1  # vLLM: the last sampled token was never forwarded
-    return np.stack([[rng.choice(experts, top_k, replace=False) for _ in range(layers)] for _ in range(rows)])
-
-
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 def test_r3_routes_follow_the_kept_rows(tokenizer, tmp_path, mode):
+    """vLLM stand-ins whose routes are a function of each row's own prompt and completion (tests/vllm_stand_in.py;
+    server mode runs TRL's own `VLLMGeneration` / `VLLMClient` code): every trained row carries its own routes, so
+    the routes of dropped groups went with them."""
+    import vllm_stand_in
     from test_routing_replay import StandInVLLM
 
     from trl_gspo.routing_replay import _capture_vllm_routes
@@ -542,38 +539,35 @@ def test_r3_routes_follow_the_kept_rows(tokenizer, tmp_path, mode):
     hooks = trainer._router_hooks
     layers = len(hooks.routers)
 
-    class TokenRoutedVLLM(StandInVLLM):
+    class TokenRoutedVLLM(StandInVLLM):  # colocate: routes from the tokens, as the stand-in server computes them
         def _engine(self, prompts, **kwargs):
             outputs = []
             for prompt, completion in zip(prompts, self._completions(prompts)):
-                raw = _token_routes(prompt["prompt_token_ids"], completion, layers, hooks.num_experts, hooks.top_k)
+                ids = prompt["prompt_token_ids"]
+                raw = vllm_stand_in.routes_for(ids, completion, layers, hooks.top_k, hooks.num_experts)
                 choice = types.SimpleNamespace(token_ids=completion, routed_experts=raw)
-                outputs.append(types.SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[choice]))
+                outputs.append(types.SimpleNamespace(prompt_token_ids=ids, outputs=[choice]))
             return outputs
 
-        def _post(self, url, json):
-            completions = self._completions(json["prompt"])
-            return {"choices": [{"token_ids": c, "routed_experts": _token_routes(p, c, layers, hooks.num_experts,
-                                                                                   hooks.top_k).tolist()}
-                                for p, c in zip(json["prompt"], completions)]}  # fmt: skip
-
-    trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, TokenRoutedVLLM(mode, None), -1
-    trainer.vllm_importance_sampling_correction = False
-    _capture_vllm_routes(trainer)
+    if mode == "server":
+        if not trl_compat.vllm_server_returns_routes():
+            pytest.skip("this TRL's vLLM client talks to `trl vllm-serve`, which returns no routes")
+        server = vllm_stand_in.StandInServer(layers, hooks.top_k, hooks.num_experts)
+        vllm_stand_in.server_generation(trainer, server)
+    else:
+        trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, TokenRoutedVLLM(mode, None), -1
+        trainer.vllm_importance_sampling_correction = False
+        _capture_vllm_routes(trainer)
+    checked = vllm_stand_in.check_rollout_routes(trainer, layers, hooks.top_k, hooks.num_experts)
     trainer.model.train()
     batch = trainer._rollouts.next_batch(None)
     filled = trainer._rollouts.last
-    assert len(batch["advantages"]) == 16 < sum(len(r.generation) for r in filled.rounds)
-    width = batch["prompt_ids"].size(1)
-    for i in range(16):
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
-        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()
-        expected = torch.from_numpy(_token_routes(prompt, completion, layers, hooks.num_experts, hooks.top_k))
-        start = width - len(prompt)
-        got = batch["old_routes"][i, start : start + expected.size(0)].long()
-        assert batch["old_routes_valid"][i, start : start + expected.size(0)].all()
-        assert torch.equal(got, expected), i
-    assert trainer.vllm_generation.calls == filled.plan.rounds
+    assert len(batch["advantages"]) == checked["rows"] == 16 < sum(len(r.generation) for r in filled.rounds)
+    assert filled.plan.rounds > 1  # groups were dropped and more prompts generated
+    if mode == "server":
+        assert [path for path, _ in server.requests] == ["/v1/completions"] * filled.plan.rounds
+    else:
+        assert trainer.vllm_generation.calls == filled.plan.rounds
 
 
 # ----------------------------------------------------------------------------------------- 2 processes

@@ -225,8 +225,9 @@ def test_metrics_reach_the_logs_for_every_variant(level, tokenizer, tmp_path):
         ours = "clip_fraction/sequence/total" if level == "sequence" else "clip_fraction/token/total"
         assert row[ours] == pytest.approx(row["clip_ratio/region_mean"], abs=1e-6)
     assert any(row[ours] > 0 for row in rows)  # the comparison above saw real clipping
-    # first mini-batch of a rollout is on-policy (ratio exactly 1); later ones moved and the ratio spread shows it
-    assert rows[0]["seq_ratio/std"] == 0 and rows[0]["seq_ratio/mean"] == 1
+    # first mini-batch of a rollout is on-policy (ratio 1, up to the float rounding of the pi_old pass and the loss
+    # forward running in different layouts); later ones moved and the ratio spread shows it
+    assert rows[0]["seq_ratio/std"] < 1e-6 and rows[0]["seq_ratio/mean"] == pytest.approx(1, abs=1e-6)
     assert any(row["seq_ratio/std"] > 0 for row in rows[1:])
     assert any(k.startswith("logratio_by_len/") for k in rows[-1])
 

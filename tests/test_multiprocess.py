@@ -1,9 +1,10 @@
 """Real 2-process CPU runs of the demo under `accelerate launch` with the SHIPPED accelerate configs.
 
-Each run uses the config file as shipped plus two launcher flags that make it fit a 2-core CPU machine:
-`--num_processes 2` (the files say 8 GPUs) and `--mixed_precision no` (fp32 on CPU). The demo's `use_cpu=True`
-keeps the tensors on CPU; the distributed type (DDP / DeepSpeed ZeRO-2 / ZeRO-3) comes from the config file, and
-each rank reports the one it ran under. Processes talk over gloo. `tests/cpu_launch.py` is the CLI with DeepSpeed's
+Each run uses the config file as shipped plus one launcher flag, `--num_processes 2` (the files say 8 GPUs). The
+files ask for bf16; without CUDA the CLI trains in fp32 and says so in one line (`recipe_inputs.reconcile_precision`),
+which each rank confirms by reporting accelerate's mixed precision. The demo's `use_cpu=True` keeps the tensors on
+CPU; the distributed type (DDP / DeepSpeed ZeRO-2 / ZeRO-3) comes from the config file, and each rank reports the one
+it ran under. Processes talk over gloo. `tests/cpu_launch.py` is the CLI with DeepSpeed's
 shared-memory all-reduce kernel turned off (it would be compiled on first use, ~45 s on a fresh machine).
 
 What the tests hold a run to: both ranks get through training, saving and `trainer.end()`; the saved model loads,
@@ -42,7 +43,7 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_DISABLED": "true"}  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(SHIPPED["accelerate config"] / config), "--num_processes", "2",
-           "--mixed_precision", "no", "--main_process_port", str(_free_port()),
+           "--main_process_port", str(_free_port()),
            str(ROOT / "tests" / "cpu_launch.py"), "demo", "--output_dir", str(output_dir), "--max_steps", "2",
            "--num_train_prompts", "64", "--num_eval_prompts", "16", "--logging_steps", "1",
            "--disable_tqdm", "true", *extra]  # fmt: skip
@@ -52,12 +53,16 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config, distributed_type, extra",
-    [("multi_gpu.yaml", ("MULTI_CPU",), ()), ("zero2.yaml", ("DEEPSPEED",), ()), ("zero3.yaml", ("DEEPSPEED",), ()),
+    [("multi_gpu.yaml", ("MULTI_CPU",), ()),
+     # max_grad_norm other than 1.0: DeepSpeed's gradient_clipping is left to it (a fixed value fails at start-up)
+     ("zero2.yaml", ("DEEPSPEED",), ("--max_grad_norm", "0.5")), ("zero3.yaml", ("DEEPSPEED",), ()),
      ("multi_gpu.yaml", ("MULTI_CPU",), ("--moe", "true", "--routing_replay", "R2")),
      # packed forwards (padding.py): each rank packs its own rows, ZeRO-3 ranks still make the same model calls
      # (longer completions, so rows end at different lengths and the ranks' packed widths differ)
-     ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12"))],
-    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed"],
+     ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12")),
+     # shared-prefix forwards with whole-group mini-batches: every pass (pi_old and loss) runs each prompt once
+     ("zero3.yaml", ("DEEPSPEED",), ("--shared_prefix", "true", "--group_minibatches", "true"))],
+    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed", "zero3-shared-prefix"],
 )  # fmt: skip
 def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type, extra):
     from transformers import AutoModelForCausalLM
@@ -68,16 +73,19 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
         pytest.importorskip("deepspeed")
     from trl_gspo import fused_head
 
-    if "--padding_free" in extra and not fused_head.available():
+    if ("--padding_free" in extra or "--shared_prefix" in extra) and not fused_head.available():
         pytest.skip("TRL < 1.15: no fused log-prob head, padding_free=True is refused (tests/test_padding.py)")
     out = tmp_path / "run"
     result = _launch(config, out, *extra)
     log = result.stdout + result.stderr
     # Ranks share the launcher's pipes, so a marker may not start its own line: match anywhere.
-    markers = re.findall(r"cpu_launch: rank (\d) finished with code (-?\d+) as (\w+ x\d)", log)
+    markers = re.findall(r"cpu_launch: rank (\d) finished with code (-?\d+) as (\w+ x\d) precision (\w+)", log)
     assert len(markers) == 2, f"expected both ranks to finish, got {markers}\n{log[-4000:]}"
-    assert sorted((rank, code) for rank, code, _ in markers) == [("0", "0"), ("1", "0")], markers
-    assert all(how in {f"{t} x2" for t in distributed_type} for _, _, how in markers), markers
+    assert sorted((rank, code) for rank, code, _, _ in markers) == [("0", "0"), ("1", "0")], markers
+    assert all(how in {f"{t} x2" for t in distributed_type} for _, _, how, _ in markers), markers
+    assert [precision for *_, precision in markers] == ["no", "no"], markers  # fp32, though the file says bf16
+    note = "no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch"
+    assert log.count(note) == 1, log[-4000:]  # said once, by rank 0
     if result.returncode != 0:  # see EXIT_ABORT: acceptable only as a teardown abort after a complete run
         assert EXIT_ABORT in log, f"launcher exited {result.returncode}\n{log[-4000:]}"
 
@@ -96,5 +104,7 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
     if "R2" in extra:  # both steps replayed every completion token's route, pooled over the two ranks
         assert [float(r["moe/replay/coverage"]) for r in rows] == [1.0, 1.0]
         assert float(rows[0]["moe/routing_shift"]) == 0.0  # step 1: on-policy mini-batch
+    if "--shared_prefix" in extra:  # prompts ran once for their completions on both ranks' steps
+        assert all(float(r["throughput/prompt_tokens_saved_per_step"]) > 0 for r in rows)
     if "--padding_free" in extra:  # packing ran and removed padding TRL would have computed
         assert all(float(r["throughput/padding_fraction"]) < float(r["throughput/stock_padding_fraction"]) for r in rows)

@@ -7,6 +7,7 @@ with and without sorting, the rows of each optimizer step on real training runs,
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -63,16 +64,23 @@ def test_to_model_and_back_match_loops(pack):
 
 
 def test_packed_layout_by_hand():
-    """Lengths 10, 4, 5 at capacity 10: first-fit decreasing gives rows [10] and [5, 4, filler 1]; positions restart at
-    0 for each sequence and for the filler; every real token appears exactly once."""
+    """Lengths 10, 4, 5 at capacity 10: first-fit decreasing gives rows [10] and [5, 4, filler 1]; every token keeps
+    its column in the padded batch as position (as TRL's padded forward); each sequence attends only causally to
+    itself (the segment plan), the filler to itself; every real token appears exactly once."""
     s = 12
     spans = torch.tensor([[2, 12, 10], [5, 9, 4], [4, 9, 5]])
     layout = padding.packed_layout(torch.arange(3), spans, (3, s), one_row=False)
     assert layout.packed and layout.shape == (2, 10)
     assert layout.source[0].tolist() == list(range(2, 12))
     assert layout.source[1].tolist() == [2 * s + c for c in range(4, 9)] + [1 * s + c for c in range(5, 9)] + [-1]
-    assert layout.position_ids.tolist() == [list(range(10)), [0, 1, 2, 3, 4, 0, 1, 2, 3, 0]]
+    assert layout.position_ids.tolist() == [list(range(2, 12)), [4, 5, 6, 7, 8, 5, 6, 7, 8, 0]]
     assert layout.segment_lengths == (10, 5, 4, 1)
+    assert layout.segments.own_start.tolist() == [[0] * 10, [0] * 5 + [5] * 4 + [9]]
+    mask = layout.segments.dense_mask()[1]
+    expected = torch.zeros(10, 10, dtype=torch.bool)
+    for a, b in ((0, 5), (5, 9), (9, 10)):
+        expected[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    assert torch.equal(mask, expected)
     one_row = padding.packed_layout(torch.arange(3), spans, (3, s), one_row=True)
     assert one_row.shape == (1, 19) and (one_row.source >= 0).all()
     assert padding.packed_layout(torch.arange(3), spans, (3, s), one_row=False, multiple_of=8).shape == (2, 16)
@@ -291,20 +299,19 @@ def _packed_pair_batch(vocab):
     }
 
 
-def _row_logps(model, ids, position_ids, **kwargs):
-    """Log-prob of each token of one packed row given its prefix, from a direct model call (position 0 gets 0)."""
-    logits = model(input_ids=ids, position_ids=position_ids, use_cache=False, **kwargs).logits.float()
+def _row_logps(call, ids, position_ids):
+    """Log-prob of each token of one packed row given what it attends to, from a direct model call (position 0: 0)."""
+    logits = call(input_ids=ids, position_ids=position_ids, use_cache=False).logits.float()
     return torch.nn.functional.pad(torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
 @needs_fused_head
 def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
-    """The silent pitfall: with any attention_mask (even all ones) or a cache, transformers stops separating packed
-    sequences. Changing the tokens of sequence A must leave sequence B, packed right after it in the same row,
-    exactly as it was: through the trainer's packed path and through a direct call on the packed row. The same
-    direct call with an all-ones attention_mask does see the change (so this check can fail), and `_call_model`
-    refuses an attention_mask on a packed call."""
+    """Changing the tokens of sequence A must leave sequence B, packed right after it in the same row, exactly as it
+    was: through the trainer's packed path and through a direct call on the packed row with its segment plan. The
+    same row through the plain model (causal over the whole row, what a lost plan would give) does see the change,
+    so this check can fail; `_call_model` refuses an attention_mask on a packed call."""
     model = build_tiny_model(tokenizer, moe=moe, seed=5).eval()
     trainer = _trainer(model, tokenizer, tmp_path, padding_free=True)
     trainer.model.eval()
@@ -312,8 +319,9 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     layout = plan_layouts(row_spans(mask), tuple(ids.shape), 7, 3, sort=False, trim=True, pack=True)[0]
-    row = next(r for r in range(layout.shape[0]) if ((layout.position_ids[r] == 0) & (layout.source[r] >= 0)).sum() == 2)
-    starts = ((layout.position_ids[row] == 0) & (layout.source[row] >= 0)).nonzero()[:, 0].tolist()
+    own = layout.segments.own_start
+    row = next(r for r in range(layout.shape[0]) if len({int(x) for x, src in zip(own[r], layout.source[r]) if src >= 0}) == 2)
+    starts = sorted({int(x) for x, src in zip(own[row], layout.source[row]) if src >= 0})
     seq_a, seq_b = int(layout.source[row, starts[0]]) // 12, int(layout.source[row, starts[1]]) // 12
     changed = ids.clone()
     changed[seq_a] = torch.where(mask[seq_a].bool(), (ids[seq_a] + 7) % (model.config.vocab_size - 4) + 4, ids[seq_a])
@@ -324,23 +332,30 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
     assert not torch.equal(before[seq_a], after[seq_a])  # A did change
     assert torch.equal(before[seq_b], after[seq_b])  # B did not see it
 
-    row_ids, row_changed = layout.to_model(ids)[row : row + 1], layout.to_model(changed)[row : row + 1]
-    position_ids = layout.position_ids[row : row + 1]
+    row_layout = ForwardLayout(layout.source[row : row + 1], layout.batch_shape, layout.position_ids[row : row + 1],
+                               True, segments=padding.SegmentPlan(*(x[row : row + 1] for x in (
+                                   layout.segments.own_start, layout.segments.ctx_start, layout.segments.ctx_end))))  # fmt: skip
+    row_ids, row_changed = row_layout.to_model(ids), row_layout.to_model(changed)
     b_positions = slice(starts[1] + 1, None)
+
+    def segmented(**kwargs):
+        return trainer._call_model(model, row_layout, **kwargs)
+
     with torch.no_grad():
-        separated = [_row_logps(model, x, position_ids)[0, b_positions] for x in (row_ids, row_changed)]
-        ones = torch.ones_like(row_ids)
-        leaked = [_row_logps(model, x, position_ids, attention_mask=ones)[0, b_positions] for x in (row_ids, row_changed)]
+        separated = [_row_logps(segmented, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
+        causal = functools.partial(model, attention_mask=torch.ones_like(row_ids))  # a mask turns packed detection off
+        leaked = [_row_logps(causal, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
+    trainer._release_forward()
     assert torch.equal(*separated)
-    assert (leaked[0] - leaked[1]).abs().max() > 1e-3  # with a mask, B sees A: the check above would catch it
+    assert (leaked[0] - leaked[1]).abs().max() > 1e-3  # plain causal attention over the row: B sees A
     with pytest.raises(RuntimeError, match="packed forward got an attention_mask"):
-        trainer._call_model(model, layout, input_ids=row_ids, attention_mask=ones)
+        trainer._call_model(model, layout, input_ids=row_ids, attention_mask=torch.ones_like(row_ids))
 
 
 @needs_fused_head
 def test_packing_refuses_attention_it_cannot_separate(tokenizer, tmp_path):
     model = build_tiny_model(tokenizer, seed=0)
-    model.config._attn_implementation = "paged|sdpa"  # an implementation without packed-sequence masks
+    model.config._attn_implementation = "paged|sdpa"  # an implementation the segment attention does not wrap
     with pytest.raises(ValueError, match=r"padding_free=True with attn_implementation='paged\|sdpa'"):
         _trainer(model, tokenizer, tmp_path, padding_free=True)
 
@@ -394,27 +409,33 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(name, dtype, token
     """Loss and every parameter gradient within 1e-6 relative (fp32, what users run), and every logged metric too
     in fp64: in fp32 the log-ratio metrics are differences of two ~-4 log-probs, each rounded to ~5e-7, so a
     5e-4 log-ratio statistic carries ~1e-3 relative rounding whatever the forward; fp64 shows the math is unchanged
-    (a wrong token, position, mask or label would differ by orders of magnitude more)."""
+    (a wrong token, position, mask or label would differ by orders of magnitude more). Trimming alone, and the
+    defaults (each call's layout chosen by cost: here the micro-batch is packed), against the full padded forward."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)  # a path: beta > 0 loads the reference
     inputs = _loss_inputs(model, seed=4)
     if dtype == torch.float64:
         inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     settings = dict(LOSS_CASES[name], model_init_kwargs={"dtype": dtype})
     off = _loss_grads_metrics(model, tokenizer, tmp_path / "off", inputs, dict(settings, trim_padding=False))
-    on = _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, dict(settings, trim_padding=True))
+    trimmed = dict(settings, trim_padding=True, padding_free=False, shared_prefix=False)
+    runs = {"trimmed": _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, trimmed),
+            "defaults": _loss_grads_metrics(model, tokenizer, tmp_path / "auto", inputs, settings)}  # fmt: skip
     assert off[0].abs() > 1e-2
-    assert (on[0] - off[0]).abs() <= 1e-6 * off[0].abs()
-    assert on[1].keys() == off[1].keys() and len(off[1]) > 0
-    for n, g in off[1].items():
-        assert (on[1][n] - g).norm() <= 1e-6 * g.norm() + 1e-12, n
     # 16 columns, the longest completion (6 of 9) ends 3 early, the longest prompt fills all 7: 13 columns run
-    assert off[2]["throughput/positions_vs_stock"] == 1.0 and on[2]["throughput/positions_vs_stock"] == 13 / 16
-    assert set(on[2]) == set(off[2])
-    if dtype == torch.float64:
-        skip = {"throughput/positions_vs_stock", "throughput/padding_per_step", "throughput/padding_fraction"}
-        for key, value in off[2].items():
-            if key not in skip and isinstance(value, float):
-                assert on[2][key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
+    assert off[2]["throughput/positions_vs_stock"] == 1.0 and runs["trimmed"][2]["throughput/positions_vs_stock"] == 13 / 16
+    # the defaults packed the sequences (9, 8, 8, 7, 7, 5 real tokens) into rows as long as the longest: 6 x 9
+    assert runs["defaults"][2]["throughput/positions_vs_stock"] == 54 / 96
+    for variant, on in runs.items():
+        assert (on[0] - off[0]).abs() <= 1e-6 * off[0].abs(), variant
+        assert on[1].keys() == off[1].keys() and len(off[1]) > 0
+        for n, g in off[1].items():
+            assert (on[1][n] - g).norm() <= 1e-6 * g.norm() + 1e-12, (variant, n)
+        assert set(on[2]) == set(off[2])
+        if dtype == torch.float64:
+            skip = {"throughput/positions_vs_stock", "throughput/padding_per_step", "throughput/padding_fraction"}
+            for key, value in off[2].items():
+                if key not in skip and isinstance(value, float):
+                    assert on[2][key] == pytest.approx(value, rel=1e-6, abs=1e-12), (variant, key)
 
 
 # ------------------------------------------------------------------------------- sorted micro-batches
@@ -674,7 +695,7 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
 def test_throughput_counts_by_hand(tokenizer, tmp_path):
     """throughput/* from one no-grad pass in chunks of 3 rows, against counts made here."""
     model = build_tiny_model(tokenizer, seed=0)
-    trainer = _trainer(model, tokenizer, tmp_path, sort_by_length="never")
+    trainer = _trainer(model, tokenizer, tmp_path, sort_by_length="never", padding_free=False, shared_prefix=False)
     batch = _long_tail_batch(model.config.vocab_size)
     _forward(trainer, batch, chunk=3, grad=False)
     trainer.state.global_step = 1

@@ -235,8 +235,11 @@ def test_accelerate_config_loads_through_accelerates_classes(config, monkeypatch
 
 @pytest.mark.parametrize("config", [c for c in ACCELERATE_CONFIGS if c.stem.startswith(("zero", "multi_node"))],
                          ids=lambda p: p.stem)  # fmt: skip
-def test_deepspeed_section_passes_deepspeeds_own_validation(config, monkeypatch, gpu_recipes_parse_on_cpu):
-    """accelerate's plugin -> transformers fills the "auto" values from a real recipe -> DeepSpeedConfig checks it."""
+@pytest.mark.parametrize("max_grad_norm", [None, "0.5"], ids=["recipe", "max_grad_norm=0.5"])
+def test_deepspeed_section_passes_deepspeeds_own_validation(config, max_grad_norm, monkeypatch,
+                                                            gpu_recipes_parse_on_cpu):  # fmt: skip
+    """accelerate's plugin -> transformers fills the "auto" values from a real recipe -> DeepSpeedConfig checks it.
+    Gradient clipping is the recipe's max_grad_norm (a value fixed in the file fails transformers' check otherwise)."""
     pytest.importorskip("deepspeed")
     from accelerate.utils import DeepSpeedPlugin
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -245,16 +248,18 @@ def test_deepspeed_section_passes_deepspeeds_own_validation(config, monkeypatch,
     _launch_env(config, monkeypatch)
     plugin = DeepSpeedPlugin()
     plugin.set_mixed_precision("bf16")
-    _, args, *_ = parse("train", ["--config", str(RECIPES_DIR / "qwen3_30b_a3b_moe_zero3.yaml")])
+    flags = ["--max_grad_norm", max_grad_norm] if max_grad_norm else []
+    _, args, *_ = parse("train", ["--config", str(RECIPES_DIR / "qwen3_30b_a3b_moe_zero3.yaml"), *flags])
     hf_config = HfTrainerDeepSpeedConfig(plugin.deepspeed_config)
     hf_config.trainer_config_process(args)
+    assert not hf_config.mismatches, hf_config.mismatches  # what transformers raises on at start-up
     filled = json.loads(json.dumps(hf_config.config))
     assert "auto" not in json.dumps({k: v for k, v in filled.items() if k != "zero_optimization"})
     ds = DeepSpeedConfig(filled)  # world size 1 here: no process group
     assert ds.zero_optimization_stage == plugin.zero_stage
     assert ds.train_micro_batch_size_per_gpu == args.per_device_train_batch_size
     assert ds.gradient_accumulation_steps == args.gradient_accumulation_steps
-    assert ds.bfloat16_config.enabled and ds.gradient_clipping == 1.0
+    assert ds.bfloat16_config.enabled and ds.gradient_clipping == args.max_grad_norm == float(max_grad_norm or 1.0)
     assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "true"
 
 

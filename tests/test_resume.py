@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from fault_utils import make_trainer
+from fault_utils import PROMPTS, make_trainer, straight_then_resumed
 from trl_gspo import checkpointing
 
 N = 6  # optimizer steps; steps_per_generation=2 with one micro-batch per step: a rollout every 2 steps
@@ -51,6 +51,20 @@ def test_resume_mid_rollout_is_exact(straight_run, tmp_path):
     _assert_same_weights(_weights(resumed), final)
 
 
+def test_resume_restores_the_adaptive_entropy_controller(tmp_path):
+    """`use_adaptive_entropy` moves `entropy_coef` every optimizer step; a resume that restarted it from the config
+    would pay a different entropy bonus (the target is set above the tiny model's ~3.8 nats, so it pays every step).
+    TRL saves and restores it (`entropy_ctrl_state.json`); this checks that the whole resume is still exact with it."""
+    settings = dict(max_steps=N, use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.05,
+                    entropy_coef_max=1.0, entropy_target=10.0)  # fmt: skip
+    straight = make_trainer(tmp_path / "straight", save_strategy="steps", save_steps=3, **settings)
+    straight.train()
+    resumed = make_trainer(tmp_path / "resumed", **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-3"))
+    assert resumed.entropy_coef == straight.entropy_coef == pytest.approx(0.01 + N * 0.05)
+    _assert_same_weights(_weights(resumed), _weights(straight))
+
+
 def test_resume_without_rollout_state_differs(straight_run, tmp_path):
     """Control: with TRL's stock behaviour (rollout regenerated on resume) the weights do not match, so the test
     above checks something real."""
@@ -86,6 +100,80 @@ def test_incomplete_checkpoint_is_never_resumed(straight_run, tmp_path):
     with pytest.raises(ValueError, match="resume_from_checkpoint=True but .* holds no complete checkpoint"):
         checkpointing.resolve_resume_checkpoint("true", str(tmp_path))  # as a CLI flag / YAML value arrives
     assert checkpointing.resolve_resume_checkpoint("false", str(tmp_path)) is None
+
+
+# ------------------------------------------------------------------------------------------- across epochs
+# 8 prompts, one process: a rollout is 4 prompts x 2 completions used over 2 optimizer steps, so an epoch is 4 steps.
+EPOCH_PROMPTS, EPOCH_STEPS = PROMPTS[:8], 12
+# Each resume then draws at least one new rollout from the sampler (the last one starts at step 11).
+RESUME_STEPS = {5: "epoch 2, mid-rollout", 8: "end of epoch 2", 9: "epoch 3, mid-rollout", 10: "epoch 3, rollout end"}
+
+
+def _stock_sampler_trainer():
+    """GSPOTrainer with TRL's own `RepeatSampler` (what ran before `EpochRepeatSampler`)."""
+    from trl import GRPOTrainer
+
+    from trl_gspo import GSPOTrainer
+
+    class StockSampler(GSPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return GRPOTrainer._get_train_sampler(self, *args, **kwargs)
+
+    return StockSampler
+
+
+@pytest.fixture(scope="module")
+def epochs_run(tmp_path_factory):
+    """Three epochs straight, then a resume from each checkpoint of RESUME_STEPS (fault_utils.straight_then_resumed)."""
+    return straight_then_resumed(str(tmp_path_factory.mktemp("epochs")), EPOCH_STEPS, list(RESUME_STEPS),
+                                 prompts=EPOCH_PROMPTS)  # fmt: skip
+
+
+@pytest.mark.parametrize("step", list(RESUME_STEPS), ids=lambda s: RESUME_STEPS[s].replace(" ", "_"))
+def test_resume_in_a_later_epoch_is_exact(epochs_run, step):
+    straight, resumed = epochs_run
+    _assert_same_weights(resumed[step], straight)
+
+
+def test_stock_sampler_resumed_in_epoch_2_differs(epochs_run, tmp_path):
+    """Control: TRL's sampler restarts its permutations on resume (epoch 2 replays epoch 1's prompt order), so the
+    test above checks something real. The uninterrupted run is bit-identical with either sampler."""
+    straight, _ = epochs_run
+    cls = _stock_sampler_trainer()
+    stock = make_trainer(tmp_path / "stock", trainer_cls=cls, prompts=EPOCH_PROMPTS, max_steps=EPOCH_STEPS)
+    stock.train()
+    for name, value in stock.model.state_dict().items():
+        assert torch.equal(value, straight[name]), name
+    out = tmp_path / "stock"
+    again = make_trainer(tmp_path / "again", trainer_cls=cls, prompts=EPOCH_PROMPTS, max_steps=EPOCH_STEPS,
+                         save_strategy="no")  # fmt: skip
+    first = make_trainer(out / "cut", trainer_cls=cls, prompts=EPOCH_PROMPTS, max_steps=EPOCH_STEPS,
+                         save_strategy="steps", save_steps=5)  # fmt: skip
+    first.train()
+    again.train(resume_from_checkpoint=str(out / "cut" / "checkpoint-5"))
+    diff = max((again.model.state_dict()[k] - v).abs().max().item() for k, v in straight.items())
+    assert diff > 1e-5
+
+
+def test_epoch_sampler_draws_stock_permutations_and_any_epoch_on_demand():
+    from trl.trainer.utils import RepeatSampler
+
+    settings = dict(data_source=list(range(10)), mini_repeat_count=2, batch_size=3, repeat_count=2, seed=7)
+    stock = RepeatSampler(**settings)
+    passes = [list(stock) for _ in range(4)]
+    assert len({tuple(p) for p in passes}) == 4  # each pass is a new permutation
+    ours = checkpointing.EpochRepeatSampler(**settings)
+    assert [list(ours) for _ in range(4)] == passes  # no set_epoch: one epoch per pass, like stock
+    ours = checkpointing.EpochRepeatSampler(**settings)
+    for epoch in range(4):  # as HF drives it
+        ours.set_epoch(epoch)
+        assert list(ours) == passes[epoch]
+    for epoch in (2, 0, 3, 3):  # a resumed run starts at any epoch, on a fresh sampler or not
+        fresh = checkpointing.EpochRepeatSampler(**settings)
+        fresh.set_epoch(epoch)
+        assert list(fresh) == passes[epoch]
+        ours.set_epoch(epoch)
+        assert list(ours) == passes[epoch]
 
 
 def _worker(out, *extra):
@@ -161,6 +249,26 @@ def test_checkpoint_on_signal_false_leaves_signals_to_the_process(tmp_path):
     assert "Stopped by SIGINT" not in str(err.value)
     assert checkpointing.last_complete_checkpoint(str(tmp_path)) is None
     assert not any(name.startswith("checkpoint-") for name in os.listdir(tmp_path))
+
+
+@pytest.mark.slow
+def test_two_process_resume_in_epochs_2_and_3_is_exact(tmp_path):
+    """2 processes (gloo): 16 prompts, a rollout is 8 prompts over 2 steps, an epoch 4 steps. A straight 12-step run
+    saves after steps 5 (epoch 2) and 9 (epoch 3), both mid-rollout with a rollout still to draw in that epoch; a new
+    trainer resumes from each (one launch runs all three, fault_utils.straight_then_resumed) and must end at the
+    straight run's weights."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, "--output_dir",
+         str(tmp_path / "run"), "--max_steps", "12", "--resume_each", "5", "9", "--weights_out", str(tmp_path / "w.pt")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    log = result.stdout + result.stderr
+    assert log.count("DONE") == 2, log[-4000:]  # judged by the markers: see the test below and FINDINGS.md
+    saved = torch.load(tmp_path / "w.pt", weights_only=True)
+    for step in (5, 9):
+        _assert_same_weights(saved["resumed"][step], saved["straight"])
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from trl_gspo import GSPOConfig, GSPOTrainer
+import vllm_stand_in
+from trl_gspo import GSPOConfig, GSPOTrainer, trl_compat
 from trl_gspo.route_sources import place_routes, routes_from_engine
 from trl_gspo.routing import RouterHooks, RouteTable, route_dtype
 from trl_gspo.routing_replay import _capture_vllm_routes
@@ -518,18 +519,13 @@ def test_place_routes_follows_left_padded_prompts_and_right_padded_completions()
 
 # -------------------------------------------------------------------------------- vLLM stand-in engines (R3)
 class StandInVLLM:
-    """Mimics TRL's `VLLMGeneration` closely enough for its trainer-side calls: `generate(prompts, images,
-    num_generations, profiler)` returning (prompt_ids, completion_ids, logprobs, token_ids), `sync_weights()`, and the
-    engine object TRL calls underneath (colocate: `llm.generate`; server: `vllm_client.generate` -> `_post`)."""
+    """Mimics TRL's `VLLMGeneration` in colocate mode closely enough for its trainer-side calls: `generate(prompts,
+    images, num_generations, profiler)` returning (prompt_ids, completion_ids, logprobs, token_ids), `sync_weights()`,
+    and the engine TRL calls underneath (`llm.generate`). Server mode runs TRL's own code: tests/vllm_stand_in.py."""
 
     def __init__(self, mode, raw_for):
         self.mode, self.raw_for, self.calls = mode, raw_for, 0
-        if mode == "colocate":
-            self.llm = types.SimpleNamespace(generate=self._engine)
-        else:
-            self.vllm_client = types.SimpleNamespace(_post=self._post)
-            self.vllm_client.generate = lambda prompts: self.vllm_client._post("http://stand-in/v1/completions",
-                                                                               json={"prompt": prompts})  # fmt: skip
+        self.llm = types.SimpleNamespace(generate=self._engine)
 
     def sync_weights(self):
         pass
@@ -546,23 +542,15 @@ class StandInVLLM:
             outputs.append(types.SimpleNamespace(prompt_token_ids=ids, outputs=[completion_output]))
         return outputs
 
-    def _post(self, url, json):
-        completions = self._completions(json["prompt"])
-        return {"choices": [{"token_ids": c, "routed_experts": self.raw_for(len(p), len(c), i)}
-                            for i, (p, c) in enumerate(zip(json["prompt"], completions))]}  # fmt: skip
-
     def generate(self, prompts, images, num_generations, profiler=None):
         self.calls += 1
-        if self.mode == "colocate":
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts])
-            completions = [o.outputs[0].token_ids for o in outputs]
-        else:
-            completions = [c["token_ids"] for c in self.vllm_client.generate(prompts)["choices"]]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts])
+        completions = [o.outputs[0].token_ids for o in outputs]
         return prompts, completions, [[[-1.0]] * len(c) for c in completions], None
 
 
 @pytest.mark.parametrize("mode, layout", [("colocate", "array_p+c-1"), ("colocate", "split_pair"),
-                                          ("server", "base64_npy"), ("colocate", "decoder_layers")])  # fmt: skip
+                                          ("colocate", "decoder_layers")])  # fmt: skip
 def test_vllm_stand_in_routes_reach_the_rollout_batch(tokenizer, tmp_path, mode, layout):
     made = {}
 
@@ -574,7 +562,7 @@ def test_vllm_stand_in_routes_reach_the_rollout_batch(tokenizer, tmp_path, mode,
         if layout == "decoder_layers":
             return np.concatenate([full[:, :1], full[:, :1], full[:, 1:]], axis=1)  # [0, 0, 1]: unknown layout
         made[i][-1] = -1
-        return npy_base64(full[:-1].astype(np.int16)) if layout == "base64_npy" else full[:-1]
+        return full[:-1]
 
     model = build_tiny_model(tokenizer, moe=True, seed=0, num_experts=E)
     trainer = make_trainer(tokenizer, tmp_path, model=model, routing_replay="R3")
@@ -597,6 +585,73 @@ def test_vllm_stand_in_routes_reach_the_rollout_batch(tokenizer, tmp_path, mode,
         valid = output["old_routes_valid"][i, width - p : width - p + made[i].size(0)]
         assert torch.equal(valid, (made[i] >= 0).all(-1).all(-1))
         assert torch.equal(row[valid], made[i][valid])
+
+
+# ------------------------------------------------------------------------- vLLM server mode (R3): TRL's own code
+SERVER_ROUTES = trl_compat.vllm_server_returns_routes()
+OLD_CLIENT = "this TRL's vLLM client talks to `trl vllm-serve`, which returns no routes (R3 server mode is refused)"
+
+
+def _server_trainer(tokenizer, tmp_path):
+    model = build_tiny_model(tokenizer, moe=True, seed=0, num_experts=E)
+    trainer = make_trainer(tokenizer, tmp_path, model=model, routing_replay="R3")
+    hooks = trainer._router_hooks
+    return trainer, vllm_stand_in.StandInServer(len(hooks.routers), hooks.top_k, hooks.num_experts)
+
+
+def test_vllm_server_routes_reach_the_rollout_batch(tokenizer, tmp_path):
+    """TRL's `VLLMGeneration.generate` (server mode) and `VLLMClient.generate`, one `/v1/completions` request: every
+    row's `old_routes` are the server's routes for that row's prompt and completion."""
+    trainer, server = _server_trainer(tokenizer, tmp_path)
+    if not SERVER_ROUTES:
+        with pytest.raises(ValueError, match=r"vllm_mode='server': this TRL \(.*\) talks to `trl vllm-serve`"):
+            vllm_stand_in.server_generation(trainer, server)
+        return
+    vllm_stand_in.server_generation(trainer, server)
+    hooks = trainer._router_hooks
+    checked = vllm_stand_in.check_rollout_routes(trainer, len(hooks.routers), hooks.top_k, hooks.num_experts)
+    trainer.model.train()
+    trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(4)])
+    assert checked["rows"] == 16 and server.requests == [("/v1/completions", 4)]
+
+
+@pytest.mark.skipif(not SERVER_ROUTES, reason=OLD_CLIENT)
+def test_vllm_server_per_prompt_requests_are_put_back_in_prompt_order(tokenizer, tmp_path):
+    """With images TRL sends one request per prompt from a thread pool; the stand-in answers them in reverse order.
+    Each completion must still get its own prompt's routes (before: each reply overwrote the last)."""
+    trainer, server = _server_trainer(tokenizer, tmp_path)
+    generation = vllm_stand_in.server_generation(trainer, server)
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS for _ in range(2)]
+    _, completions, _, _ = generation.generate(prompt_ids, [["image"]] * len(prompt_ids), num_generations=2)
+    assert server.requests == [("/inference/v1/generate", 1)] * len(PROMPTS)
+    hooks = trainer._router_hooks
+    assert len(generation.last_routed_experts) == len(prompt_ids)
+    for ids, completion, raw in zip(prompt_ids, completions, generation.last_routed_experts, strict=True):
+        got = np.load(io.BytesIO(base64.b64decode(raw)))
+        assert np.array_equal(got, vllm_stand_in.routes_for(ids, completion, len(hooks.routers), hooks.top_k,
+                                                            hooks.num_experts))  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SERVER_ROUTES, reason=OLD_CLIENT)
+def test_vllm_server_mode_with_two_processes_client_on_the_main_process_only(tmp_path):
+    """2 processes (gloo), R3 through the stand-in server for 2 steps: only rank 0 has a client (TRL's layout), both
+    ranks train, and every row of each rank's rollout carries the server's routes for its own completion."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = os.path.join(os.path.dirname(__file__), "vllm_stand_in.py")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
+                             "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                            timeout=300)  # fmt: skip
+    log = result.stdout + result.stderr
+    ranks = sorted(re.findall(r"R3 SERVER rank (\d) (client|no client) checked (\d+) rows, (\d+) requests", log))
+    assert [(rank, client) for rank, client, _, _ in ranks] == [("0", "client"), ("1", "no client")], log[-4000:]
+    assert all(int(rows) == 16 for _, _, rows, _ in ranks), ranks  # one rollout of 4 x 4 completions per rank
+    assert ranks[0][3] == "1" and ranks[1][3] == "0", ranks  # one request, from the main process
 
 
 def test_vllm_smoke_script_dry_run(tmp_path):

@@ -20,7 +20,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo import fused_head
 from trl_gspo import sampler_logprobs as sl
-from trl_gspo.padding import PaddingRemoval
+from trl_gspo.forward import LogprobForward
 from trl_gspo.tiny import build_tiny_model
 
 # fp32 on CPU: generate's KV-cached logits differ from a full forward only in accumulation order. Measured gaps are
@@ -95,14 +95,14 @@ def test_recorder_rejects_bad_temperature_and_unused_state(tokenizer):
 # ------------------------------------------------------------------------------------------ end to end
 def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_path, monkeypatch):
     calls = []
-    # The last override before TRL's (padding.py): every log-prob pass, loss or no-grad, goes through it.
-    original = PaddingRemoval._get_per_token_logps_and_entropies
+    # Where the forward pipeline (forward.py) runs the model: every log-prob pass that calls it goes through here.
+    original = LogprobForward._planned_forward
 
     def counting(self, *args, **kwargs):
         calls.append(torch.is_grad_enabled())
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(PaddingRemoval, "_get_per_token_logps_and_entropies", counting)
+    monkeypatch.setattr(LogprobForward, "_planned_forward", counting)
     runs = {}
     for source in ("recompute", "sampler"):
         calls.clear()

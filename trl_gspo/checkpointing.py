@@ -6,9 +6,17 @@
   mid-save (or a truncated copy) is never resumed from: `resume_from_checkpoint=True` takes the newest complete one.
 - Rollout state: TRL generates one rollout batch every `steps_per_generation` micro-steps and keeps it in memory, so
   a checkpoint taken mid-rollout would resume with a freshly generated (different) batch. Each process also saves its
-  micro-step counter and the buffered rollout (`gspo_rollout_state_rank{i}.pt`, tensors only, loaded with
-  `weights_only=True`), and resume restores them: together with HF's saved RNG states and TRL's seeded sampler, a
-  resumed run reproduces the uninterrupted one.
+  micro-step counter and the buffered rollout (`gspo_rollout_state_rank{i}.pt`, tensors and numbers only, loaded with
+  `weights_only=True`); resume restores them (`ResumableTraining._resume_state` / `_restore_resume_state`, the pair a
+  rollout pipeline holding more extends). TRL itself saves the adaptive entropy controller (`entropy_ctrl_state.json`).
+- Prompt order across epochs: TRL's `RepeatSampler` draws each epoch's permutation from one seeded generator, one
+  draw per pass over the data, so a process that resumes in epoch `e` (HF fast-forwards to it without iterating the
+  sampler through the epochs before) would replay epoch 1's order. `EpochRepeatSampler` makes epoch `e`'s order draw
+  number `e` of that generator (both counted from 0) whatever ran before, and `SamplerEpoch` tells it the epoch HF is
+  about to run. An
+  uninterrupted run draws exactly the permutations stock TRL draws, in the same order.
+  Together with HF's saved RNG states (sampling, dropout) this makes a resumed run reproduce the uninterrupted one at
+  any step of any epoch.
 - `SignalCheckpoint`: on SIGTERM/SIGINT, finish the current optimizer step, save a checkpoint, then exit with
   `SystemExit(143)` (SIGTERM) or `KeyboardInterrupt` (SIGINT). A second signal while waiting exits immediately.
 """
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -26,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl.trainer.utils import RepeatSampler
 
 from .validation import check_bool
 
@@ -150,21 +160,20 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
 
 
 # ---------------------------------------------------------------------------------------------- rollout state
-def save_rollout_state(checkpoint: str, process_index: int, step: int, buffered_inputs, source_state: dict) -> None:
-    """TRL's micro-step counter and rollout buffer, and the rollout source's own state (rollout.py)."""
-    state = {"step": step, "buffered_inputs": buffered_inputs, "source": source_state}
+def save_rollout_state(checkpoint: str, process_index: int, state: dict) -> None:
+    """This process's part of the training state HF's checkpoint lacks (`ResumableTraining._resume_state`)."""
     torch.save(state, rollout_state_file(checkpoint, process_index))
 
 
 def load_rollout_state(checkpoint: str, process_index: int, device) -> dict | None:
-    """What `save_rollout_state` wrote, tensors on `device` (`source` is `{}` in checkpoints that predate it)."""
+    """What `save_rollout_state` wrote for this process, tensors on `device`; None for a checkpoint without it."""
     path = rollout_state_file(checkpoint, process_index)
     if not os.path.exists(path):
         return None
     # Load on CPU, then move: a distributed CPU run tags storages "cpu:0", which map_location cannot restore.
     state = torch.load(path, map_location="cpu", weights_only=True)
-    return {"step": state["step"], "buffered_inputs": _to_device(state["buffered_inputs"], device),
-            "source": _to_device(state.get("source", {}), device)}  # fmt: skip
+    return {**state, "buffered_inputs": _to_device(state["buffered_inputs"], device),
+            "source": _to_device(state.get("source", {}), device)}  # `source`: {} in checkpoints that predate it
 
 
 def _to_device(obj, device):
@@ -175,6 +184,63 @@ def _to_device(obj, device):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_device(value, device) for value in obj)
     return obj
+
+
+# ------------------------------------------------------------------------------------- prompt order per epoch
+class EpochRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` whose epoch `e` always uses permutation number `e` of its seeded generator (from 0).
+
+    Stock TRL draws the next permutation each time the sampler is iterated, i.e. once per epoch of an uninterrupted
+    run. A resumed run starts iterating at the epoch it resumes in, with a freshly seeded generator, so it would get
+    epoch 0's order again. Here, when the epoch to iterate (`set_epoch`) is not the next draw of the generator, the
+    generator is re-seeded and advanced through the epochs before it (one `randperm` each, on CPU). When it is (every
+    epoch of an uninterrupted run) nothing is re-drawn, so the order is exactly stock TRL's. Without `set_epoch` the
+    epoch advances by one per pass, as stock does."""
+
+    @classmethod
+    def like(cls, sampler: RepeatSampler) -> EpochRepeatSampler:
+        """The same sampler (data, repeats, batch size, shuffle, seed: whatever TRL chose) with epoch-exact order."""
+        return cls(data_source=sampler.data_source, mini_repeat_count=sampler.mini_repeat_count,
+                   batch_size=sampler.batch_size, repeat_count=sampler.repeat_count, shuffle=sampler.shuffle,
+                   seed=sampler.seed)  # fmt: skip
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epoch = 0  # the epoch the next pass yields
+        self._draws = 0  # permutations drawn from the generator so far
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        if self.shuffle and self.seed is not None and self._draws != self.epoch:
+            self.generator.manual_seed(self.seed)
+            for _ in range(self.epoch):  # the permutations of the epochs before, discarded
+                torch.randperm(self.num_samples, generator=self.generator)
+            self._draws = self.epoch
+        self._draws, self.epoch = self._draws + 1, self.epoch + 1
+        yield from super().__iter__()  # draws this epoch's permutation
+
+
+def epoch_about_to_run(state) -> int:
+    """The 0-based epoch HF's loop starts when `on_epoch_begin` fires: `state.epoch` is the fraction of epochs done
+    (`epoch + micro_steps / steps_in_epoch`, restored from `trainer_state.json` on resume), so its floor is the epoch
+    in progress, or the next one at an epoch boundary. Exact: the boundary value is a whole number."""
+    return math.floor(state.epoch or 0.0)
+
+
+class SamplerEpoch(TrainerCallback):
+    """Tell the training sampler which epoch HF runs next. HF's own `set_epoch` call goes through accelerate's
+    wrappers, which do not reach the sampler on every path (several processes, or the fast-forwarded epoch of a
+    resume); this callback does, on every process, before the epoch's first batch is drawn."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        sampler = getattr(self.trainer, "_epoch_sampler", None)
+        if sampler is not None:
+            sampler.set_epoch(epoch_about_to_run(state))
 
 
 # ----------------------------------------------------------------------------------------- signal checkpoint
@@ -243,8 +309,34 @@ class SignalCheckpoint(TrainerCallback):
 
 class ResumableTraining:
     """`GSPOTrainer` mixin: checkpoints with a completion marker, TRL's rollout buffer and the rollout source's state;
-    resume only from complete ones; signal handlers restored and the rollout source closed when `train()` returns or
-    raises."""
+    resume only from complete ones; each epoch's prompt order fixed by (seed, epoch); signal handlers restored and
+    the rollout source closed when `train()` returns or raises."""
+
+    _epoch_sampler: EpochRepeatSampler | None = None
+
+    def _resume_state(self) -> dict:
+        """This process's training state that neither HF's checkpoint nor TRL's holds: TRL's micro-step counter, its
+        buffered rollout batch and the rollout source's state (rollout.py)."""
+        return {"step": self._step, "buffered_inputs": self._buffered_inputs, "source": self._rollouts.state_dict()}
+
+    def _restore_resume_state(self, state: dict, checkpoint: str) -> None:
+        """Put back what `_resume_state` saved. A buffered rollout saved with another `steps_per_generation` is
+        dropped (TRL then generates a new one, as stock TRL does on every resume)."""
+        buffered = state["buffered_inputs"]
+        if buffered is None or len(buffered) == self.args.steps_per_generation:
+            self._step, self._buffered_inputs = state["step"], buffered
+            self._rollouts.load_state_dict(state.get("source", {}))
+        else:
+            logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.", checkpoint,
+                           self.args.steps_per_generation)  # fmt: skip
+
+    def _get_train_sampler(self, *args, **kwargs):
+        """TRL's sampler with epoch-exact order (`EpochRepeatSampler`); `SamplerEpoch` sets its epoch."""
+        sampler = super()._get_train_sampler(*args, **kwargs)
+        if type(sampler) is RepeatSampler:
+            sampler = EpochRepeatSampler.like(sampler)
+            self._epoch_sampler = sampler
+        return sampler
 
     def _save_checkpoint(self, model, trial):
         """HF's checkpoint plus TRL's rollout buffer, with a completion marker written last (see py)."""
@@ -253,8 +345,7 @@ class ResumableTraining:
             mark_incomplete(path)
         super()._save_checkpoint(model, trial)
         os.makedirs(path, exist_ok=True)
-        save_rollout_state(path, self.accelerator.process_index, self._step, self._buffered_inputs,
-                           self._rollouts.state_dict())  # fmt: skip
+        save_rollout_state(path, self.accelerator.process_index, self._resume_state())
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             mark_complete(path)
@@ -266,13 +357,8 @@ class ResumableTraining:
             state = load_rollout_state(
                 resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
             )
-            buffered = None if state is None else state["buffered_inputs"]
-            if state is not None and (buffered is None or len(buffered) == self.args.steps_per_generation):
-                self._step, self._buffered_inputs = state["step"], buffered
-                self._rollouts.load_state_dict(state["source"])
-            elif state is not None:  # batch settings changed since the save: TRL regenerates, as stock TRL does
-                logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.",
-                               resume_from_checkpoint, self.args.steps_per_generation)  # fmt: skip
+            if state is not None:
+                self._restore_resume_state(state, resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:  # also when training raised: give the process its own signal handlers back, stop the rollout source

@@ -15,6 +15,8 @@ line flags override the recipe. Unlike TRL's parser, a key no class knows is an 
 and values of the wrong type fail before anything is loaded. A recipe may start from another with
 `extends: NAME|PATH` (a file next to it first, then a shipped recipe): the base's keys apply, then its own, so a
 variant lists only what differs.
+Paths in a recipe (data files, model folders, modules) are looked up next to the recipe first, then in the working
+directory; what a recipe points at is checked before any model loads (`recipe_inputs.py`).
 """
 
 from __future__ import annotations
@@ -28,17 +30,16 @@ from pathlib import Path
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
-from . import trl_compat
+from . import recipe_inputs, trl_compat
 from .config import GSPOConfig
-
-
-class RecipeError(ValueError):
-    """A recipe or command line the CLI rejects before loading any model; the message names the key."""
+from .recipe_inputs import RecipeError
+from .console import ConsoleArguments, quiet_library_deprecations, use_console
 
 
 @dataclass
-class GSPOScriptArguments(ScriptArguments):
-    """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...) plus rewards.
+class GSPOScriptArguments(ScriptArguments, ConsoleArguments):
+    """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...), rewards and the
+    console (console.py).
 
     `dataset_name` may be a Hub id, a local folder (a `save_to_disk` folder or data files), or a local
     `.json`/`.jsonl`/`.parquet`/`.csv` file. The training split needs a `prompt` column.
@@ -54,6 +55,14 @@ class GSPOScriptArguments(ScriptArguments):
     reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Optional reward model (Hub id or local folder), used besides reward_funcs."}
     )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation set, given like dataset_name (a .json/.jsonl/.parquet/.csv file, a folder or a Hub id); "
+            "its dataset_test_split is used, or its only split (a single file loads as 'train'). Without it, "
+            "evaluation uses dataset_name's dataset_test_split."
+        },
+    )
     trainer_class: str | None = field(
         default=None,
         metadata={
@@ -65,8 +74,8 @@ class GSPOScriptArguments(ScriptArguments):
 
 
 @dataclass
-class DemoArguments:
-    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code)."""
+class DemoArguments(ConsoleArguments):
+    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code) and the console."""
 
     num_train_prompts: int = field(default=2000, metadata={"help": "Training prompts drawn for the copy task."})
     num_eval_prompts: int = field(default=200, metadata={"help": "Held-out prompts (digits never seen in training)."})
@@ -151,15 +160,65 @@ def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
     config, argv = _take_option(argv, "--accelerate_config")
     if config is None:
         return None
-    launch = ["--config_file", str(resolve_shipped(config, "accelerate config"))]
+    config_file = resolve_shipped(config, "accelerate config")
+    launch, given = ["--config_file", str(config_file)], {}
     for option in LAUNCH_OPTIONS:
         value, argv = _take_option(argv, option)
         if value is not None:
             launch += [option, value]
+            given[option] = value
+    if "--mixed_precision" not in given:  # a precision conflict on GPUs fails here, once, before any process starts
+        import yaml
+
+        with open(config_file) as f:
+            given["--mixed_precision"] = (yaml.safe_load(f) or {}).get("mixed_precision")
+    precision_note(command, resolve_config_argument(argv)[0], given["--mixed_precision"])
     import subprocess
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "trl_gspo", command, *argv]
     return subprocess.call(cmd)
+
+
+def recipe_values(command: str, argv: list[str], keys: tuple[str, ...]) -> dict:
+    """Raw values of `keys` from the recipe (with its bases), the command's defaults and flags, before any config
+    class is built (building GSPOConfig already applies the mixed precision that `precision_note` decides on)."""
+    import yaml
+
+    parser = make_parser(command)
+    if command == "demo":
+        from .demo import DEMO_ARGS
+
+        parser.set_defaults_with_config(**DEMO_ARGS)
+    recipe, rest = _take_option(list(argv), "--config")
+    if recipe is not None:
+        with open(recipe) as f:
+            config = yaml.safe_load(f) or {}
+        if isinstance(config, dict):
+            config.pop("env", None)
+            parser.recipe_dir = Path(recipe).parent
+            parser.set_defaults_with_config(**config)
+    namespace, _ = parser.parse_known_args(rest)
+    return {key: getattr(namespace, key, None) for key in keys}
+
+
+def precision_note(command: str, argv: list[str], accelerate: str | None) -> str | None:
+    """`recipe_inputs.reconcile_precision` for this command line: None, or the fp32 note; raises on a GPU conflict."""
+    import torch
+
+    values = recipe_values(command, argv, ("bf16", "fp16", "use_cpu"))
+    return recipe_inputs.reconcile_precision(accelerate, cuda=torch.cuda.is_available(), **values)
+
+
+def reconcile_mixed_precision(command: str, argv: list[str]) -> list[str]:
+    """In the training process, before the config is built: run in fp32 where there is no GPU (accelerate's
+    `ACCELERATE_MIXED_PRECISION` set to "no", `--bf16 false --fp16 false` appended), saying so once (rank 0)."""
+    note = precision_note(command, argv, os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    if note is None:
+        return argv
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+    if os.environ.get("RANK", "0") == "0":
+        print(f"trl-gspo {command}: {note}", file=sys.stderr, flush=True)
+    return [*argv, "--bf16", "false", "--fp16", "false"]
 
 
 #: Recipe key naming the recipe a variant starts from (see the module docstring).
@@ -262,6 +321,13 @@ def parse(command: str, argv: list[str], defaults: dict | None = None):
     return parsed
 
 
+def _quiet_deepspeed_on_cpu(args) -> None:
+    """A run that asked for the CPU tells DeepSpeed (when installed) so, before it is imported: otherwise DeepSpeed
+    warns that it could not find a GPU."""
+    if args.use_cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 # ----------------------------------------------------------------------------------------------------- demo
 def demo(argv: list[str]) -> int:
     from trl import get_peft_config
@@ -272,11 +338,13 @@ def demo(argv: list[str]) -> int:
     if launched is not None:
         return launched
     argv, _ = resolve_config_argument(argv)
+    argv = reconcile_mixed_precision("demo", argv)
     demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
+    _quiet_deepspeed_on_cpu(args)
     result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
-                      args=args, peft_config=get_peft_config(model_args))  # fmt: skip
+                      args=args, peft_config=get_peft_config(model_args), console=demo_args.console)  # fmt: skip
     trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does
     return 0
 
@@ -311,19 +379,46 @@ def resolve_rewards(script_args, search_dirs: tuple = ()) -> list:
     return funcs
 
 
-def check_columns(dataset, reward_funcs, split: str) -> None:
-    """The prompt column and every column a reward function needs must exist before a model is loaded."""
+def check_columns(dataset, reward_funcs, split: str, remove_unused_columns: bool = False) -> None:
+    """The prompt column and every column a reward function needs must exist, and survive `remove_unused_columns`,
+    before a model is loaded."""
     from trl.data_utils import get_dataset_column_names
 
-    from .rewards import missing_columns
+    from .rewards import missing_columns, needed_columns
 
     columns = get_dataset_column_names(dataset)
     if "prompt" not in columns:
         raise RecipeError(f"dataset split {split!r} has no 'prompt' column (columns: {columns}); GSPO needs one.")
+    needs = {}  # reward name -> the dataset columns it reads
     for func in reward_funcs:
-        if callable(func) and (missing := missing_columns(func, columns)):
-            name = getattr(func, "__name__", repr(func))
+        if not callable(func):
+            continue
+        name = getattr(func, "__name__", repr(func))
+        if missing := missing_columns(func, columns):
             raise RecipeError(f"reward {name!r} needs dataset column(s) {missing}; split {split!r} has {columns}.")
+        required, one_of = needed_columns(func)
+        needs[name] = [*required, *(column for column in one_of if column in columns)]
+    if remove_unused_columns and (problem := recipe_inputs.removed_columns_problem(needs, columns)):
+        raise RecipeError(problem)
+
+
+def load_eval_set(script_args, args, dataset):
+    """The evaluation set, or None: `eval_dataset_name` if given, else `dataset_test_split` of the training dataset;
+    an eval strategy without one (or a `dataset_test_split` set to a split that does not exist) is a RecipeError."""
+    split, strategy = script_args.dataset_test_split, str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if script_args.eval_dataset_name:
+        name = script_args.eval_dataset_name
+        if strategy == "no":
+            raise RecipeError(
+                f"eval_dataset_name={name!r} is set but eval_strategy is 'no', so nothing would evaluate on it; set "
+                "eval_strategy: 'steps' (with eval_steps) or 'epoch', or remove eval_dataset_name."
+            )
+        eval_data = load_any_dataset(name, None, script_args.dataset_streaming)
+        return eval_data[recipe_inputs.pick_eval_split(name, split, list(eval_data))]
+    default = GSPOScriptArguments.__dataclass_fields__["dataset_test_split"].default
+    if problem := recipe_inputs.eval_split_problem(strategy, split, list(dataset), default):
+        raise RecipeError(problem)
+    return dataset[split] if strategy != "no" else None
 
 
 def resolve_trainer_class(path: str | None, search_dirs: tuple = ()):
@@ -350,10 +445,14 @@ def train(argv: list[str]) -> int:
     if launched is not None:
         return launched
     argv, recipe = resolve_config_argument(argv)
-    search_dirs = (str(recipe.parent),) if recipe is not None else ()  # a recipe's own modules sit next to it
+    recipe_dir = recipe.parent if recipe is not None else None
+    search_dirs = (str(recipe_dir),) if recipe is not None else ()  # a recipe's own modules sit next to it
+    argv = reconcile_mixed_precision("train", argv)
     script_args, args, model_args, mixture = parse("train", argv)
+    _quiet_deepspeed_on_cpu(args)
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
+    recipe_inputs.resolve_recipe_paths(script_args, model_args, mixture, recipe_dir)
     try:
         reward_funcs = resolve_rewards(script_args, search_dirs)
     except ValueError as err:
@@ -368,8 +467,13 @@ def train(argv: list[str]) -> int:
     split = script_args.dataset_train_split
     if split not in dataset:
         raise RecipeError(f"dataset_train_split={split!r} not found; the dataset has splits {list(dataset)}.")
-    check_columns(dataset[split], reward_funcs, split)
-    eval_set = dataset.get(script_args.dataset_test_split) if args.eval_strategy != "no" else None
+    check_columns(dataset[split], reward_funcs, split, args.remove_unused_columns)
+    eval_set = load_eval_set(script_args, args, dataset)
+    if eval_set is not None:
+        check_columns(eval_set, reward_funcs, "eval", args.remove_unused_columns)
+    recipe_inputs.check_model_source("model_name_or_path", model_args.model_name_or_path, recipe_dir)
+    if script_args.reward_model_name_or_path:
+        recipe_inputs.check_model_source("reward_model_name_or_path", script_args.reward_model_name_or_path, recipe_dir)
 
     # Same model loading switches as `trl grpo`; trust_remote_code stays False unless the recipe sets it.
     args.model_init_kwargs = {
@@ -388,6 +492,7 @@ def train(argv: list[str]) -> int:
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
+    use_console(trainer, script_args.console)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
     trainer.accelerator.print(f"Model saved to {args.output_dir}")
@@ -430,7 +535,7 @@ def check(argv: list[str]) -> int:
 
 
 COMMANDS = {"demo": demo, "train": train, "check": check, "recipes": recipes}
-USAGE = """usage: trl-gspo {demo,train,check,recipes} [...]
+USAGE = """usage: trl-gspo {demo,train,check,recipes} [...]    (trl-gspo --version: versions in one line)
 
   demo     train a tiny model offline on a digit-copy task (CPU, ~1 min on 2 cores); prints held-out reward before/after
   train    GSPO on any model/dataset/reward described by a recipe: --config NAME|PATH [--accelerate_config NAME|PATH]
@@ -442,10 +547,25 @@ USAGE = """usage: trl-gspo {demo,train,check,recipes} [...]
 """
 
 
+def version_line() -> str:
+    """`trl-gspo --version`: this package and the libraries that decide its behaviour, in one line."""
+    from importlib import metadata
+
+    from . import __version__
+
+    others = ", ".join(f"{name} {metadata.version(name)}" for name in ("trl", "transformers", "torch"))
+    return f"trl-gspo {__version__} ({others})"
+
+
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("--version", "-V"):
+        print(version_line())
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
@@ -454,8 +574,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl-gspo: unknown command {command!r}.{hint}\n\n{USAGE}", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        return COMMANDS[command](rest)
-    except RecipeError as err:
-        print(f"trl-gspo {command}: error: {err}", file=sys.stderr)
-        return 2
+    import warnings
+
+    with warnings.catch_warnings():  # the caller's filters come back afterwards (main() is also called in-process)
+        quiet_library_deprecations()
+        try:
+            return COMMANDS[command](rest)
+        except RecipeError as err:
+            print(f"trl-gspo {command}: error: {err}", file=sys.stderr)
+            return 2

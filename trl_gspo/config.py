@@ -23,6 +23,7 @@ from .padding import PaddingOptions
 from .rewards_guard import RewardGuardOptions
 from .routing_replay import RoutingReplayOptions
 from .sampler_logprobs import SamplerLogprobOptions
+from .shared_prefix import SharedPrefixOptions
 from .validation import check_choice
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ MAX_FINITE_LOG_RATIO = 88.0
 #: Each feature's fields and their validation, in the order they are checked.
 FEATURE_OPTIONS = (
     NonFiniteOptions, RewardGuardOptions, CheckpointOptions, FusedHeadOptions, SamplerLogprobOptions,
-    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions, DynamicSamplingOptions,
+    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions, SharedPrefixOptions, DynamicSamplingOptions,
 )  # fmt: skip
 
 
@@ -53,7 +54,7 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     Configuration for [`GSPOTrainer`]: every [`trl.GRPOConfig`] field, with the GSPO paper's defaults, plus each
     feature's fields (documented in its options class: `NonFiniteOptions`, `RewardGuardOptions`,
     `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `DiagnosticsOptions`, `RoutingReplayOptions`,
-    `PaddingOptions`, `DynamicSamplingOptions`).
+    `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`).
 
     Defaults that differ from `trl.GRPOConfig` (paper, arXiv 2507.18071, Sec. 5):
     - `importance_sampling_level="sequence"` (GSPO) instead of `"token"` (GRPO).
@@ -127,10 +128,40 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
 
     def __post_init__(self):
         self._validate_counts()  # before TRL's __post_init__, which divides by some of these
+        given = {"steps_per_generation": self.steps_per_generation, "generation_batch_size": self.generation_batch_size}
         if self.steps_per_generation is None and self.generation_batch_size is None:
             self.steps_per_generation = PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except ValueError as err:
+            generation_batch = self.generation_batch_size
+            if isinstance(generation_batch, int) and generation_batch % self.num_generations:
+                raise ValueError(self._generation_batch_message(given)) from err
+            raise
         self._validate()
+
+    def _generation_batch_message(self, given: dict) -> str:
+        """TRL's "generation_batch_size (32) must be divisible by num_generations (3)", saying where 32 comes from
+        (the user may never have set it)."""
+        batch, n = self.generation_batch_size, self.num_generations
+        if given["generation_batch_size"] is not None:
+            source = f"generation_batch_size={batch} (set in the config)"
+        else:
+            steps = self.steps_per_generation
+            why = ("set in the config" if given["steps_per_generation"] is not None else
+                   f"the default: {PAPER_MINI_BATCHES_PER_ROLLOUT} x gradient_accumulation_steps="
+                   f"{self.gradient_accumulation_steps}, the paper's {PAPER_MINI_BATCHES_PER_ROLLOUT} mini-batches per "
+                   "rollout")  # fmt: skip
+            processes = batch // (self.per_device_train_batch_size * steps)
+            source = (f"the generation batch of {batch} completions = per_device_train_batch_size "
+                      f"{self.per_device_train_batch_size} x {processes} process(es) x steps_per_generation {steps} "
+                      f"({why})")  # fmt: skip
+        divisors = [d for d in range(2, batch + 1) if batch % d == 0][:6]
+        return (
+            f"num_generations={n} must divide {source}: each rollout batch holds whole groups of num_generations "
+            f"completions. Use num_generations in {divisors}, or change per_device_train_batch_size / "
+            "steps_per_generation."
+        )
 
     def _validate_counts(self):
         """Integer fields TRL divides by or loops over: a bad value would surface as a ZeroDivisionError or a

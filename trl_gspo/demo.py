@@ -21,6 +21,7 @@ import torch
 from datasets import Dataset
 
 from .config import GSPOConfig
+from .console import use_console
 from .tiny import build_tiny_model, build_tokenizer
 
 NUM_DIGITS = 3
@@ -135,10 +136,12 @@ def write_metrics(log_history: list[dict], csv_path: str, png_path: str, held_ou
 
 
 def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, num_eval_prompts: int = 200,
-             moe: bool = False, args: GSPOConfig | None = None, peft_config=None, **overrides) -> dict:  # fmt: skip
+             moe: bool = False, args: GSPOConfig | None = None, peft_config=None, console: str = "compact",
+             **overrides) -> dict:  # fmt: skip
     """Train the demo end to end; writes the model, `metrics.csv` and `reward_curve.png` to `output_dir`.
 
     `args` replaces the whole config (the CLI passes its parsed one); otherwise `overrides` go to `demo_config`.
+    `console`: "compact" (one line per logging step) or "stock" (transformers' log dicts), see console.py.
     Returns the held-out reward before and after training and the wall time.
     """
     from trl.models.utils import unwrap_model_for_generation
@@ -153,6 +156,7 @@ def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, nu
     trainer = GSPOTrainer(
         model, demo_reward, args=args, train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config
     )
+    use_console(trainer, console)
 
     def held_out_reward():  # under ZeRO-3 the weights are sharded from creation on: gather them to generate
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:

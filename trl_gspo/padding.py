@@ -1,38 +1,31 @@
-"""Stop running the model on padding: trimmed, length-sorted and packed forwards (`PaddingRemoval` mixin).
+"""Stop running the model on padding: trimmed, length-sorted and packed layouts (`PaddingRemoval` mixin).
 
 TRL 1.16 pads the whole rollout batch once (prompts left, completions right, each to the longest in the batch)
 and runs every forward at that width: the loss forward, the no-grad pi_old pass and the reference pass. With
-long-tailed completion lengths most of those positions are padding. Three exact ways to skip them, cheapest first:
+long-tailed completion lengths most of those positions are padding. Three exact ways to skip them:
 
 1. **Trim** (`GSPOConfig.trim_padding`, default on): each model call gets only the columns where at least one of
    its rows has a real token; outputs are scattered back to the batch width. Kept tokens keep their absolute
    positions (`position_ids` are passed when leading columns go), so the math is TRL's; only float rounding
-   differs (matmul shapes change).
+   differs (matmul shapes change). The model's own attention runs, with the padding mask.
 2. **Sort** (`GSPOConfig.sort_by_length`): rows of each optimizer step are ordered by length before they are
    cut into micro-batches, so each micro-batch trims to its own short width. A row never leaves its optimizer
    step. The no-grad passes sort the whole batch and unsort their outputs.
-3. **Pack** (`GSPOConfig.padding_free`, opt-in): the real tokens of a call's sequences are laid end to end in rows,
-   `position_ids` restarting at 0 at each sequence and no `attention_mask`, which is what makes transformers keep
-   sequences apart (packed-sequence detection for sdpa/eager/flex: block-diagonal mask; flash-attention: varlen
-   kernels on one row). Any `attention_mask` or cache turns that detection off *silently*; `_call_model` refuses
-   an `attention_mask` on a packed call, and `tests/test_padding.py` checks that no sequence can see another.
+3. **Pack** (`GSPOConfig.padding_free`, `"auto"` by default): the real tokens of a call's sequences are laid end to
+   end in rows (`segment_layout`), each at its padded-batch position, kept apart by the segment attention
+   (segment_attention.py), never by transformers' packed-sequence detection. The same layout runs a prompt once
+   for several completions (shared_prefix.py).
 
-Integration points (for mixins that must see every model call, e.g. MoE routing replay):
-
-- **`PaddingRemoval._call_model(model, layout, **model_inputs)`** is the one place where this path calls the
-  model: it returns `model(**model_inputs)`. Every forward of `_get_per_token_logps_and_entropies` for text
-  inputs (loss, pi_old, reference; trimmed, sorted, packed or none of these) goes through it, once per chunk,
-  inside `accelerator.autocast()`. Override it (calling `super()`) to arm hooks for exactly that call.
-  Multimodal inputs (any image/video field set) are left to TRL's own loop, which does not call it.
-- **`ForwardLayout`** (the `layout` argument) says where each position `[row, col]` of the model input
-  `[rows, width]` came from: `layout.source[row, col]` is the flat index `b * S + s` into the `[B, S]` `input_ids`
-  given to `_get_per_token_logps_and_entropies`, or -1 for a filler position that exists in no original row (the
-  tail of a packed row). `layout.to_model(x, fill)` moves any per-position tensor `[B, S, ...]` into the model
-  input's layout `[rows, width, ...]` (one gather); `layouts_to_batch` maps per-call outputs back.
-- **Sorting permutes every per-row value** of the rollout batch (tensors whose first dimension is the row count,
-  and lists of that length), whatever its key, like TRL's `shuffle_sequence_dict` / `split_tensor_dict`. A
-  tensor whose first dimension is not the row count (e.g. concatenated image patches) disables sorting for that
-  rollout, logged once.
+forward.py plans every forward with these layouts (the cheapest per model call) and makes the model calls.
+**`ForwardLayout`** says where each position `[row, col]` of a call's input `[rows, width]` came from:
+`layout.source[row, col]` is the flat index `b * S + s` into the `[B, S]` `input_ids` given to
+`_get_per_token_logps_and_entropies`, or -1 for filler (the tail of a packed row); `aliases` adds the batch
+positions a shared prompt prefix also stands for. `layout.to_model(x, fill)` moves any per-position tensor
+`[B, S, ...]` into the call's layout (one gather or a slice); `layouts_to_batch` maps per-call outputs back.
+**Sorting permutes every per-row value** of the rollout batch (tensors whose first dimension is the row count, and
+lists of that length), whatever its key, like TRL's `shuffle_sequence_dict` / `split_tensor_dict`. A tensor whose
+first dimension is not the row count (e.g. concatenated image patches) disables sorting for that rollout, logged
+once. `arrange_micro_batches` is that arrangement as a pure function (sorting, whole-group mini-batches).
 """
 
 from __future__ import annotations
@@ -41,9 +34,9 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from trl.extras.profiling import profiling_decorator
 
-from . import fused_head, trl_compat
+from . import fused_head, segment_attention, trl_compat
+from .segment_attention import SegmentPlan
 from .validation import check_bool, check_choice
 
 logger = logging.getLogger(__name__)
@@ -70,12 +63,13 @@ class PaddingOptions:
             `"never"`: TRL's order everywhere. Apart from `"never"`, the no-grad passes also sort the whole batch and
             unsort their outputs (exact in every setting). Metrics averaged per micro-batch (e.g. `clip_ratio/*`)
             can read differently with sorting on, since micro-batches hold other rows.
-        padding_free (`bool`, *optional*, defaults to `False`):
-            Pack the real tokens of each forward's sequences end to end (`position_ids` restarting at 0, no
-            attention mask), so no padding is computed at all. flash-attention: one row per call, varlen kernels;
-            sdpa/eager/flex: rows no longer than the longest sequence, separated by transformers' packed-sequence
-            mask. With an MoE aux loss, the filler at the end of packed rows is counted by the load-balancing
-            loss (transformers has no mask for it there).
+        padding_free (`str` or `bool`, *optional*, defaults to `"auto"`):
+            Pack the real tokens of a forward's sequences end to end, each token at its padded-batch position, kept
+            apart by the segment attention (segment_attention.py), so no padding is computed. `"auto"`: per model
+            call, where the token counts say it costs less than trimming (e.g. one micro-batch per optimizer step,
+            where sorting cannot narrow it), and not in a forward with the MoE load-balancing loss; `True`: every
+            call (with an MoE aux loss, the filler at the end of packed rows is counted by the load-balancing loss:
+            transformers has no mask for it there); `False`: never.
     """
 
     trim_padding: bool = field(
@@ -95,27 +89,29 @@ class PaddingOptions:
             "choices": list(SORT_SETTINGS),
         },
     )
-    padding_free: bool = field(
-        default=False,
+    padding_free: str = field(
+        default="auto",
         metadata={
-            "help": "Pack sequences end to end with position_ids restarting at 0 and no attention_mask, so no "
-            "padding is computed (flash-attention varlen on one row; sdpa/eager: rows no longer than the longest "
-            "sequence). Opt-in: on CPU trimming + sorting already removes most padding."
+            "help": "Pack sequences end to end so no padding is computed (exact: each token keeps its position, "
+            "sequences kept apart by the segment attention). 'auto' (where the token counts say it is cheaper than "
+            "trimming, e.g. one micro-batch per optimizer step), true, or false."
         },
     )
 
     def _validate_options(self):
         check_bool("trim_padding", self.trim_padding)
-        check_bool("padding_free", self.padding_free)
+        from .shared_prefix import tristate
+
+        self.padding_free = tristate("padding_free", self.padding_free)
         check_choice("sort_by_length", self.sort_by_length, SORT_SETTINGS)
-        if self.padding_free and not self.trim_padding:
+        if self.padding_free is True and not self.trim_padding:
             raise ValueError(
                 "padding_free=True removes all padding, but trim_padding=False asks to keep it; set trim_padding=True "
                 "(the default) or padding_free=False."
             )
-#: Attention implementations that keep packed sequences apart through transformers' packed-sequence detection
-#: (position_ids restarting at 0, no attention_mask): a block-diagonal mask over rows of several sequences.
-MASKED_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
+#: Attention implementations the segment attention (segment_attention.py) wraps for packed and shared calls, besides
+#: flash-attention: calls without a segment plan run them unchanged.
+SEGMENT_ATTENTION_WRAPS = ("sdpa", "eager", "flex_attention")
 
 
 # ------------------------------------------------------------------------------------------------ layouts
@@ -124,11 +120,11 @@ class ForwardLayout:
     """Where each position of one model call's input `[rows, width]` came from.
 
     `source[row, col]`: flat index `b * S + s` into the original `[B, S]` input (`batch_shape`), -1 for filler.
-    `position_ids`: what the model is told (`None`: its default `0..width-1`). `packed`: several sequences share a
-    row (no attention_mask); `segment_lengths` then lists, row by row, the lengths of the segments (sequences and
-    filler runs) laid end to end, as flash-attention's `cu_seq_lens` wants them. A trimmed (unpacked) call also
-    carries `rows` and `columns = (lead, end)`: its input is `x[rows, lead:end]`, which `to_model` then slices
-    directly instead of gathering.
+    `position_ids`: what the model is told (`None`: its default `0..width-1`). A trimmed call carries `rows` and
+    `columns = (lead, end)`: its input is `x[rows, lead:end]`, which `to_model` slices instead of gathering.
+    `packed`: a segment layout, several sequences per row (segment_attention.py), with `segments` its attention
+    plan, `segment_lengths` the lengths of the units and filler runs laid end to end, row by row, and `aliases`
+    (`[2, n]`: model flat position, batch flat position) the rows a shared prompt prefix also stands for.
     """
 
     source: torch.Tensor
@@ -138,18 +134,26 @@ class ForwardLayout:
     segment_lengths: tuple[int, ...] | None = None
     rows: torch.Tensor | None = None
     columns: tuple[int, int] | None = None
+    segments: SegmentPlan | None = None
+    aliases: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.source.shape)
 
+    @property
+    def shared_positions(self) -> int:
+        """Prompt positions this call did not run again because a sibling's prefix stood for them."""
+        return 0 if self.aliases is None else self.aliases.size(1)
+
     def to(self, device) -> ForwardLayout:
         if self.source.device == torch.device(device):
             return self
-        moved = {k: getattr(self, k) for k in ("source", "position_ids", "rows")}
+        moved = {k: getattr(self, k) for k in ("source", "position_ids", "rows", "aliases")}
         moved = {k: None if v is None else v.to(device) for k, v in moved.items()}
         return ForwardLayout(**moved, batch_shape=self.batch_shape, packed=self.packed,
-                             segment_lengths=self.segment_lengths, columns=self.columns)  # fmt: skip
+                             segment_lengths=self.segment_lengths, columns=self.columns,
+                             segments=self.segments)  # fmt: skip  (the plan moves when its call is built)
 
     def to_model(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """`[B, S, ...]` -> `[rows, width, ...]`: the values at the positions this call's input holds, `fill` at
@@ -252,55 +256,95 @@ def trimmed_layout(rows: torch.Tensor, spans, batch_shape, prompt_width: int, tr
 
 
 def packed_layout(rows: torch.Tensor, spans, batch_shape, one_row: bool, multiple_of=None) -> ForwardLayout:
-    """Layout of one call with the real tokens of `rows` laid end to end, each sequence restarting at position 0.
+    """Layout of one call with the real tokens of `rows` laid end to end (`segment_layout` with one sequence per
+    unit), each token at its position in the padded batch, sequences kept apart by the segment attention."""
+    return segment_layout([[int(r)] for r in rows], spans, batch_shape, None, one_row, pack=True, multiple_of=multiple_of)
 
-    `one_row`: everything in one row (flash-attention varlen). Otherwise rows no longer than the longest sequence
-    (first-fit decreasing), so the block-diagonal mask of sdpa/eager costs no more than the padded batch did.
-    Filler at the end of a row is its own segment (positions 0.., source -1): causal attention keeps it from
-    reaching any sequence, and its labels are ignored."""
+
+def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack: bool = True, multiple_of=None):
+    """Layout of one call whose rows hold units laid end to end (segment_attention.py): `units` lists batch rows,
+    each unit's rows sharing one prompt. A unit of one row is the row's real tokens, one sequence. A unit of several
+    rows (`prompt_width` given) is their common prefix (prompt but its last token, taken from the unit's first row)
+    followed by one segment per row (its last prompt token and its completion): the prompt runs once.
+
+    `pack`: units placed first-fit decreasing into rows as long as the longest unit (`one_row`: all in one row, for
+    flash-attention varlen); otherwise one unit per row. Filler ends a row (source -1, attends to itself). Each token
+    keeps its column in the padded batch as position id, as TRL's padded forward gives it. `aliases` lists, for the
+    prefix positions, the other rows' batch positions they stand for (their routes and counts)."""
     b, s = batch_shape
-    starts, lengths = spans[rows, 0].clamp(max=s), (spans[rows, 1] - spans[rows, 0]).clamp(min=0)
-    order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
-    capacity = int(lengths.sum()) if one_row else int(lengths.max())
+    pieces = []  # per unit: (width, prefix (row, start, length) or None, segments [(row, start, length)])
+    for unit in units:
+        if len(unit) == 1:
+            r = unit[0]
+            start, end = int(spans[r, 0]), int(spans[r, 1])
+            pieces.append((end - start, None, [(r, start, end - start)]))
+            continue
+        first = int(spans[unit[0], 0])
+        prefix = (unit[0], first, prompt_width - 1 - first)
+        segments = [(r, prompt_width - 1, int(spans[r, 1]) - prompt_width + 1) for r in unit]
+        pieces.append((prefix[2] + sum(seg[2] for seg in segments), (unit, prefix), segments))
+    widths = [p[0] for p in pieces]
+    capacity = (sum(widths) if one_row else max(widths)) if pack else max(widths)
     capacity = max(_round_up_width(0, capacity, 1 << 62, multiple_of)[1], 1)
-    bins: list[list[int]] = []  # per packed row: indices into `rows`, in placement order
+    bins: list[list[int]] = []
     room: list[int] = []
-    for i in order:  # first-fit decreasing: a loop over sequences, never over tokens
-        n = int(lengths[i])
-        j = next((j for j, r in enumerate(room) if r >= n), None)
+    for i in sorted(range(len(pieces)), key=lambda i: -widths[i]) if pack else range(len(pieces)):
+        j = next((j for j, r in enumerate(room) if r >= widths[i]), None) if pack else None
         if j is None:
             bins.append([]), room.append(capacity)
             j = len(bins) - 1
-        bins[j].append(i), room.__setitem__(j, room[j] - n)
-    # Segments in placement order: (row in the packed input, source start or -1 for filler, length)
-    seg_row, seg_src, seg_len = [], [], []
+        bins[j].append(i), room.__setitem__(j, room[j] - widths[i])
+    source = torch.full((len(bins), capacity), -1, dtype=torch.long)
+    alias_model, alias_batch, plan_rows, seg_lengths = [], [], [], []
     for j, members in enumerate(bins):
+        at, row_units = 0, []
         for i in members:
-            if int(lengths[i]) > 0:
-                seg_row.append(j), seg_src.append(int(rows[i]) * s + int(starts[i])), seg_len.append(int(lengths[i]))
-        if room[j] > 0:
-            seg_row.append(j), seg_src.append(-1), seg_len.append(room[j])
-    seg_len_t = torch.tensor(seg_len, dtype=torch.long)
-    within = torch.arange(int(seg_len_t.sum())) - torch.repeat_interleave(seg_len_t.cumsum(0) - seg_len_t, seg_len_t)
-    seg_src_t = torch.repeat_interleave(torch.tensor(seg_src, dtype=torch.long), seg_len_t)
-    source = torch.where(seg_src_t >= 0, seg_src_t + within, -1).view(len(bins), capacity)
-    return ForwardLayout(source, batch_shape, within.view(len(bins), capacity), True, tuple(seg_len))
+            width, shared, segments = pieces[i]
+            prefix_len = 0
+            if shared is not None:
+                unit, (r0, start, prefix_len) = shared
+                cols = torch.arange(start, start + prefix_len)
+                source[j, at : at + prefix_len] = r0 * s + cols
+                for r in unit[1:]:
+                    alias_model.append(j * capacity + at + torch.arange(prefix_len)), alias_batch.append(r * s + cols)
+            pos = at + prefix_len
+            for r, start, length in segments:
+                source[j, pos : pos + length] = r * s + torch.arange(start, start + length)
+                pos += length
+            row_units.append((prefix_len, [seg[2] for seg in segments]))
+            seg_lengths.append(width)
+            at += width
+        if at < capacity:
+            seg_lengths.append(capacity - at)
+        plan_rows.append(row_units)
+    position_ids = torch.where(source >= 0, source % s, 0)
+    aliases = None
+    if alias_model:
+        aliases = torch.stack([torch.cat(alias_model), torch.cat(alias_batch)])
+    plan = SegmentPlan.from_units(plan_rows, capacity)
+    return ForwardLayout(source, batch_shape, position_ids, True, tuple(seg_lengths), segments=plan, aliases=aliases)
 
 
 def plan_layouts(spans, batch_shape, prompt_width, chunk_rows, *, sort, trim, pack, one_row=False, multiple_of=None):
     """The model calls for one `_get_per_token_logps_and_entropies` call: one layout per chunk of `chunk_rows` rows
-    (TRL's chunking, so ZeRO-3 ranks make the same number of calls), rows sorted by length first if `sort`."""
+    (TRL's chunking, so ZeRO-3 ranks make the same number of calls), rows sorted by length first if `sort`. The
+    trainer's forward (forward.py) chooses among layouts by cost; this is the fixed plan of the given settings."""
     b = batch_shape[0]
     order = length_order(spans) if sort else torch.arange(b)
     layouts = []
     for start in range(0, b, chunk_rows):
         rows = order[start : start + chunk_rows]
-        holes = bool((spans[rows, 2] != (spans[rows, 1] - spans[rows, 0]).clamp(min=0)).any())
-        if pack and not holes:
+        if pack and packable(spans, rows):
             layouts.append(packed_layout(rows, spans, batch_shape, one_row, multiple_of))
         else:  # a row with padding inside its span cannot be packed as one sequence: trim instead
             layouts.append(trimmed_layout(rows, spans, batch_shape, prompt_width, trim or pack, multiple_of))
     return layouts
+
+
+def packable(spans, rows) -> bool:
+    """Every row's real tokens are contiguous and it has some (a hole would be attended across when packed)."""
+    lengths = (spans[rows, 1] - spans[rows, 0]).clamp(min=0)
+    return bool((spans[rows, 2] == lengths).all() and (lengths > 0).all())
 
 
 # ---------------------------------------------------------------------------------------- sorted micro-batches
@@ -327,10 +371,13 @@ def _per_row_keys(batch: dict) -> list[str] | None:
     return keys
 
 
-def sort_rows_by_length(micro_batches: list[dict]) -> list[dict] | None:
+def sort_rows_by_length(micro_batches: list[dict], grouped: bool = False) -> list[dict] | None:
     """Pool the rows of `micro_batches` (one optimizer step's), order them longest first, cut them again into as
     many equal micro-batches. Every per-row value is permuted, whatever its key; the rest is kept as is. None if a
-    value is neither per-row nor a scalar (e.g. image patches concatenated over rows)."""
+    value is neither per-row nor a scalar (e.g. image patches concatenated over rows). `grouped`: whole prompt
+    groups ordered by their longest row, each group's rows kept together (shared_prefix.group_length_keys)."""
+    from .shared_prefix import group_length_keys
+
     keys = _per_row_keys(micro_batches[0])
     if keys is None:
         return None
@@ -338,7 +385,10 @@ def sort_rows_by_length(micro_batches: list[dict]) -> list[dict] | None:
     for key in keys:
         values = [mb[key] for mb in micro_batches]
         pooled[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else sum(map(list, values), [])
-    order = torch.sort(length_keys(pooled), descending=True, stable=True).indices.tolist()
+    keys_ = length_keys(pooled)
+    if grouped:
+        keys_ = group_length_keys(pooled, keys_)
+    order = torch.sort(keys_, descending=True, stable=True).indices.tolist()
     rows = len(order) // len(micro_batches)
     out = []
     for i in range(len(micro_batches)):
@@ -371,11 +421,9 @@ def optimizer_step_groups(first_step: int, steps_per_generation: int, num_iterat
 
 # ------------------------------------------------------------------------------------------------- mixin
 class PaddingRemoval:
-    """`GSPOTrainer` mixin: trimmed / sorted / packed forwards and length-sorted micro-batches (module docstring).
-
-    Overrides TRL's `_get_per_token_logps_and_entropies` (text inputs; multimodal ones go to TRL's loop), sorts the
-    micro-batches of each fresh rollout buffer (`_arrange_micro_batches`, called by rollout.py after TRL's shuffle and
-    split), and logs `throughput/*` at each `log`."""
+    """`GSPOTrainer` mixin: length-sorted (and, with `group_minibatches`, whole-group) micro-batches of each fresh
+    rollout buffer (`_arrange_micro_batches`, called by rollout.py after TRL's shuffle and split), the settings the
+    forward pipeline (forward.py) plans with, and `throughput/*` at each `log`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -383,7 +431,7 @@ class PaddingRemoval:
         # The path calls the model with TRL's fused log-prob head (TRL >= 1.15); older TRL: its own padded loop.
         self._padding_path = fused_head.available()
         if not self._padding_path:
-            if config.padding_free:
+            if config.padding_free is True:
                 raise ValueError(
                     f"padding_free=True needs TRL's fused log-prob head (TRL >= 1.15); the installed TRL is "
                     f"{trl_compat.installed_trl_version()}. Upgrade TRL or set padding_free=False."
@@ -403,100 +451,35 @@ class PaddingRemoval:
                 "(sorting would change it); set sort_by_length='always' to sort anyway.", " and ".join(reasons)
             )
         self._sort_no_grad = self._padding_path and config.sort_by_length != "never"
-        if config.padding_free:
-            check_packing_supported(self.model)
-        self._throughput = torch.zeros(3, dtype=torch.float64)  # real tokens, positions run, positions TRL would run
+        problem = packing_problem(self.model)
+        if config.padding_free is True and problem:
+            raise ValueError(f"padding_free=True {problem}")
+        self._packing_supported = problem is None
+        self._flash = _is_flash(self.model)
+        # real tokens, positions run, positions TRL would run, prompt positions a shared prefix did not run again
+        self._throughput = torch.zeros(4, dtype=torch.float64)
         self._throughput_step = 0
         self._warned = set()
 
-    # ------------------------------------------------------------------------------------ the model call
-    def _call_model(self, model, layout: ForwardLayout, **model_inputs):
-        """The one model call of this path (see the module docstring): override it to arm hooks for that call."""
-        if layout.packed and model_inputs.get("attention_mask") is not None:
-            raise RuntimeError(
-                "A packed forward got an attention_mask: transformers then stops separating the packed sequences "
-                "and each one silently attends to the ones before it in its row. Do not add an attention_mask to "
-                "packed calls."
-            )
-        return model(**model_inputs)
-
-    @profiling_decorator
-    def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-        compute_aux_loss=False, **multimodal,
-    ):  # fmt: skip
-        b, s = input_ids.shape
-        prompt_width = s - logits_to_keep
-        unsupported = any(v is not None for v in multimodal.values()) or logits_to_keep < 1 or prompt_width < 1
-        if not self._padding_path or unsupported:  # TRL < 1.15 was logged at construction
-            if self._padding_path:
-                self._warn_once("fallback", "Multimodal inputs (or no prompt / no completion column): this forward "
-                                            "runs TRL's own padded loop, without trimming, sorting or packing.")  # fmt: skip
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal,
-            )  # fmt: skip
-        spans = row_spans(attention_mask)
-        flash = _is_flash(model)
-        layouts = plan_layouts(
-            spans, (b, s), prompt_width, batch_size or b,
-            sort=self._sort_no_grad and not torch.is_grad_enabled(),  # no-grad passes: sort the batch, unsort outputs
-            trim=self.args.trim_padding, pack=self.args.padding_free, one_row=flash,
-            multiple_of=self.args.pad_to_multiple_of,
-        )  # fmt: skip
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :prompt_width] = -100  # only completion tokens are scored
-        pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
-        logps, entropies, aux_losses = [], [], []
-        for layout in layouts:
-            layout = layout.to(input_ids.device)
-            inputs = {"input_ids": layout.to_model(input_ids, pad_id), "fused_lm_head": True}
-            call_labels = layout.to_model(labels, -100)
-            if layout.packed:
-                # A sequence's first token must not be scored from the previous sequence's last position.
-                inputs["labels"] = call_labels.masked_fill(layout.position_ids == 0, -100)
-                inputs["position_ids"], inputs["use_cache"] = layout.position_ids, False
-                if flash:  # one row: hand flash-attention the segment boundaries (no host sync per layer)
-                    inputs.update(_flash_varlen_kwargs(layout.segment_lengths, input_ids.device))
-            else:
-                inputs["labels"], inputs["attention_mask"] = call_labels, layout.to_model(attention_mask, 0)
-                if layout.position_ids is not None:
-                    inputs["position_ids"] = layout.position_ids
-            if compute_aux_loss:
-                inputs["output_router_logits"] = True
-            with self.accelerator.autocast():
-                out = self._call_model(model, layout, **inputs)
-            # The fused head scores position t+1 from position t: shift back so column t holds token t's value.
-            logps.append(torch.nn.functional.pad(out.log_probs, (1, 0)))
-            if compute_entropy:
-                entropies.append(torch.nn.functional.pad(out.entropy, (1, 0)))
-            if compute_aux_loss:
-                aux_losses.append(out.aux_loss)
-        self._count_throughput(spans, layouts, (b, s))
-        logps = layouts_to_batch(layouts, logps, 0.0, columns_from=prompt_width)
-        entropies = layouts_to_batch(layouts, entropies, 0.0, columns_from=prompt_width) if compute_entropy else None
-        aux_loss = torch.stack(aux_losses).mean() if compute_aux_loss else None
-        return logps, entropies, aux_loss
-
     # ------------------------------------------------------------------------------ sorted micro-batches
     def _arrange_micro_batches(self, micro_batches: list[dict], first_step: int) -> list[dict]:
-        """A fresh rollout buffer, its rows sorted by length within each optimizer step when sorting is on (called by
-        rollout.py after TRL's shuffle and split; `first_step` is the micro-step that will use entry 0 first)."""
-        if not self._sort_micro_batches:
+        """A fresh rollout buffer arranged for the forwards (`arrange_micro_batches`; called by rollout.py after TRL's
+        shuffle and split; `first_step` is the micro-step that will use entry 0 first)."""
+        grouped = self.args.group_minibatches
+        if not (self._sort_micro_batches or grouped):
             return micro_batches
-        spg = self.args.steps_per_generation
-        groups = optimizer_step_groups(first_step, spg, self.num_iterations, self.args.gradient_accumulation_steps)
-        buffer = list(micro_batches)
-        for group in groups:
-            if len(group) < 2:
-                continue
-            sorted_batches = sort_rows_by_length([buffer[k] for k in group])
-            if sorted_batches is None:
-                self._warn_once("sort", "Rollout batch holds values that are not per row (e.g. image patches): "
-                                        "micro-batches keep TRL's order.")  # fmt: skip
-                return micro_batches
-            for k, batch in zip(group, sorted_batches):
-                buffer[k] = batch
+        # Sorting may also keep each prompt's rows together inside an optimizer step, so the loss forward shares the
+        # prompt: the forward's cost model picks between the two orders (rows still never leave their step).
+        sharing = self.args.shared_prefix is not False and not self._shared_prefix_off_reason
+        buffer = arrange_micro_batches(
+            list(micro_batches), first_step, self.args.steps_per_generation, self.num_iterations,
+            self.args.gradient_accumulation_steps, sort=self._sort_micro_batches, group_minibatches=grouped,
+            cost=self._loss_forward_cost if sharing else None,
+        )  # fmt: skip
+        if buffer is None:
+            self._warn_once("sort", "Rollout batch holds values that are not per row (e.g. image patches): "
+                                    "micro-batches keep TRL's order.")  # fmt: skip
+            return micro_batches
         return buffer
 
     # ------------------------------------------------------------------------------------ throughput/*
@@ -504,7 +487,8 @@ class PaddingRemoval:
         if not self.model.training:
             return
         processed = sum(layout.source.numel() for layout in layouts)
-        self._throughput += torch.tensor([float(spans[:, 2].sum()), processed, batch_shape[0] * batch_shape[1]],
+        saved = sum(layout.shared_positions for layout in layouts)
+        self._throughput += torch.tensor([float(spans[:, 2].sum()), processed, batch_shape[0] * batch_shape[1], saved],
                                          dtype=torch.float64)  # fmt: skip
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -517,7 +501,7 @@ class PaddingRemoval:
         totals = self._throughput.to(self.accelerator.device)
         if self.accelerator.num_processes > 1:
             totals = self.accelerator.reduce(totals, reduction="sum")
-        real, processed, stock = totals.tolist()
+        real, processed, stock, saved = totals.tolist()
         steps = max(self.state.global_step - self._throughput_step, 1)
         self._throughput.zero_()
         self._throughput_step = self.state.global_step
@@ -525,15 +509,49 @@ class PaddingRemoval:
             return
         metrics = self._metrics["train"]
         metrics["throughput/tokens_per_step"].append(real / steps)
-        metrics["throughput/padding_per_step"].append((processed - real) / steps)
-        metrics["throughput/padding_fraction"].append((processed - real) / max(processed, 1.0))
+        metrics["throughput/padding_per_step"].append(max(processed + saved - real, 0.0) / steps)
+        metrics["throughput/padding_fraction"].append(max(processed + saved - real, 0.0) / max(processed, 1.0))
         metrics["throughput/stock_padding_fraction"].append((stock - real) / stock)
         metrics["throughput/positions_vs_stock"].append(processed / stock)
+        metrics["throughput/prompt_tokens_saved_per_step"].append(saved / steps)
 
     def _warn_once(self, key, message):
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message)
+
+
+def arrange_micro_batches(buffer, first_step, steps_per_generation, num_iterations, accumulation, *, sort,
+                          group_minibatches, cost=None):  # fmt: skip
+    """A fresh rollout buffer (TRL's shuffled, split micro-batches) arranged for the forwards, a pure function.
+
+    `group_minibatches`: rows laid out again group by group over the whole buffer (shared_prefix.group_rows), so
+    whole groups share an optimizer step. `sort`: inside each set of micro-batches that always fall in the same
+    optimizer steps (`optimizer_step_groups`), rows ordered longest first, so a row never changes optimizer step
+    here; whole prompt groups by their longest row when grouped, or when `cost` (a micro-batch's estimated loss
+    forward cost) says keeping each prompt's rows together (so the loss forward shares the prompt) is cheaper than
+    pure length order. None if a value is not per row (nothing is arranged)."""
+    from . import shared_prefix
+
+    keys = _per_row_keys(buffer[0])
+    if keys is None:
+        return None
+    if group_minibatches:
+        buffer = shared_prefix.group_rows(buffer, keys)
+    if not sort:
+        return buffer
+    for group in optimizer_step_groups(first_step, steps_per_generation, num_iterations, accumulation):
+        if len(group) < 2:
+            continue
+        batches = [buffer[k] for k in group]
+        sorted_batches = sort_rows_by_length(batches, grouped=group_minibatches)
+        if cost is not None and not group_minibatches:
+            by_group = sort_rows_by_length(batches, grouped=True)
+            if sum(map(cost, by_group)) < sum(map(cost, sorted_batches)):
+                sorted_batches = by_group
+        for k, batch in zip(group, sorted_batches):
+            buffer[k] = batch
+    return buffer
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -563,38 +581,21 @@ def _is_flash(model) -> bool:
     return "flash" in _attention_implementation(model)
 
 
-def check_packing_supported(model):
-    """`padding_free=True` needs an attention that keeps packed sequences apart, and no prompt-learning adapter
-    (it adds its own attention_mask / cache, which would silently turn the separation off)."""
-    implementation = _attention_implementation(model)
-    if "flash" not in implementation and implementation not in MASKED_PACKING_ATTENTION:
-        raise ValueError(
-            f"padding_free=True with attn_implementation={implementation!r}: packed sequences are kept apart only "
-            f"by flash-attention (varlen) or by transformers' packed-sequence masks ({', '.join(MASKED_PACKING_ATTENTION)}). "
-            "Load the model with one of those, or set padding_free=False."
+def packing_problem(model) -> str | None:
+    """Why packed / shared-prefix calls cannot run on `model` (None if they can): an attention implementation the
+    segment attention cannot wrap, or a prompt-learning adapter (its virtual tokens come with an attention mask or a
+    cache that a packed row cannot have). Completes "padding_free=True ..." in errors."""
+    implementation = _attention_implementation(model).removeprefix(segment_attention.PREFIX)
+    if "flash" not in implementation and implementation not in SEGMENT_ATTENTION_WRAPS:
+        return (
+            f"with attn_implementation={implementation!r}: packed sequences are kept apart by trl-gspo's segment "
+            f"attention, which wraps {', '.join(SEGMENT_ATTENTION_WRAPS)} and flash-attention. Load the model with one "
+            "of those, or set padding_free=False."
         )
     peft_config = getattr(model, "active_peft_config", None)
     if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-        raise ValueError(
-            "padding_free=True with a prompt-learning PEFT adapter: its virtual tokens come with an attention mask "
-            "or a cache, which makes packed sequences attend to each other. Use padding_free=False (trimming works)."
+        return (
+            "with a prompt-learning PEFT adapter: its virtual tokens come with an attention mask or a cache, which a "
+            "packed row cannot have. Use padding_free=False (trimming works)."
         )
-    if implementation in MASKED_PACKING_ATTENTION and torch.cuda.is_available():
-        try:
-            import flash_attn  # noqa: F401
-
-            logger.info(
-                "padding_free=True with attn_implementation=%r: packed rows use a block-diagonal mask; flash-attn is "
-                "installed, load the model with attn_implementation='flash_attention_2' for varlen kernels.",
-                implementation,
-            )
-        except ImportError:
-            pass
-
-
-def _flash_varlen_kwargs(segment_lengths, device) -> dict:
-    """flash-attention varlen arguments for a one-row packed call, so the kernels need no host sync per layer."""
-    lengths = torch.tensor(segment_lengths, dtype=torch.int32)
-    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)).to(device)
-    longest = int(lengths.max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    return None

@@ -98,15 +98,17 @@ def make_inputs(model, seed: int = 0, beta: bool = False) -> dict:
 
 
 def build_trainer(trainer_cls, config_cls, model, settings: dict, output_dir, tokenizer):
-    """A trainer in train mode on a copy of `model`, ready for `_compute_loss` on a hand-made batch."""
+    """A trainer in train mode on a copy of `model`, ready for `_compute_loss` on a hand-made batch. It runs where
+    the model is, in bf16 mixed precision when the model's weights are bf16 (as a GPU run loads them)."""
     from datasets import Dataset
 
     known = {f.name for f in dataclasses.fields(config_cls)}  # our own fields (e.g. the token-sum opt-in) are not TRL's
     settings = {key: value for key, value in settings.items() if key in known}
+    weight = next(model.parameters())
     args = config_cls(
         output_dir=str(output_dir),
-        use_cpu=True,
-        bf16=False,
+        use_cpu=weight.device.type == "cpu",
+        bf16=weight.dtype == torch.bfloat16,
         report_to=[],
         per_device_train_batch_size=B,
         num_generations=2,
@@ -122,9 +124,12 @@ def build_trainer(trainer_cls, config_cls, model, settings: dict, output_dir, to
 
 
 def loss_and_grads(trainer_cls, config_cls, model, settings, inputs, output_dir, tokenizer):
-    """(loss, {parameter: gradient}, {metric: last value}) of one `_compute_loss` + backward."""
+    """(loss, {parameter: gradient}, {metric: last value}) of one `_compute_loss` + backward, under the autocast a
+    training step would use (none in fp32)."""
     trainer = build_trainer(trainer_cls, config_cls, model, settings, output_dir, tokenizer)
-    loss = trainer._compute_loss(trainer.model, {k: v.clone() for k, v in inputs.items()})
+    device = next(trainer.model.parameters()).device
+    with trainer.accelerator.autocast():
+        loss = trainer._compute_loss(trainer.model, {k: v.clone().to(device) for k, v in inputs.items()})
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}

@@ -116,14 +116,20 @@ def resolve_reward(name: str, search_dirs: tuple = ()) -> Callable:
     )
 
 
-def missing_columns(func: Callable, columns) -> list[str]:
-    """Dataset columns `func` needs but `columns` lacks: its parameters without a default that TRL does not supply,
-    plus a `needs_one_of` group such as ("solution", "answer") reported as "solution|answer"."""
+def needed_columns(func: Callable) -> tuple[list[str], tuple[str, ...]]:
+    """(dataset columns `func` requires, a group of columns of which it needs one): its parameters without a default
+    that TRL does not supply, and its `needs_one_of` attribute such as ("solution", "answer")."""
     params = inspect.signature(func).parameters.values()
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     needed = [p.name for p in params if p.kind in kinds and p.default is p.empty and p.name not in TRAINER_SUPPLIED]
+    return needed, tuple(getattr(func, "needs_one_of", ()))
+
+
+def missing_columns(func: Callable, columns) -> list[str]:
+    """Dataset columns `func` needs but `columns` lacks (see `needed_columns`); a missing `needs_one_of` group is
+    reported as "solution|answer"."""
+    needed, group = needed_columns(func)
     missing = [name for name in needed if name not in columns]
-    group = getattr(func, "needs_one_of", ())
     if group and not set(group) & set(columns):
         missing.append("|".join(group))
     return missing

@@ -96,7 +96,7 @@ def _first_failing_sample(func, kwargs: dict, batch_size: int) -> tuple[int, Bas
     for index in range(batch_size):
         try:
             func(**_single_sample_kwargs(kwargs, index, batch_size))
-        except Exception as error:  # noqa: BLE001 - we report whatever the user's function raises
+        except Exception as error:  # noqa: BLE001 - whatever the user's function raises is reported
             return index, error
     return None
 

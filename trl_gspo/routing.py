@@ -165,6 +165,7 @@ class RouterPass:
         self.seen: torch.Tensor | None = None  # [B*W] positions some call held, under explicit layouts only
         self.cursor = [0] * hooks.num_layers  # tokens seen per layer (default layout: consecutive row chunks)
         self.call: tuple[int, torch.Tensor] | None = None  # (call number, positions) of an explicit layout
+        self.aliases: torch.Tensor | None = None  # [2, n] (call position, batch position) a shared position also fills
         self.calls_seen = [0] * hooks.num_layers  # fires per layer under explicit layouts
         self.last_span: list[tuple | None] = [None] * hooks.num_layers  # per layer: (key, index) of its last call
         self.recompute_fires = [0] * hooks.num_layers
@@ -172,11 +173,15 @@ class RouterPass:
         self._targets_key, self._targets = None, None
         self.error: str | None = None
 
-    def set_call_positions(self, positions: torch.Tensor) -> None:
+    def set_call_positions(self, positions: torch.Tensor, aliases: torch.Tensor | None = None) -> None:
         """Layout of the next model call: for each model-input position (row-major), its flat index ``row * W + col``
-        in this pass's batch, or -1 for filler that belongs to no row (e.g. padding between packed sequences)."""
+        in this pass's batch, or -1 for filler that belongs to no row (e.g. padding between packed sequences).
+        ``aliases`` (``[2, n]``: model-input position, batch position): batch positions a model position also stands
+        for (a prompt prefix shared by several rows): the route recorded there is recorded for them too, and a
+        replayed route is the one of the position in ``positions`` (its rows' routes agree, see shared_prefix.py)."""
         number = 1 if self.call is None else self.call[0] + 1
         self.call = (number, positions.reshape(-1))
+        self.aliases = aliases
 
     # called by the hooks -------------------------------------------------------------------------------------
     def _span(self, layer: int, n_tokens: int):
@@ -228,10 +233,15 @@ class RouterPass:
             index = index.to(native.device)
             keep = index >= 0
             self.native[index[keep], layer] = native[keep].to(self.hooks.id_dtype)
+            aliases = None if self.aliases is None else self.aliases.to(native.device)
+            if aliases is not None:  # a shared prompt prefix: the one route recorded is each sharing row's
+                self.native[aliases[1], layer] = native[aliases[0]].to(self.hooks.id_dtype)
             if layer == 0:  # explicit layouts may skip positions (trimmed padding): note the ones some call held
                 if self.seen is None:
                     self.seen = torch.zeros(self.total, dtype=torch.bool, device=native.device)
                 self.seen[index[keep]] = True
+                if aliases is not None:
+                    self.seen[aliases[1]] = True
 
     # after the forward -----------------------------------------------------------------------------------------
     @property

@@ -52,6 +52,15 @@ logger = logging.getLogger(__name__)
 #: MoE routing replay modes.
 ROUTING_REPLAY_MODES = ("none", "R2", "R3")
 
+#: When vLLM returns routes at all: the checks of vLLM's `VllmConfig._verify_aux_output_compatibility`
+#: (vllm/config/vllm.py; tests/config/test_aux_output_config.py) refuse `enable_return_routed_experts` otherwise.
+VLLM_ROUTES_PRECONDITIONS = (
+    "vLLM returns routes only with Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1 where it is not the default), prefix "
+    "caching on (--enable-prefix-caching), no pipeline or context parallelism (pipeline_parallel_size, "
+    "decode_context_parallel_size and prefill_context_parallel_size all 1), no KV connector, and a generating MoE "
+    "model; check the vLLM server's or engine's start-up log."
+)
+
 
 @dataclass
 class RoutingReplayOptions:
@@ -189,7 +198,7 @@ class MoERouting:
             raise ValueError(
                 f"routing_replay='R3': {where} returned routes for {0 if raw is None else len(raw)} completions, the "
                 f"batch has {len(completion_ids)} (vLLM: start it with enable_return_routed_experts / "
-                "--enable-return-routed-experts)."
+                f"--enable-return-routed-experts; {VLLM_ROUTES_PRECONDITIONS})"
             )
         config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         layers = [r.decoder_layer for r in hooks.routers]
@@ -243,62 +252,51 @@ class MoERouting:
         finally:
             self._moe_role, self._moe_inputs = None, None
 
-    def training_step(self, *args, **kwargs):
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:  # the backward (and its checkpointing recompute) is done: generate() must route natively
-            self._release_routes()
-
-    def prediction_step(self, *args, **kwargs):
-        try:
-            return super().prediction_step(*args, **kwargs)
-        finally:
-            self._release_routes()
-
     def _release_routes(self):
         if self._router_hooks is not None:
             self._router_hooks.release()
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        forward = super()._get_per_token_logps_and_entropies
-        role, self._moe_role = self._moe_role, None  # one observed forward per role
+    # Steps of the forward pipeline (forward.py): which forward this is, the router pass around it, what it recorded.
+    def _take_route_role(self) -> str | None:
+        """"old" (TRL's pi_old pass), "loss" (the loss forward) or None: one observed forward per role."""
+        role, self._moe_role = self._moe_role, None
+        return role
+
+    @contextlib.contextmanager
+    def _route_pass(self, role, replay, batch, width):
+        """The router pass of one observed forward. Not observed (`role` None): a pass opened around this forward by
+        the caller, if any, so its model calls still say which positions they hold; else None."""
         if role is None:
-            return forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        batch, width = input_ids.shape
-        replay = self._replay_table(role, width, logits_to_keep)
+            current = None if self._router_hooks is None else self._router_hooks.active
+            yield current if isinstance(current, RouterPass) and not current.closed else None
+            return
         record = not (role == "old" and self._replay == "R3")  # R3's pi_old routes are the sampler's, already known
         with self._router_hooks.forward_pass(
             batch, width, record=record, replay=replay, keep_for_recompute=torch.is_grad_enabled()
         ) as observed:
-            out = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            yield observed
+
+    def _after_route_pass(self, role, replay, observed, out, logits_to_keep):
+        """Keep pi_old's routes for the rollout batch, or record the loss forward's routing metrics."""
         if observed.idle:
-            return out  # no model call ran (pi_old came from the sampler's log-probs): nothing observed
+            return  # no model call ran: nothing observed
         problem = observed.check()
         if problem is not None:
             if self._replay != "none":  # replay would force routes onto the wrong tokens, or have none to force
                 raise RuntimeError(f"routing_replay={self._replay!r}: {problem}; routes cannot be replayed reliably.")
             logger.warning("MoE routing metrics skipped for this forward: %s.", problem)
-            return out
+            return
         native = observed.native_routes()
         if role == "old":
             self._old_pass_logps = out[0]
-            if not record:
-                return out
+            if self._replay == "R3":  # its pi_old routes are the sampler's, replayed here, not recorded
+                return
             valid = observed.recorded_positions()  # padding.py may have skipped all-padding columns
             if self._replay == "none":  # metrics only need the completion part
                 native, valid = native[:, -logits_to_keep:], valid[:, -logits_to_keep:]
             self._rollout_routes = RouteTable(native.cpu(), valid.cpu())
         else:
             self._record_moe_metrics(native[:, -logits_to_keep:], replay, logits_to_keep)
-        return out
-
-    def _call_model(self, model, layout, **model_inputs):
-        # padding.py's one model call (trimmed, length-sorted or packed): tell the open router pass which batch
-        # positions this call's input holds, so recorded and replayed routes follow the rows and columns it moved.
-        current = None if self._router_hooks is None else self._router_hooks.active
-        if isinstance(current, RouterPass) and not current.closed:
-            current.set_call_positions(layout.source)
-        return super()._call_model(model, layout, **model_inputs)
 
     def _replay_table(self, role, width, logits_to_keep) -> RouteTable | None:
         """Routes to force in this forward: R3's sampler routes in the pi_old pass; R2/R3's `old_routes` in the loss."""
@@ -386,9 +384,48 @@ def vllm_routes_from_choices(choices: list[dict]) -> list:
     return [choice.get("routed_experts") for choice in choices]
 
 
+class ServerResponses:
+    """The routes in the responses TRL's vLLM client receives during one `client.generate` call (server mode, main
+    process only), in the order of TRL's completions. TRL 1.16 sends either one `/v1/completions` request for every
+    prompt (its choices are prompt-major: the n completions of prompt 0, then of prompt 1, ...) or, with images, one
+    request per prompt from a thread pool, whose replies arrive in any order; those are put back in prompt order by
+    the prompt each request carried (the same list object TRL passed to `generate`, or failing that equal ids)."""
+
+    def __init__(self):
+        self.prompts, self.batch, self.per_prompt = None, None, {}
+
+    def start(self, prompts):
+        self.prompts, self.batch, self.per_prompt = list(prompts or []), None, {}
+
+    def keep(self, url, payload, response):
+        if not isinstance(response, dict) or "choices" not in response:
+            return
+        token_ids = payload.get("token_ids") if isinstance(payload, dict) else None
+        if token_ids is None:  # one request for the whole batch
+            self.batch = vllm_routes_from_choices(response["choices"])
+            return
+        index = next((i for i, p in enumerate(self.prompts) if p is token_ids), None)
+        if index is None:  # the client copied the ids: the first prompt with these ids not yet answered
+            index = next((i for i, p in enumerate(self.prompts) if list(p) == list(token_ids) and i not in
+                          self.per_prompt), None)  # fmt: skip
+        if index is not None:
+            self.per_prompt[index] = vllm_routes_from_choices(response["choices"])
+
+    def routes(self) -> list | None:
+        if self.per_prompt:
+            if sorted(self.per_prompt) != list(range(len(self.prompts))):
+                return None  # some prompt got no reply with routes: reported as missing routes below
+            return [routes for i in range(len(self.prompts)) for routes in self.per_prompt[i]]
+        return self.batch
+
+
 def _capture_vllm_routes(trainer):
     """Keep the routes vLLM returns with each `VLLMGeneration.generate` call in `vllm_generation.last_routed_experts`
-    (this process's completions, in TRL's order), by wrapping the engine / client calls TRL makes on this instance."""
+    (this process's completions, in TRL's order), by wrapping the engine / client calls TRL makes on this instance.
+
+    Server mode: TRL gathers every process's prompts, and only the main process has a client (`vllm_client`) and
+    talks to the server; it then broadcasts the completions. The routes are read from the main process's client and
+    broadcast the same way, so every rank gets its own slice."""
     generation = trainer.vllm_generation
     seen = {"raw": None}
     if getattr(generation, "mode", None) == "colocate":
@@ -400,18 +437,24 @@ def _capture_vllm_routes(trainer):
             return outputs
 
         generation.llm.generate = generate_and_keep
-    else:  # server: TRL's client keeps only ids and log-probs of vLLM's response; read the routes on the way
+    elif not trl_compat.vllm_server_returns_routes():  # decided from TRL's client class: the same on every rank
+        raise ValueError(
+            f"routing_replay='R3' with vllm_mode='server': this TRL ({trl_compat.installed_trl_version()}) talks to "
+            "`trl vllm-serve`'s own endpoint, whose responses carry no expert routes. Use vllm_mode='colocate', "
+            "a TRL whose client calls vLLM's server directly (1.14.2 and 1.16 do), or routing_replay='R2'."
+        )
+    elif getattr(generation, "vllm_client", None) is not None:  # TRL creates the client on the main process only
+        client, responses = generation.vllm_client, ServerResponses()
+        client_generate = client.generate
 
-        def keep(response):
-            if isinstance(response, dict) and "choices" in response:
-                seen["raw"] = vllm_routes_from_choices(response["choices"])
+        def client_generate_and_keep(*args, **kwargs):
+            responses.start(kwargs.get("prompts", args[0] if args else None))
+            out = client_generate(*args, **kwargs)
+            seen["raw"] = responses.routes()
+            return out
 
-        if not trl_compat.watch_vllm_server_responses(generation.vllm_client, keep):
-            raise ValueError(
-                f"routing_replay='R3' with vllm_mode='server': this TRL ({trl_compat.installed_trl_version()}) talks to "
-                "`trl vllm-serve`'s own endpoint, whose responses carry no expert routes. Use vllm_mode='colocate', "
-                "a TRL whose client calls vLLM's server directly (1.14.2 and 1.16 do), or routing_replay='R2'."
-            )
+        client.generate = client_generate_and_keep
+        trl_compat.watch_vllm_server_responses(client, responses.keep)
     generate = generation.generate
 
     def generate_with_routes(prompts, *args, **kwargs):
@@ -433,7 +476,8 @@ def _capture_vllm_routes(trainer):
             raise ValueError(
                 "routing_replay='R3' with vLLM: the engine returned no routed_experts. Colocate: trl-gspo builds the "
                 "engine with enable_return_routed_experts=True (needs vLLM >= 0.14). Server: start the server with "
-                "--enable-return-routed-experts (e.g. `trl vllm-serve --model ... --enable-return-routed-experts`)."
+                f"--enable-return-routed-experts (e.g. `trl vllm-serve --model ... --enable-return-routed-experts`). "
+                f"{VLLM_ROUTES_PRECONDITIONS}"
             )
         generation.last_routed_experts = raw
         return out

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fused_head, trl_compat
+from . import trl_compat
 from .losses import masked_sequence_mean
 from .validation import check_choice
 
@@ -293,17 +293,14 @@ class SamplerLogprobReuse:
         if vllm_is and self.args.vllm_importance_sampling_length_normalized:
             self._length_normalize_is_ratio(output)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if self._reuse_armed:
-            # One shot: after generation, TRL's first log-prob call is the pi_old pass (ref log-probs come later).
-            self._reuse_armed = False
-            old_logps = self._sampler_old_logps(input_ids.size(0), logits_to_keep, input_ids.device)
-            if old_logps is not None:
-                return old_logps, None, None
-        with fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size):
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
+    def _sampler_pi_old(self, batch_size, width, device):
+        """Step 1 of the forward pipeline (forward.py): the sampler's log-probs when this forward is TRL's pi_old pass
+        and reuse is on, else None (the model runs)."""
+        if not self._reuse_armed:
+            return None
+        # One shot: after generation, TRL's first log-prob call is the pi_old pass (ref log-probs come later).
+        self._reuse_armed = False
+        return self._sampler_old_logps(batch_size, width, device)
 
     def _sampler_old_logps(self, batch_size, width, device):
         """The sampler's log-probs as a `(B, T)` pi_old, or None to fall back to TRL's recompute (logged)."""

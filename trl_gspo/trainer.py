@@ -17,8 +17,10 @@ Features around the loss are mixins, one per module: `ResumableTraining` (checkp
 (rollout.py: owns TRL's rollout path, `_prepare_inputs` -> `_generate_and_score_completions` -> `_generate`, and
 calls each feature's step there explicitly), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py:
 MoE routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py), `TrainingDiagnostics`
-(diagnostics.py) and `PaddingRemoval` (padding.py: trimmed, sorted and packed forwards). The non-finite guard is a
-callback (nonfinite.py) plus one line at the end of the loss.
+(diagnostics.py) and `PaddingRemoval` (padding.py: sorted micro-batches, throughput counts). Every log-prob forward
+is one explicit pipeline, `LogprobForward` (forward.py), whose named steps call into sampler_logprobs,
+routing_replay, padding and shared_prefix. The non-finite guard is a callback (nonfinite.py) plus one line at the
+end of the loss.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from . import checkpointing, losses, model_card
 from .checkpointing import ResumableTraining
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 from .diagnostics import TrainingDiagnostics
+from .forward import LogprobForward
 from .nonfinite import NonFiniteGuard
 from .padding import PaddingRemoval
 from .rewards_guard import GuardedRewards
@@ -56,7 +59,7 @@ _FORWARD_KEYS = (
 
 class GSPOTrainer(
     ResumableTraining, RolloutPipeline, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics,
-    PaddingRemoval, GRPOTrainer,
+    PaddingRemoval, LogprobForward, GRPOTrainer,
 ):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 
@@ -81,6 +84,7 @@ class GSPOTrainer(
         self._guard_reward_funcs()
         self._nonfinite = NonFiniteGuard(self, args.max_consecutive_nonfinite)
         self.add_callback(self._nonfinite)
+        self.add_callback(checkpointing.SamplerEpoch(self))  # each epoch's prompt order, also after a resume
         self._signal_checkpoint = checkpointing.SignalCheckpoint(self) if args.checkpoint_on_signal else None
         if self._signal_checkpoint is not None:
             self.add_callback(self._signal_checkpoint)
@@ -97,6 +101,13 @@ class GSPOTrainer(
         card = os.path.join(self.args.output_dir, "README.md")
         if os.path.abspath(output_dir) != os.path.abspath(self.args.output_dir) and os.path.exists(card):
             shutil.copyfile(card, os.path.join(output_dir, "README.md"))
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card, naming a base model loaded from a local folder by the folder's name (`model_card.py`)."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            base = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", None)
+            model_card.name_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """HF's pre-clip gradient norm, kept for the non-finite guard's optimizer-step check (nonfinite.py)."""

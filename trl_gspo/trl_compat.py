@@ -17,24 +17,26 @@ differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range)
 | name | used by | difference across the range |
 | --- | --- | --- |
 | `_compute_loss(model, inputs)` | trainer.py (owned) | none (the loss the parity tests compare against) |
-| `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *, compute_entropy, compute_aux_loss, <multimodal>)` | trainer, padding, routing_replay, sampler_logprobs | same call and `(logps, entropies, aux_loss)` return; inside: full logits up to 1.13, full logits or a Liger-only chunked path in 1.14, TRL's fused chunked LM head from 1.15 |
+| `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *, compute_entropy, compute_aux_loss, <multimodal>)` | trainer, forward (owned: the forward pipeline) | same call and `(logps, entropies, aux_loss)` return; inside: full logits up to 1.13, full logits or a Liger-only chunked path in 1.14, TRL's fused chunked LM head from 1.15 |
 | `trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE` | fused_head, via `fused_logprob_head_module` here | from 1.15 (32768, the fused head's tile); absent before, where no fused head exists |
 | `_generate_single_turn(prompt_ids, images, multimodal_fields, [num_generations,] has_tool_images=False)` | rollout (for sampler_logprobs, routing_replay) | `num_generations` added in 1.14.2; the override passes `*args, **kwargs` through |
 | `_generate(prompts)` | rollout (for sampler_logprobs, routing_replay) | none: 8-tuple, per-token sampler log-probs at index 4 |
-| `_generate_and_score_completions(inputs)` | rollout (for sampler_logprobs, routing_replay) | none in the keys we read (`old_per_token_logps`, `sampling_per_token_logps`, `importance_sampling_ratio`) |
+| `_generate_and_score_completions(inputs)` | rollout (for sampler_logprobs, routing_replay) | none in the keys read here (`old_per_token_logps`, `sampling_per_token_logps`, `importance_sampling_ratio`) |
 | `_calculate_rewards(...)`, `get_high_entropy_mask`, `get_off_policy_mask` | rewards_guard, trainer, rollout, dynamic_sampling (rewards of a sampling round, gathered over processes) | none |
 | `_pending_extra_logs` (completion-table columns from `log_extra`, flushed by `_generate_and_score_completions`), `reward_weights`, `reward_func_names`, `environment_factories` | dynamic_sampling | none |
 | `trl.trainer.utils.nanstd` | dynamic_sampling (TRL's group std, for the filter and `frac_reward_zero_std`) | none |
 | `_prepare_inputs` (owned), `_step`, `_buffered_inputs` | rollout, checkpointing | none (rollout buffer split into `steps_per_generation` mini-batches, regenerated every `steps_per_generation * num_iterations` micro-steps) |
 | `trl.trainer.utils.shuffle_sequence_dict`, `split_tensor_dict`, `split_pixel_values_by_grid`, `unsplit_pixel_values_by_grid` | rollout (TRL's shuffle and split of a rollout batch) | none |
-| model call `model(..., labels=, fused_lm_head=True)` returning `.log_probs`, `.entropy`, `.aux_loss` (TRL's `add_fused_lm_head`) | padding (trimmed / sorted / packed forwards) | from 1.15; before, padding removal is off (logged) and `padding_free=True` is refused |
-| `_metrics`, `_entropy_bonus_enabled`, `_last_world_entropy`, `_entropy_window_stats`, `aux_loss_enabled`, `router_aux_loss_coef` | trainer, mixins | none; `GRPOConfig.router_aux_loss_coef` defaults to 0.001 up to 1.13 and to the model config's value from 1.14 (we read the trainer attribute TRL resolved) |
+| model call `model(..., labels=, fused_lm_head=True)` returning `.log_probs`, `.entropy`, `.aux_loss` (TRL's `add_fused_lm_head`) | forward (trimmed / sorted / packed / shared forwards) | from 1.15; before, padding removal and prompt sharing are off (logged) and `padding_free=True` / `shared_prefix=True` are refused |
+| transformers: `AttentionInterface.register`, `AttentionMaskInterface.register`, `config._attn_implementation`, extra model kwargs reaching the attention function | segment_attention (packed and shared-prefix calls) | public extension points of transformers 5.x; same from 5.18 to 5.23 |
+| `_metrics`, `_entropy_bonus_enabled`, `_last_world_entropy`, `_entropy_window_stats`, `aux_loss_enabled`, `router_aux_loss_coef` | trainer, mixins | none; `GRPOConfig.router_aux_loss_coef` defaults to 0.001 up to 1.13 and to the model config's value from 1.14 (the trainer attribute TRL resolved is read) |
 | `trl.trainer.utils.is_async_callable` | rewards_guard, via `is_async_callable` here | from 1.14; before, TRL decides with `inspect.iscoroutinefunction` |
 | old-policy log-prob pass condition | sampler_logprobs, routing_replay, config (R2 check), via `old_logprob_pass_needed` / `old_logprob_pass_runs` here | none |
 | `transformers.Trainer.end()` (TRL's base class) | cli, via `end_training` here | transformers >= 5.19 only |
 | `_generate(prompts)` index 5 (`extra_fields`), `rollout_func`, `tools` | routing_replay (R3 routes from a `rollout_func`) | none |
 | `vllm_generation.generate`, `.mode`, `.llm.generate` (colocate), `.tp_group`, `trl.generation.vllm_generation.LLM` | routing_replay (R3 routes from vLLM) | none |
-| `vllm_generation.vllm_client._post` (server) | routing_replay, via `watch_vllm_server_responses` here | 1.14.2 and 1.16: posts to vLLM's own `/v1/completions` (routes in each choice); 1.10: `trl vllm-serve`'s `/generate/`, no routes |
+| `vllm_generation.vllm_client` (main process only), its `generate(prompts=..., features=...)` and `_post(url, json=...)` (server) | routing_replay, via `vllm_server_returns_routes` / `watch_vllm_server_responses` here | 1.14.2 and 1.16: posts to vLLM's own `/v1/completions` (routes in each choice), and 1.16 with images one `/inference/v1/generate` request per prompt from a thread pool; 1.10: `trl vllm-serve`'s `/generate/`, no routes |
+| `trl.trainer.utils.RepeatSampler` (`data_source`, `mini_repeat_count`, `batch_size`, `repeat_count`, `shuffle`, `seed`, `generator`, `num_samples`), `GRPOTrainer._get_train_sampler` | checkpointing (`EpochRepeatSampler`) | none: one seeded `torch.Generator`, one `randperm` per pass over the data |
 
 A new TRL-internal use (a mixin overriding another private method, a hook on TRL's old-policy pass) belongs in this
 table, and a difference across the range gets a helper here, not a version check at the call site.
@@ -129,19 +131,26 @@ def old_logprob_pass_needed(trainer) -> bool:
     )  # fmt: skip
 
 
-def watch_vllm_server_responses(client, keep) -> bool:
-    """Call `keep(response)` with every JSON response TRL's vLLM client receives in server mode, leaving the
-    response unchanged. Newer TRL clients call vLLM's own OpenAI server through `client._post`, whose completions
-    response carries `routed_experts` per choice when the server runs with `--enable-return-routed-experts`. Older
-    ones (1.10) talk to `trl vllm-serve`'s own endpoint, which returns no routes: False there, nothing wrapped."""
-    post = getattr(client, "_post", None)
-    if post is None:
+def vllm_server_returns_routes() -> bool:
+    """Whether TRL's vLLM client (server mode) talks to vLLM's own OpenAI server, whose responses carry
+    `routed_experts` per choice: 1.14.2 and 1.16 post there through `VLLMClient._post`; 1.10 talks to `trl
+    vllm-serve`'s `/generate/`, which returns no routes. Read from the class, so every process answers the same (TRL
+    creates the client instance on the main process only)."""
+    try:
+        from trl.generation.vllm_client import VLLMClient
+    except ImportError:
         return False
+    return hasattr(VLLMClient, "_post")
+
+
+def watch_vllm_server_responses(client, keep) -> None:
+    """Call `keep(url, payload, response)` with every JSON response `client` (TRL's `VLLMClient`, main process)
+    receives through `_post`, leaving the response unchanged. `payload` is the request's `json=` body."""
+    post = client._post
 
     def post_and_keep(url, *args, **kwargs):
         response = post(url, *args, **kwargs)
-        keep(response)
+        keep(url, kwargs.get("json"), response)
         return response
 
     client._post = post_and_keep
-    return True

@@ -1,0 +1,198 @@
+"""`make gpu-check` (benchmarks/gpu_check.py) on a CPU machine: the dry run lists every part with its skip reason, the
+driver survives parts that crash, fail or overrun their budget, and the parts' own checks run (on CPU stand-ins where
+the GPU is only a device choice) and fail when the property they check is broken."""
+
+import json
+import re
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+from gpu_check import Part  # noqa: E402
+
+CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+
+
+def _script(tmp_path, name, body: str):
+    """A part command: a small Python script that gets the result path as its argument."""
+    path = tmp_path / f"{name}.py"
+    path.write_text("import json, sys, time\nout = sys.argv[1]\n" + body)
+    return lambda out: [sys.executable, str(path), out]
+
+
+# ----------------------------------------------------------------------------------------------- dry run
+def test_dry_run_lists_every_part_with_its_skip_reason_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out-dir", str(tmp_path)],
+                          cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = [part.name for part in gpu_check.PARTS]
+    assert {"parity_bf16", "demo_cuda", "benchmark", "loss_path", "packing", "vllm_routes", "vllm_colocate", "zero2",
+            "zero3"} == set(names)  # fmt: skip
+    one_gpu = [part.budget_s for part in gpu_check.PARTS if not part.name.startswith("zero")]
+    assert sum(one_gpu) <= 28 * 60  # the whole check fits 30 minutes on one GPU, set-up included
+    listed = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
+    assert list(listed) == names, proc.stdout
+    assert all("skipped" in line and "no CUDA GPU visible" in line for line in listed.values()), proc.stdout
+    assert "needs 2 GPUs, 0 visible" in listed["zero2"] and "needs 2 GPUs, 0 visible" in listed["zero3"]
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert list(report["parts"]) == names
+    assert all(e["status"] == "skipped" and "no CUDA GPU visible" in e["reason"] for e in report["parts"].values())
+    table = (tmp_path / "gpu-check.md").read_text()
+    assert all(f"| {name} |" in table for name in names) and table.count("| skipped |") == len(names)
+
+
+def test_every_reason_is_listed_when_several_things_are_missing():
+    env = gpu_check.environment()
+    assert env["supported"]["transformers"] == ">=5.18.0,<6"  # read from pyproject.toml
+    env.update(gpus=["GPU"], modules={"vllm": False, "flash_attn": False, "deepspeed": False})
+    reasons = {part.name: part.missing(env) for part in gpu_check.PARTS}
+    assert reasons["parity_bf16"] == [] and reasons["packing"] == []
+    assert reasons["vllm_colocate"] == ["vllm not installed"]
+    assert reasons["zero3"] == ["needs 2 GPUs, 1 visible", "deepspeed not installed"]
+    # an image with an older transformers and no TRL: every part says so
+    env.update(gpus=[], versions={**env["versions"], "trl": None, "transformers": "5.17.0", "datasets": None})
+    assert gpu_check.PARTS[0].missing(env) == ["no CUDA GPU visible", "trl not installed",
+                                               "transformers 5.17.0 outside the supported >=5.18.0,<6",
+                                               "datasets not installed"]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- the driver
+def test_driver_records_crash_failure_timeout_and_goes_on(tmp_path):
+    parts = [
+        Part("crash", "exits 3", 60, lambda env: [],
+             _script(tmp_path, "crash", "import os; print('about to fail in', os.getcwd(), "
+                                        "'/usr/lib/python3/site-packages/x.py'); sys.exit(3)")),
+        Part("slow", "sleeps past its budget", 2, lambda env: [],
+             _script(tmp_path, "slow", "json.dump({'status': 'ok', 'x': 1}, open(out, 'w')); time.sleep(120)")),
+        Part("failed", "its check fails", 60, lambda env: [],
+             _script(tmp_path, "failed", "json.dump({'status': 'failed', 'problems': ['gap 0.3']}, open(out, 'w')); "
+                                         "sys.exit(1)")),
+        Part("good", "passes", 60, lambda env: [], _script(tmp_path, "good", "json.dump({'status': 'ok', 'x': 2.5}, "
+                                                                            "open(out, 'w'))"),
+             headline=lambda r: {"x": r["x"]}),
+        Part("absent", "needs what is missing", 60, lambda env: ["no widget"], lambda out: ["false"]),
+    ]  # fmt: skip
+    env = {"gpus": ["GPU"], "cuda": "13.0", "versions": {"torch": "x"}, "modules": {}}  # parts with own needs only
+    start = time.perf_counter()
+    report = gpu_check.run(parts, env, str(tmp_path / "out"), log=lambda *a, **k: None)
+    assert time.perf_counter() - start < 60  # the sleeping part was stopped at its budget, not waited for
+    entries = report["parts"]
+    assert {name: e["status"] for name, e in entries.items()} == {
+        "crash": "error", "slow": "timeout", "failed": "failed", "good": "ok", "absent": "skipped"}  # fmt: skip
+    assert "exit code 3" in entries["crash"]["error"] and "about to fail" in entries["crash"]["log_tail"]
+    assert "2 s budget (partial result kept)" in entries["slow"]["error"] and entries["slow"]["result"]["x"] == 1
+    assert entries["failed"]["error"] == "gap 0.3"
+    assert entries["good"]["headline"] == {"x": 2.5} and "log_tail" not in entries["good"]
+    assert entries["absent"]["reason"] == "no widget"
+    saved = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert saved["parts"].keys() == entries.keys()
+    # the committed results hold no path of this machine; the (git-ignored) log keeps the raw text
+    assert saved["parts"]["crash"]["log_tail"].strip() == "about to fail in <repo> <site-packages>/x.py"
+    assert str(ROOT) in (tmp_path / "out" / "gpu-check-logs" / "crash.log").read_text()
+    # a later run of one part keeps the others' entries
+    keep = {name: entry for name, entry in saved["parts"].items() if name != "good"}
+    again = gpu_check.run(parts[3:4], env, str(tmp_path / "out"), keep=keep, log=lambda *a, **k: None)
+    assert list(again["parts"]) == ["crash", "slow", "failed", "absent", "good"]
+
+
+def test_the_whole_run_has_a_time_cap(tmp_path):
+    part = Part("late", "never starts", 60, lambda env: [], lambda out: ["true"])
+    report = gpu_check.run([part], {"gpus": ["GPU"], "modules": {}}, None, max_seconds=10, log=lambda *a, **k: None)
+    assert report["parts"]["late"]["status"] == "skipped"
+    assert report["parts"]["late"]["reason"].startswith("only 10 s of the run's 10 s (--max-minutes) left")
+
+
+def test_benchmark_headline_reads_run_py_ratios_and_mfu():
+    result = {"attention": "sdpa", "scenarios": {
+        "equal_settings": {"ratio_seconds_per_step": 0.9712, "mfu": {"stock": 0.31, "ours": 0.33}},
+        "loss_path": {"ratio_seconds": 1.02, "ratio_cpu_seconds": 1.5},
+        "long_tail": {"long_tail": {"trim_sort": {"ratio_seconds_per_step": 0.61},
+                                    "median": {"stock": {"seconds_per_step": 2.0}}},
+                      "long_tail_one_micro_batch": {"packed": {"ratio_seconds_per_step": 0.52}}},
+        "logprob_memory": {"ratio_ours_over_stock": 0.25}}}  # fmt: skip
+    assert gpu_check._bench_headline(result) == {
+        "equal_settings ours/stock": 0.971, "equal_settings MFU stock": 0.31, "equal_settings MFU ours": 0.33,
+        "loss_path ours/stock": 1.02,
+        "long_tail.long_tail.trim_sort ours/stock": 0.61, "long_tail.long_tail_one_micro_batch.packed ours/stock": 0.52,
+        "logprob_memory ours/stock": 0.25, "attention": "sdpa"}  # fmt: skip
+
+
+# -------------------------------------------------------------------------------- the parts' own checks, on CPU
+def test_bf16_parity_passes_on_cpu_and_fails_when_our_loss_drifts(monkeypatch):
+    result = gpu_check.parity_bf16(device="cpu")
+    assert result["status"] == "ok" and result["passed"] == len(result["cases"]) == 6, result["problems"]
+    case = result["cases"]["sequence-grpo (GSPO)"]
+    assert 0 < case["grad_error_stock"] < 0.05  # bf16 really ran: rounding error against fp32, and small
+
+    from trl_gspo import GSPOTrainer
+
+    policy_loss = GSPOTrainer.policy_loss
+    monkeypatch.setattr(GSPOTrainer, "policy_loss", lambda self, *a, **k: 1.1 * policy_loss(self, *a, **k))
+    drifted = gpu_check.parity_bf16(device="cpu")
+    assert drifted["status"] == "failed" and drifted["passed"] == 0
+    assert "sequence-grpo (GSPO): loss error" in drifted["problems"][0]
+
+
+def test_colocate_smoke_on_cpu_and_it_notices_when_pi_old_is_recomputed(monkeypatch):
+    result = gpu_check.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
+    assert result["status"] == "ok", result["problems"]
+    assert result["pi_old_passes"] == 0 and result["replay_coverage"] > 0.5
+    assert result["sampler_logp_abs_diff"] < 1e-5  # same weights, same fp32 model: sampler == trainer
+
+    from trl_gspo.sampler_logprobs import SamplerLogprobReuse
+
+    monkeypatch.setattr(SamplerLogprobReuse, "_reuses_sampler_logps", lambda self: False)
+    broken = gpu_check.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
+    assert broken["status"] == "failed" and broken["pi_old_passes"] == 1
+    assert "TRL's pi_old pass ran 1 times (sampler log-probs not reused)" in broken["problems"]
+
+
+def test_saved_demo_check_and_zero_command(tmp_path):
+    from trl_gspo.demo import build_demo_model, run_demo
+
+    out = tmp_path / "demo"
+    run_demo(str(out), num_train_prompts=32, num_eval_prompts=8, max_steps=2, logging_steps=1, disable_tqdm=True)
+    assert gpu_check.check_saved_demo(str(out), steps=2) == []
+    assert gpu_check.check_saved_demo(str(out), steps=3) == ["metrics.csv ends at step 2, expected 3"]
+    build_demo_model(seed=0)[0].save_pretrained(out)  # the initial weights, as if training had not happened
+    assert gpu_check.check_saved_demo(str(out), steps=2) == ["the saved weights look untrained"]
+    assert gpu_check.check_saved_demo(str(tmp_path / "nothing"), steps=2)[0].startswith("output unreadable")
+
+    cmd = gpu_check.zero_command(3, "run")
+    config = cmd[cmd.index("--config_file") + 1]
+    assert Path(config).name == "zero3.yaml" and Path(config).is_file()
+    assert cmd[cmd.index("--num_processes") + 1] == "2" and cmd[cmd.index("--bf16") + 1] == "true"
+
+
+def test_make_target_runs_the_dry_run(tmp_path):
+    proc = subprocess.run(["make", "gpu-check", f"GPU_PYTHON={sys.executable}", f"WHEELS={tmp_path / 'none'}",
+                           f"GPU_CHECK_ARGS=--dry-run --out-dir {tmp_path}"],
+                          cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "gpu-check.json").read_text())["parts"].keys() == {p.name for p in gpu_check.PARTS}
+
+
+def test_zero_part_streams_its_launch_and_checks_what_it_saved(monkeypatch, capsys):
+    # the 2-GPU launch replaced by the one-process CPU demo: the same outputs for the part to check
+    def cpu_demo(stage, output_dir):
+        return [sys.executable, "-m", "trl_gspo", "demo", "--output_dir", output_dir, "--max_steps",
+                str(gpu_check.ZERO_STEPS), "--logging_steps", "10", "--num_train_prompts", "64", "--num_eval_prompts",
+                "8", "--disable_tqdm", "true"]  # fmt: skip
+
+    monkeypatch.setattr(gpu_check, "zero_command", cpu_demo)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    result = gpu_check.zero(2)
+    assert result["status"] == "ok" and result["exit_code"] == 0, result
+    assert re.fullmatch(r"0\.\d{3} -> 0\.\d{3}", result["held_out"])
+    assert f"step {gpu_check.ZERO_STEPS}/{gpu_check.ZERO_STEPS} | reward" in capsys.readouterr().out  # streamed
+
+    monkeypatch.setattr(gpu_check, "zero_command", lambda stage, out: [sys.executable, "-c", "import sys; sys.exit(7)"])
+    failed = gpu_check.zero(3)
+    assert failed["status"] == "failed" and failed["problems"][0] == "launcher exited 7"
+    assert failed["problems"][1].startswith("output unreadable")

@@ -1,0 +1,296 @@
+"""Attention for packed and shared-prefix model calls, through transformers' attention registry.
+
+A *segment layout* (padding.py: `packed_layout`, `shared_layout`) lays several sequences end to end in each model
+row. Its unit is a prompt group: the prompt's tokens but the last (the shared *prefix*), then one *segment* per
+completion of that prompt (the prompt's last token followed by the completion). A plain packed sequence is a unit
+with one segment. Every query attends to at most two key ranges of its row:
+
+    prefix token:   its unit's prefix, causally                  [unit start, itself]
+    segment token:  its unit's whole prefix, then its segment    [unit start, prefix end) + [segment start, itself]
+
+so a completion sees its prompt exactly as in its own padded row and never a sibling completion. Filler at a row's
+end attends to itself only. `SegmentPlan` holds that structure per position (`own_start`, `ctx_start`, `ctx_end`)
+and, built once per model call, the blocks every layer runs:
+
+- **SDPA blocks** (CPU, and GPU without flash-attention): query columns in blocks of `BLOCK` positions; each block
+  attends to the key columns its queries can reach (the prefix range and the local range, gathered when far
+  apart) through `scaled_dot_product_attention` with a boolean mask. Causality and the block ranges skip most
+  of the masked pairs, which a dense `[W, W]` mask would compute.
+- **flash-attention varlen** (GPU, models loaded with flash-attention; not yet run on a GPU): each run of queries
+  with the same ranges is one varlen sequence whose keys are gathered ([prefix] + [own segment]); causal
+  alignment is bottom-right, so query `i` of a segment sees the prefix and its segment's first `i + 1` keys.
+
+How it reaches the model without patching it: transformers picks the attention function by
+`config._attn_implementation`. `arm(configs)` switches those configs to `"trl_gspo_segments:<original>"`, a name
+registered in `AttentionInterface` and `AttentionMaskInterface`. Its attention function runs the original
+implementation unchanged for every call that carries no `segment_plan` (trimmed calls, generation) and the
+segment attention for calls that do; its mask function returns the original's mask, or none during a segment
+call (the plan is the mask). The plan travels as a model keyword argument (`segment_plan=`), which transformers
+passes through to every attention call, so gradient checkpointing's recompute sees it again. `disarm` restores
+the original names; the trainer arms before its first segment call and disarms when the training or evaluation
+step is over (after the backward and its recompute). A segment call counts its attention calls and
+`check_served` raises if the model never ran the segment attention (e.g. a model whose attention does not go
+through the registry): a silently causal attention would let completions see each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+#: Name prefix of the registered wrapper: `"trl_gspo_segments:sdpa"` wraps sdpa. Substring checks such as
+#: transformers' `"flash" in config._attn_implementation` keep answering for the original implementation.
+PREFIX = "trl_gspo_segments:"
+#: Query positions per SDPA block.
+BLOCK = 256
+
+_SEGMENT_CALL = contextvars.ContextVar("trl_gspo_segment_call", default=False)
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+@dataclass
+class SdpaBlock:
+    q0: int
+    q1: int
+    keys: torch.Tensor | tuple[int, int]  # key columns (gathered) or one contiguous range (sliced)
+    mask: torch.Tensor  # [rows, 1, q1 - q0, n_keys] bool: True = attend
+
+
+@dataclass
+class SegmentPlan:
+    """Attention structure of one segment-layout model call (see the module docstring). Per position `[rows, W]`:
+    `own_start` (first key of its own causal range), `ctx_start`/`ctx_end` (its unit's prefix, empty for prefix
+    tokens and filler). `calls` counts attention calls served (forward and recompute)."""
+
+    own_start: torch.Tensor
+    ctx_start: torch.Tensor
+    ctx_end: torch.Tensor
+    blocks: list[SdpaBlock] | None = None
+    varlen: dict | None = None
+    calls: int = field(default=0)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.own_start.shape)
+
+    @classmethod
+    def from_units(cls, rows: list[list[tuple[int, list[int]]]], width: int) -> SegmentPlan:
+        """`rows[r]` lists the units of model row `r` in order, each `(prefix_len, [segment_len, ...])`; positions
+        after the last unit are filler."""
+        n = len(rows)
+        col = torch.arange(width)
+        own_start, ctx_start, ctx_end = col.repeat(n, 1), torch.zeros(n, width, dtype=torch.long), torch.zeros(n, width, dtype=torch.long)
+        for r, units in enumerate(rows):
+            at = 0
+            for prefix, segments in units:
+                own_start[r, at : at + prefix] = at
+                end_prefix = at + prefix
+                start = end_prefix
+                for length in segments:
+                    own_start[r, start : start + length] = start
+                    ctx_start[r, start : start + length] = at
+                    ctx_end[r, start : start + length] = end_prefix
+                    start += length
+                at = start
+        return cls(own_start, ctx_start, ctx_end)
+
+    def visible(self, queries: torch.Tensor, keys: torch.Tensor, rows=slice(None)) -> torch.Tensor:
+        """`[rows, len(queries), len(keys)]` bool: which key columns each query column attends to."""
+        q = queries[None, :, None]
+        k = keys[None, None, :]
+        own = (k >= self.own_start[rows][:, queries, None]) & (k <= q)
+        ctx = (k >= self.ctx_start[rows][:, queries, None]) & (k < self.ctx_end[rows][:, queries, None])
+        return own | ctx
+
+    def dense_mask(self) -> torch.Tensor:
+        """The whole `[rows, W, W]` mask (tests and references; the attention never builds it)."""
+        w = self.shape[1]
+        return self.visible(torch.arange(w), torch.arange(w))
+
+    def build_blocks(self, block: int = BLOCK) -> SegmentPlan:
+        """Query blocks and the key columns each reaches (see the module docstring)."""
+        w = self.shape[1]
+        self.blocks = []
+        for q0 in range(0, w, block):
+            q1 = min(q0 + block, w)
+            own_min = int(self.own_start[:, q0:q1].min())
+            has_ctx = self.ctx_end[:, q0:q1] > self.ctx_start[:, q0:q1]
+            ranges = [(own_min, q1)]
+            if bool(has_ctx.any()):
+                c0, c1 = int(self.ctx_start[:, q0:q1][has_ctx].min()), int(self.ctx_end[:, q0:q1][has_ctx].max())
+                # Far apart: gather both ranges (a copy of the keys); close: one slice with a few masked keys.
+                ranges = [(c0, c1), (own_min, q1)] if own_min - c1 > block // 2 else [(min(c0, own_min), q1)]
+            cols = torch.cat([torch.arange(a, b) for a, b in ranges])
+            keys = ranges[0] if len(ranges) == 1 else cols
+            mask = self.visible(torch.arange(q0, q1), cols)[:, None]
+            self.blocks.append(SdpaBlock(q0, q1, keys, mask))
+        return self
+
+    def build_varlen(self) -> SegmentPlan:
+        """flash-attention varlen arguments for a one-row plan: each run of queries sharing `own_start` is a
+        sequence whose keys are `[ctx_start, ctx_end) + [own_start, end of the run)`."""
+        if self.shape[0] != 1:
+            raise ValueError("flash-attention segment calls hold one packed row.")
+        own, c0, c1 = self.own_start[0], self.ctx_start[0], self.ctx_end[0]
+        starts = torch.nonzero(torch.cat([torch.tensor([True]), own[1:] != own[:-1]]))[:, 0].tolist()
+        ends = starts[1:] + [len(own)]
+        key_cols, q_lens, k_lens = [], [], []
+        for s, e in zip(starts, ends):
+            ctx = torch.arange(int(c0[s]), int(c1[s]))
+            key_cols += [ctx, torch.arange(s, e)]
+            q_lens.append(e - s), k_lens.append(len(ctx) + e - s)
+        cu = lambda lens: torch.nn.functional.pad(torch.tensor(lens, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))  # noqa: E731
+        self.varlen = {"key_index": torch.cat(key_cols), "cu_seqlens_q": cu(q_lens), "cu_seqlens_k": cu(k_lens),
+                       "max_seqlen_q": max(q_lens), "max_seqlen_k": max(k_lens)}  # fmt: skip
+        return self
+
+    def to(self, device) -> SegmentPlan:
+        move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        blocks = None if self.blocks is None else [SdpaBlock(b.q0, b.q1, move(b.keys), move(b.mask)) for b in self.blocks]
+        varlen = None if self.varlen is None else {k: move(v) for k, v in self.varlen.items()}
+        return SegmentPlan(self.own_start, self.ctx_start, self.ctx_end, blocks, varlen)
+
+    def pairs(self) -> int:
+        """(query, key) pairs the SDPA blocks compute, for the layout cost model."""
+        return sum(b.mask.shape[0] * b.mask.shape[2] * b.mask.shape[3] for b in self.blocks or [])
+
+
+# ------------------------------------------------------------------------------------------- the attention
+def _original_name(config_name: str | None) -> str:
+    name = config_name or "eager"
+    return name[len(PREFIX) :] if name.startswith(PREFIX) else name
+
+
+def _original_attention(module, name: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager":  # each modeling file has its own eager function (the registry has none)
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is None:
+            raise RuntimeError(f"{type(module).__name__}: no eager_attention_forward to run unsegmented calls with.")
+        return eager
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, segment_plan=None,
+                      **kwargs):  # fmt: skip
+    """Registered attention function: the original implementation without a plan, the segment attention with one."""
+    if segment_plan is None:
+        original = _original_attention(module, _original_name(module.config._attn_implementation))
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    unsupported = [k for k in ("sliding_window", "s_aux", "sinks", "softcap") if kwargs.get(k) is not None]
+    if unsupported:
+        raise ValueError(
+            f"{type(module).__name__} passes {unsupported} to its attention, which packed / shared-prefix calls do not "
+            "support; set shared_prefix=False and padding_free=False for this model."
+        )
+    segment_plan.calls += 1
+    if segment_plan.varlen is not None:
+        out = _flash_varlen(query, key, value, segment_plan.varlen, dropout, scaling)
+    else:
+        out = _sdpa_blocks(query, key, value, segment_plan.blocks, dropout, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa_blocks(query, key, value, blocks, dropout, scaling):
+    gqa = {"enable_gqa": True} if key.size(1) != query.size(1) else {}
+    outs = []
+    for b in blocks:
+        if isinstance(b.keys, tuple):
+            k, v = key[:, :, b.keys[0] : b.keys[1]], value[:, :, b.keys[0] : b.keys[1]]
+        else:
+            k, v = key.index_select(2, b.keys), value.index_select(2, b.keys)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, b.q0 : b.q1], k, v, attn_mask=b.mask, dropout_p=dropout, scale=scaling, **gqa
+        ))  # fmt: skip
+    return torch.cat(outs, 2) if len(outs) > 1 else outs[0]
+
+
+def flash_attn_varlen_func(*args, **kwargs):
+    """flash-attention's varlen kernel (imported on first use; tests replace this name with a CPU stand-in)."""
+    from flash_attn import flash_attn_varlen_func as kernel
+
+    return kernel(*args, **kwargs)
+
+
+def _flash_varlen(query, key, value, varlen, dropout, scaling):
+    """Not yet run on a GPU: checked on CPU against the SDPA blocks with a stand-in kernel (tests)."""
+    q = query[0].transpose(0, 1)  # [W, H, D]
+    index = varlen["key_index"]
+    k, v = key[0].transpose(0, 1).index_select(0, index), value[0].transpose(0, 1).index_select(0, index)
+    out = flash_attn_varlen_func(
+        q, k, v, varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], varlen["max_seqlen_q"], varlen["max_seqlen_k"],
+        dropout_p=dropout, softmax_scale=scaling, causal=True,
+    )  # fmt: skip
+    return out.transpose(0, 1)[None]  # [1, H, W, D]
+
+
+def segment_mask(*args, config=None, **kwargs):
+    """Registered mask function: none during a segment call (its plan is the mask), the original's otherwise."""
+    if _SEGMENT_CALL.get():
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS[_original_name(config._attn_implementation)](*args, config=config, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- arming
+def attention_configs(model) -> list:
+    """The distinct configs the model's modules read their attention implementation from."""
+    from transformers import PretrainedConfig
+
+    seen = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def register(original: str) -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = PREFIX + original
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, segment_attention)
+        AttentionMaskInterface.register(name, segment_mask)
+    return name
+
+
+def arm(configs) -> None:
+    """Route the model's attention through `segment_attention` (calls without a plan run the original)."""
+    for config in configs:
+        current = config._attn_implementation
+        if not (current or "").startswith(PREFIX):
+            config._attn_implementation = register(_original_name(current))
+
+
+def disarm(configs) -> None:
+    for config in configs:
+        current = config._attn_implementation
+        if (current or "").startswith(PREFIX):
+            config._attn_implementation = _original_name(current)
+
+
+@contextlib.contextmanager
+def segment_call():
+    """Around one segment-layout model call: the mask function builds no mask."""
+    token = _SEGMENT_CALL.set(True)
+    try:
+        yield
+    finally:
+        _SEGMENT_CALL.reset(token)
+
+
+def check_served(plan: SegmentPlan, model_name: str) -> None:
+    if plan.calls == 0:
+        raise RuntimeError(
+            f"A packed / shared-prefix call to {model_name} never reached the segment attention (its attention does "
+            "not go through transformers' AttentionInterface), so its sequences could see each other. Set "
+            "shared_prefix=False and padding_free=False for this model."
+        )
