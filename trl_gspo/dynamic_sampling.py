@@ -51,8 +51,8 @@ before filtering (TRL's own formulas on all rounds' rewards), so they read as wi
 Asynchronous generation. The pieces are separate so a source that generates ahead of time can do the filling in its
 generator: `GroupFilling` is the policy alone (which groups make the batch; no generation, no communication),
 `sample_round` one collective round, `assemble` the cross-process dealing, `DynamicSampling.fill` the loop up to the
-scoring, and `_score` can run later. `fill` must run on the main thread of every process in the same order (TRL's generation and reward gather
-are collectives).
+scoring, and `_score` can run later. `fill` must run on the main thread of every process in the same order (TRL's
+generation and reward gather are collectives).
 """
 
 from __future__ import annotations
