@@ -1,8 +1,8 @@
 """Launched on 2 processes by tests/test_dynamic_sampling.py: dynamic sampling with a reward that differs by rank.
 
 Rank 0's reward is constant, rank 1's differs within each group. 2 generations per prompt, 2 prompts per process
-per round (4 per round in all), 2 micro-batches per rollout batch. Each rank prints one `DS_REPORT {json}` line: per
-filled batch, the groups kept (`[round, group]` -> a flat index), the gathered rewards it decided on, and the prompts
+per round (4 per round in all), 2 micro-batches per rollout batch. Each rank writes `report_rank{rank}.json` to the
+output folder: per filled batch, the groups kept (`[round, group]` -> a flat index), the gathered rewards it decided on, and the prompts
 of the rows it trains on.
 """
 
@@ -57,7 +57,9 @@ def main():
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     report["finished"] = [int(all(torch.isfinite(torch.tensor(losses))))]
-    print("DS_REPORT " + json.dumps(report), flush=True)
+    with open(os.path.join(cli.output_dir, f"report_rank{report['rank']}.json"), "w") as f:  # ranks share stdout
+        json.dump(report, f)
+    print(f"DS_REPORT rank {report['rank']} written", flush=True)
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (see tests/cpu_launch.py)
 
