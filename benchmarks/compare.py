@@ -19,6 +19,10 @@ learning rate) is the task's config. Writes to `--output-dir`:
 Another task: `--task module:attr` naming an object with the demo module's functions (`make_demo_dataset`,
 `demo_reward`, `demo_config`, `build_demo_model`, optional `evaluate`).
 
+Dynamic sampling experiment (`--experiment dynamic-sampling`): GSPO with and without dynamic sampling on the demo
+task and a five-digit copy task, 5 seeds, held-out reward vs optimizer steps and vs training seconds, generated
+tokens per trained token; the whole specification is in `dynamic_sampling_experiment.py`.
+
 MoE routing replay experiment (`--experiment routing-replay`): arms GRPO, GRPO+R2, GRPO+R3, GSPO, GSPO+R3 on a tiny
 Qwen3-MoE only, in a regime fixed before any result was looked at, to expose routing volatility (ROUTING_EXPERIMENT:
 16 experts top-2, 8 mini-batches per rollout, an 8-digit copy task so completions are 8 tokens, the learning rate
@@ -520,12 +524,15 @@ def main(argv=None):
     parser.add_argument("--moe-seeds", type=int, nargs="*", default=None,
                         help="seeds for the MoE model (default: --seeds; the flag alone: no MoE runs)")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--experiment", choices=["routing-replay"], default=None,
+    parser.add_argument("--experiment", choices=["routing-replay", "dynamic-sampling"], default=None,
                         help="routing-replay: the MoE routing replay experiment (ROUTING_EXPERIMENT; overrides "
-                        "--seeds, --variants and the task, and --moe-seeds unless given)")  # fmt: skip
+                        "--seeds, --variants and the task, and --moe-seeds unless given). dynamic-sampling: GSPO with "
+                        "and without dynamic sampling on two copy tasks (dynamic_sampling_experiment.py; --seeds and "
+                        "--max-steps override its settings only when given)")  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--resume", action="store_true", help="reuse finished runs found in --output-dir")
-    parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo)")
+    parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo); "
+                        "with --experiment dynamic-sampling, one of its task names (copy3, copy5)")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--max-completion-length", type=int, default=8,
                         help="longer than the demo's answer so response lengths vary (for the length plot)")
@@ -534,6 +541,21 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="smallest batches, for a smoke test")
     parser.add_argument("--replot", action="store_true", help="redo summary and plots of --output-dir, no training")
     args = parser.parse_args(argv)
+    if args.experiment == "dynamic-sampling":
+        here = os.path.dirname(os.path.abspath(__file__))
+        if here not in sys.path:  # the experiment module sits next to this file
+            sys.path.insert(0, here)
+        import dynamic_sampling_experiment as experiment
+
+        given = argv if argv is not None else sys.argv
+        if args.replot:
+            print(json.dumps(experiment.replot(args.output_dir), indent=2))
+            return
+        summary = experiment.run(args.output_dir, seeds=args.seeds if "--seeds" in given else None,
+                                 max_steps=args.max_steps if "--max-steps" in given else None, tiny=args.tiny,
+                                 resume=args.resume, tasks=[args.task] if args.task else None)  # fmt: skip
+        print(json.dumps(summary, indent=2))
+        return
     if args.replot:
         print(json.dumps(replot(args.output_dir), indent=2))
         return

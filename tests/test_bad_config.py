@@ -60,6 +60,11 @@ def _config(**kwargs):
     ({"group_minibatches": "no"}, r"group_minibatches='no' must be True or False"),
     ({"sort_by_length": "sometimes"}, r"sort_by_length='sometimes' is not supported; allowed: auto, always, never"),
     ({"sort_by_length": True}, r"sort_by_length=True is not supported; allowed: auto, always, never"),
+    ({"dynamic_sampling": "yes"}, r"dynamic_sampling='yes' must be True or False"),
+    ({"max_sampling_rounds": 0}, r"max_sampling_rounds=0 must be an integer >= 1 \(generation rounds per rollout batch"),
+    ({"dynamic_sampling_underfill": "drop"}, r"dynamic_sampling_underfill='drop' is not supported; allowed: shrink, pad"),
+    ({"dynamic_sampling_filter": "std"}, r"dynamic_sampling_filter='std' is not supported; allowed: 'reward_std', or a "
+     r"dotted import path"),
     ({"padding_free": True, "trim_padding": False}, r"padding_free=True removes all padding, but trim_padding=False"),
 ])
 def test_bad_config_is_rejected_with_field_value_and_allowed(kwargs, match):

@@ -78,3 +78,30 @@ def test_compare_rejects_unknown_variant(tmp_path):
     compare = _compare_module()
     with pytest.raises(ValueError, match="unknown variants"):
         compare.run(str(tmp_path), variants=("PPO",))
+
+
+def test_dynamic_sampling_experiment_smoke_run_writes_its_table_and_plot(tmp_path):
+    """`--experiment dynamic-sampling` on one seed, a few steps, tiny batches: both tasks and arms run, held-out points
+    are recorded at step 0 and at the end, the dynamic-sampling arm generates more tokens than it trains on while the
+    plain arm trains on all it generates, and the table, plot and --replot work."""
+    compare = _compare_module()
+    out = tmp_path / "ds"
+    compare.main(["--output-dir", str(out), "--experiment", "dynamic-sampling", "--seeds", "0", "--max-steps", "4",
+                  "--tiny"])  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())["results"]
+    assert set(summary) == {"copy3", "copy5"} and all(set(s) == {"GSPO", "GSPO+DS"} for s in summary.values())
+    for task in summary.values():
+        assert task["GSPO"]["generated_per_trained_token"] == 1.0 and task["GSPO"]["rounds"] is None
+        assert task["GSPO+DS"]["generated_per_trained_token"] >= 1.0 and task["GSPO+DS"]["rounds"] >= 1
+        ds = task["GSPO+DS"]
+        assert ds["generated_per_signal_token"] >= ds["generated_per_trained_token"]
+        if not ds["underfilled"]:  # full batches hold passing groups only: every trained token carries signal
+            assert ds["generated_per_signal_token"] == ds["generated_per_trained_token"]
+    runs = json.loads((out / "runs.json").read_text())["runs"]
+    assert len(runs) == 4 and all([p["step"] for p in r["points"]] == [0, 4] for r in runs)
+    table = (out / "dynamic_sampling.md").read_text()
+    assert "| copy5 | GSPO+DS | 1 |" in table
+    assert (out / "dynamic_sampling.png").stat().st_size > 5000
+    (out / "summary.json").unlink()
+    compare.main(["--output-dir", str(out), "--experiment", "dynamic-sampling", "--replot"])
+    assert json.loads((out / "summary.json").read_text())["results"] == summary

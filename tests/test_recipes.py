@@ -56,7 +56,7 @@ def test_expected_recipes_are_shipped():
     names = {r.stem for r in RECIPES}
     assert {"demo", "qwen3_1p7b_math_zero2", "qwen3_30b_a3b_moe_zero3", "qwen3_4b_lora_24gb",
             "qwen3_1p7b_gspo_token", "qwen3_4b_math_vllm", "qwen3_30b_a3b_moe_grpo_r2",
-            "qwen3_30b_a3b_moe_gspo_r3"} <= names  # fmt: skip
+            "qwen3_30b_a3b_moe_gspo_r3", "qwen3_1p7b_math_dynamic_sampling"} <= names  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -261,3 +261,12 @@ def test_deepspeed_section_passes_deepspeeds_own_validation(config, max_grad_nor
     assert ds.gradient_accumulation_steps == args.gradient_accumulation_steps
     assert ds.bfloat16_config.enabled and ds.gradient_clipping == args.max_grad_norm == float(max_grad_norm or 1.0)
     assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "true"
+
+
+def test_dynamic_sampling_recipe_differs_from_the_math_recipe_only_in_its_fields(gpu_recipes_parse_on_cpu):
+    base, got = _fields("qwen3_1p7b_math_zero2"), _fields("qwen3_1p7b_math_dynamic_sampling")
+    changed = {k.split(".", 1)[1] for k in base if base[k] != got[k]}
+    assert changed - {"output_dir", "logging_dir"} == {"dynamic_sampling"}  # the other three keys spell out defaults
+    assert got["GSPOConfig.dynamic_sampling"] is True and got["GSPOConfig.max_sampling_rounds"] == 4
+    assert got["GSPOConfig.max_steps"] > 0  # a fixed number of steps, not epochs (docs/dynamic-sampling.md)
+    assert "qwen3_1p7b_math_zero2" in _header(RECIPES_DIR / "qwen3_1p7b_math_dynamic_sampling.yaml")

@@ -120,3 +120,39 @@ def test_prompt_stream_is_the_train_dataloaders_order_across_epochs(tokenizer, t
     assert (seen[0] != seen[5]) == shuffle  # a shuffled epoch 2 starts elsewhere
     fresh = PromptStream.for_trainer(trainer)  # random access: a resumed source asks for rollout 12 first
     assert fresh.batch(12) == seen[12] and fresh.batch(3) == seen[3]
+
+
+# ------------------------------------------------------------------------------------------ merging rows
+def _generation(tag: int, rows: int, tools: bool = True) -> Generation:
+    """A hand-made generation whose every per-row value names its (tag, row)."""
+    outputs = (
+        [[tag, i] for i in range(rows)],  # prompt ids
+        [[tag, i, 1] for i in range(rows)],  # completion ids
+        [[1, 0, 1] for _ in range(rows)] if tools else None,  # tool mask
+        [f"c{tag}.{i}" for i in range(rows)],  # completions
+        [[-0.1 * tag, -0.2 * i, -0.3] for i in range(rows)],  # sampler log-probs
+        {"turns": [tag * 10 + i for i in range(rows)], "engine": "stand-in"},  # per-row and shared extra fields
+        None,  # images
+        [[f"img{tag}.{i}"] for i in range(rows)] if tools else [],  # tool images
+    )
+    routes = ([torch.full((5, 2, 2), tag * 10 + i) for i in range(rows)], [2] * rows, [3] * rows)
+    return Generation(outputs, routes, sampled_at=7, prompts=[f"p{tag}.{i}" for i in range(rows)])
+
+
+def test_gather_rows_moves_every_per_row_value_with_its_row():
+    from trl_gspo.rollout import gather_rows
+
+    a, b = _generation(1, 3), _generation(2, 2)
+    merged = gather_rows([(b, 1), (a, 0), (a, 2)])
+    assert len(merged) == 3 and merged.sampled_at == 7
+    prompt_ids, completion_ids, tool_mask, completions, logps, extra, images, tool_images = merged.outputs
+    assert prompt_ids == [[2, 1], [1, 0], [1, 2]] and completion_ids == [[2, 1, 1], [1, 0, 1], [1, 2, 1]]
+    assert completions == ["c2.1", "c1.0", "c1.2"] and merged.prompts == ["p2.1", "p1.0", "p1.2"]
+    assert logps == [b.outputs[4][1], a.outputs[4][0], a.outputs[4][2]] and tool_mask == [[1, 0, 1]] * 3
+    assert extra == {"turns": [21, 10, 12], "engine": "stand-in"} and images is None
+    assert tool_images == [["img2.1"], ["img1.0"], ["img1.2"]]
+    routes, prompt_lens, completion_lens = merged.sampler_routes
+    assert [int(r[0, 0, 0]) for r in routes] == [21, 10, 12] and prompt_lens == [2] * 3 and completion_lens == [3] * 3
+    assert a.take([2, 0]).outputs[3] == ["c1.2", "c1.0"]
+    with pytest.raises(ValueError, match="some generations carry a per-row output that others lack"):
+        gather_rows([(a, 0), (_generation(3, 1, tools=False), 0)])

@@ -15,6 +15,7 @@ from trl import GRPOConfig
 
 from .checkpointing import CheckpointOptions
 from .diagnostics import DiagnosticsOptions
+from .dynamic_sampling import DynamicSamplingOptions
 from .fused_head import FusedHeadOptions
 from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
 from .nonfinite import NonFiniteOptions
@@ -43,7 +44,7 @@ MAX_FINITE_LOG_RATIO = 88.0
 #: Each feature's fields and their validation, in the order they are checked.
 FEATURE_OPTIONS = (
     NonFiniteOptions, RewardGuardOptions, CheckpointOptions, FusedHeadOptions, SamplerLogprobOptions,
-    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions, SharedPrefixOptions,
+    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions, SharedPrefixOptions, DynamicSamplingOptions,
 )  # fmt: skip
 
 
@@ -53,7 +54,7 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     Configuration for [`GSPOTrainer`]: every [`trl.GRPOConfig`] field, with the GSPO paper's defaults, plus each
     feature's fields (documented in its options class: `NonFiniteOptions`, `RewardGuardOptions`,
     `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `DiagnosticsOptions`, `RoutingReplayOptions`,
-    `PaddingOptions`, `SharedPrefixOptions`).
+    `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`).
 
     Defaults that differ from `trl.GRPOConfig` (paper, arXiv 2507.18071, Sec. 5):
     - `importance_sampling_level="sequence"` (GSPO) instead of `"token"` (GRPO).

@@ -26,9 +26,11 @@ instead of one mixin per feature intercepting them through `super()`:
                                               _recording_sampler_routes, then _keep_sampler_routes
 
 A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousRollouts` (the default) is TRL's
-behaviour: generate and score the dataloader's batch now. Another source (generation ahead of time, refilling
-filtered groups) implements the same methods; `rollout_source` picks it from the config. Its `state_dict` is saved
-with each checkpoint next to TRL's rollout buffer (checkpointing.py) and handed back on resume.
+behaviour: generate and score the dataloader's batch now. `DynamicSampling` (dynamic_sampling.py,
+`dynamic_sampling=True`) samples rounds of prompts until the batch is filled with groups that carry signal, then
+scores the kept ones. Another source (generation ahead of time) implements the same methods; `rollout_source` picks
+it from the config. Its `state_dict` is saved with each checkpoint next to TRL's rollout buffer (checkpointing.py)
+and handed back on resume.
 
 Sampling apart from scoring. A source that generates at another time than it scores (ahead of time, or in rounds
 before deciding what to keep) splits the batch in two steps with the same result as the one-call path:
@@ -38,6 +40,10 @@ before deciding what to keep) splits the batch in two steps with the same result
     batch = self._score(inputs, generation[, rewards])  TRL's scoring of exactly that generation: `_generate` returns
                                                         it instead of sampling, `_calculate_rewards` returns `rewards`
                                                         (the gathered reward matrix) when given
+
+A `Generation` is per completion, so rows can be selected and merged (`Generation.take`, `gather_rows`: every
+per-row output, the prompts and the R3 routes move with their row), e.g. to score the kept groups of several rounds
+as one batch.
 
 `_sample` runs TRL's `_generate_and_score_completions` up to its `_generate` call and stops there, so prompts are
 prepared by TRL's own code; `_score` runs it again with the generation handed in. Both run on the calling thread
@@ -66,6 +72,47 @@ class Generation:
     outputs: tuple  # TRL's `_generate` 8-tuple (prompt ids, completion ids, tool mask, completions, sampler log-probs, ...)
     sampler_routes: tuple | None  # R3: the sampler's routes of these completions (routing_replay.py), else None
     sampled_at: int  # optimizer step whose weights sampled them
+    prompts: list | None = None  # the prompts TRL handed `_generate` (prepared: what reward functions receive)
+
+    def __len__(self) -> int:
+        return len(self.outputs[1])
+
+    def take(self, rows: list[int]) -> Generation:
+        """The generation of these rows only, in this order."""
+        return gather_rows([(self, i) for i in rows])
+
+
+def gather_rows(rows: list[tuple[Generation, int]]) -> Generation:
+    """One `Generation` made of row `i` of each `(generation, i)`: the per-completion parts of TRL's `_generate` tuple,
+    the prompts and the R3 routes follow their rows; values that are not per row (a `rollout_func`'s extra field
+    holding one value for the batch) come from the first generation. Dynamic sampling merges the kept groups of
+    several sampling rounds (and of other processes) with it."""
+    first = rows[0][0]
+
+    def column(values_of):  # per-row values, or None where the generations hold none
+        present = [values_of(g) is not None for g, _ in rows]
+        if not any(present):
+            return None
+        if not all(present):
+            raise ValueError("gather_rows: some generations carry a per-row output that others lack (tool mask, "
+                             "sampler log-probs or prompts); they cannot be merged.")  # fmt: skip
+        return [values_of(g)[i] for g, i in rows]
+
+    per_row = (column(lambda g, k=k: g.outputs[k]) for k in range(5))
+    prompt_ids, completion_ids, tool_mask, completions, logprobs = per_row
+    extra = {}
+    for key, values in first.outputs[5].items():
+        per_row = isinstance(values, list) and len(values) == len(first)
+        extra[key] = [g.outputs[5][key][i] for g, i in rows] if per_row else values
+    images = None  # TRL: None, or one entry (a list of images or None) per row
+    if any(g.outputs[6] is not None for g, _ in rows):
+        images = [None if g.outputs[6] is None else g.outputs[6][i] for g, i in rows]
+    tool_images = [g.outputs[7][i] for g, i in rows] if first.outputs[7] else first.outputs[7]  # [] without tools
+    routes = None
+    if first.sampler_routes is not None:  # (per-row route tensors, prompt lengths, completion lengths)
+        routes = tuple([g.sampler_routes[part][i] for g, i in rows] for part in range(3))
+    outputs = (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images)
+    return Generation(outputs, routes, first.sampled_at, column(lambda g: g.prompts))
 
 
 class _Sampled(Exception):
@@ -102,6 +149,10 @@ class SynchronousRollouts:
 
 def rollout_source(trainer):
     """The `RolloutSource` the config asks for."""
+    if trainer.args.dynamic_sampling:
+        from .dynamic_sampling import DynamicSampling
+
+        return DynamicSampling(trainer)
     return SynchronousRollouts(trainer)
 
 
@@ -189,7 +240,7 @@ class RolloutPipeline:
         self._keep_sampler_logps(outputs)
         self._keep_rollout_func_routes(outputs)
         if injected is _SAMPLE_ONLY:
-            raise _Sampled(Generation(outputs, self._sampler_routes, self.state.global_step))
+            raise _Sampled(Generation(outputs, self._sampler_routes, self.state.global_step, prompts))
         return outputs
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # arguments vary across TRL releases (trl_compat)

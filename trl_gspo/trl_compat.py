@@ -22,7 +22,9 @@ differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range)
 | `_generate_single_turn(prompt_ids, images, multimodal_fields, [num_generations,] has_tool_images=False)` | rollout (for sampler_logprobs, routing_replay) | `num_generations` added in 1.14.2; the override passes `*args, **kwargs` through |
 | `_generate(prompts)` | rollout (for sampler_logprobs, routing_replay) | none: 8-tuple, per-token sampler log-probs at index 4 |
 | `_generate_and_score_completions(inputs)` | rollout (for sampler_logprobs, routing_replay) | none in the keys read here (`old_per_token_logps`, `sampling_per_token_logps`, `importance_sampling_ratio`) |
-| `_calculate_rewards(...)`, `get_high_entropy_mask`, `get_off_policy_mask` | rewards_guard, trainer | none |
+| `_calculate_rewards(...)`, `get_high_entropy_mask`, `get_off_policy_mask` | rewards_guard, trainer, rollout, dynamic_sampling (rewards of a sampling round, gathered over processes) | none |
+| `_pending_extra_logs` (completion-table columns from `log_extra`, flushed by `_generate_and_score_completions`), `reward_weights`, `reward_func_names`, `environment_factories` | dynamic_sampling | none |
+| `trl.trainer.utils.nanstd` | dynamic_sampling (TRL's group std, for the filter and `frac_reward_zero_std`) | none |
 | `_prepare_inputs` (owned), `_step`, `_buffered_inputs` | rollout, checkpointing | none (rollout buffer split into `steps_per_generation` mini-batches, regenerated every `steps_per_generation * num_iterations` micro-steps) |
 | `trl.trainer.utils.shuffle_sequence_dict`, `split_tensor_dict`, `split_pixel_values_by_grid`, `unsplit_pixel_values_by_grid` | rollout (TRL's shuffle and split of a rollout batch) | none |
 | model call `model(..., labels=, fused_lm_head=True)` returning `.log_probs`, `.entropy`, `.aux_loss` (TRL's `add_fused_lm_head`) | forward (trimmed / sorted / packed / shared forwards) | from 1.15; before, padding removal and prompt sharing are off (logged) and `padding_free=True` / `shared_prefix=True` are refused |
