@@ -58,7 +58,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import TimeoutError as FutureTimeout  # the builtin TimeoutError from Python 3.11
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +71,7 @@ from .validation import check_bool, check_int
 logger = logging.getLogger(__name__)
 
 #: Seconds `close()` waits for the generator thread (a transformers generation stops at its next token).
-CLOSE_TIMEOUT_S = 30.0
+CLOSE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -511,7 +511,12 @@ class _ServerRequests:
 
     def send(self, url: str, kwargs: dict, timeout: float) -> dict:
         """Generator thread: the request, as TRL's client would send it; the response as plain values."""
-        response = self.post(url, timeout=timeout, **kwargs)
+        import requests
+
+        try:
+            response = self.post(url, timeout=timeout, **kwargs)
+        except requests.exceptions.Timeout as exc:
+            raise TimeoutError(f"The vLLM server at {url} did not answer within {timeout:g} s.") from exc
         if response.status_code != 200:
             raise RuntimeError(f"The vLLM server at {url} answered {response.status_code}: {response.text[:2000]}")
         return {"url": url, "json": kwargs.get("json"), "text": response.text}
@@ -789,12 +794,12 @@ class AsyncRollouts:
         start = time.perf_counter()
         try:
             job.result = job.future.result(timeout=self.timeout)
-        except FutureTimeout:
+        except FutureTimeout as exc:  # waited too long, or the request itself timed out in the generator thread
             raise TimeoutError(
                 f"async_generation: rollout batch {rollout} was not generated within async_generation_timeout="
                 f"{self.timeout:g} s by {getattr(self.backend, 'where', 'the generator thread')} (a vLLM server that "
                 "stopped answering?)."
-            ) from None
+            ) from (exc if job.future.done() else None)
         except Exception as exc:
             raise GeneratorThreadError(
                 f"Generating rollout batch {rollout} failed in the generator thread: {type(exc).__name__}: {exc} "

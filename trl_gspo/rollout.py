@@ -183,12 +183,12 @@ class RolloutPipeline:
         if not self.model.training:
             self._rollouts.pause()
             return self._generate_and_score_completions(generation_batch)
-        self._rollouts.poll()
         spg = self.args.steps_per_generation
         if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:  # None: resumed, no buffer
             batch = self._rollouts.next_batch(generation_batch)
             micro_batches = split_rollout(batch, spg)
             self._buffered_inputs = self._arrange_micro_batches(micro_batches, self._step)
+        self._rollouts.poll()
         return self._buffered_inputs[self._step % spg]
 
     # -------------------------------------------------------------------------------- one scored batch, now
