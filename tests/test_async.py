@@ -539,10 +539,11 @@ def _server_trainer(tokenizer, tmp_path, server, monkeypatch, **overrides):
     return trainer
 
 
-def test_vllm_server_mode_against_a_stand_in_server(tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_vllm_server_mode_against_a_stand_in_server(tokenizer, tmp_path, monkeypatch, staleness):
     server = StandInServer(len(tokenizer), tokenizer.eos_token_id)
     try:
-        trainer = _server_trainer(tokenizer, tmp_path, server, monkeypatch, max_steps=8, max_staleness=1)
+        trainer = _server_trainer(tokenizer, tmp_path, server, monkeypatch, max_steps=8, max_staleness=staleness)
         pushed = {}
         sync = trainer.vllm_generation.sync_weights
 
@@ -555,8 +556,8 @@ def test_vllm_server_mode_against_a_stand_in_server(tokenizer, tmp_path, monkeyp
     finally:
         server.close()
     assert server.violations == []
-    # rollouts 0 and 1 with the first push, then rollout r with the push at the start of rollout r - 1
-    assert [r["version"] for r in server.requests] == [1, 1, 2, 3]
+    # rollouts 0..staleness with the first push, then rollout r with the push at the start of rollout r - staleness
+    assert [r["version"] for r in server.requests] == [max(r - staleness, 0) + 1 for r in range(4)]
     for version, received in server.received.items():  # what reached the "server" is the trainer's weights then
         for name, tensor in received.items():
             assert torch.equal(tensor, pushed[version][name]), (version, name)

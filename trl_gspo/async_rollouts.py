@@ -453,9 +453,12 @@ class TransformersGenerator:
             g.manual_seed(((self.seed * 1_000_003 + rollout) * 1_009 + self.process_index) % 2**63)
             kwargs = {"generation_config": greedy, "logits_processor": LogitsProcessorList([*warpers, _GumbelMaxSampling(g)])}
         route_log = self._routes.log_calls() if self._routes is not None else _nothing()
+        # synced_gpus=False: transformers turns it on under ZeRO-3 / FSDP (an all-reduce per token, a collective this
+        # thread must not make); the copy holds full weights, so each process generates on its own.
         with self.autocast(), self._recorder() as recorder, route_log as log:
             out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                      stopping_criteria=StoppingCriteriaList([_StopWhenClosing(self.closing)]), **kwargs)  # fmt: skip
+                                      stopping_criteria=StoppingCriteriaList([_StopWhenClosing(self.closing)]),
+                                      synced_gpus=False, **kwargs)  # fmt: skip
         if self.closing.is_set():
             raise _Cancelled()
         completion = out[:, input_ids.size(1) :]
