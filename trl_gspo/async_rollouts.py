@@ -384,7 +384,7 @@ class TransformersGenerator:
         self.sampling = seeded_sampling(self.config) if seeded else None
         self.seed, self.process_index = args.seed, trainer.accelerator.process_index
         self.pad_token_id, self.pad_to_multiple_of = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
-        self.eos_token_ids = list(trainer.eos_token_ids)
+        self.eos_token_ids = trl_compat.eos_token_ids(trainer)
         self.autocast = trainer.accelerator.autocast  # mixed precision as the trainer's forward (thread-local state)
 
     # ----------------------------------------------------------------------------------------- main thread

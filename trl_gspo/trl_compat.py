@@ -33,7 +33,7 @@ differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range)
 | `_generate(prompts)` index 5 (`extra_fields`), `rollout_func`, `tools` | routing_replay (R3 routes from a `rollout_func`) | none |
 | `vllm_generation.generate`, `.mode`, `.llm.generate` (colocate), `.tp_group`, `trl.generation.vllm_generation.LLM` | routing_replay (R3 routes from vLLM) | none |
 | `vllm_generation.vllm_client._post` (server) | routing_replay, via `watch_vllm_server_responses` here | 1.14.2 and 1.16: posts to vLLM's own `/v1/completions` (routes in each choice); 1.10: `trl vllm-serve`'s `/generate/`, no routes |
-| `_generate_single_turn` arguments, `_tokenize_prompts` (through it), `rollout_func`, `generation_config`, `eos_token_ids`, `pad_to_multiple_of`, `_tokenizer` | rollout, async_rollouts (generation ahead of time), via `single_turn_request` here | `num_generations` from 1.14.2 |
+| `_generate_single_turn` arguments, `_tokenize_prompts` (through it), `rollout_func`, `generation_config`, `eos_token_ids`, `pad_to_multiple_of`, `_tokenizer` | rollout, async_rollouts (generation ahead of time), via `single_turn_request` and `eos_token_ids` here | `num_generations` from 1.14.2; `eos_token_ids` (several end tokens) in 1.16, the tokenizer's `eos_token_id` in 1.10 |
 | `vllm_generation.sync_weights`, `_last_loaded_step`, `VLLMGeneration.generate`'s sampling parameters, `vllm_client.session.post` (server) | async_rollouts (server requests sent from the generator thread, weights pushed at sync points), via `vllm_server_sampling_params` here | checked at run time: the request TRL makes must equal the one sent ahead of time |
 
 A new TRL-internal use (a mixin overriding another private method, a hook on TRL's old-policy pass) belongs in this
@@ -176,3 +176,10 @@ def vllm_server_sampling_params(generation, num_generations: int) -> dict:
         "structured_outputs_regex": getattr(generation, "structured_outputs_regex", None),
         "generation_kwargs": getattr(generation, "generation_kwargs", None),
     }
+
+
+def eos_token_ids(trainer) -> list[int]:
+    """The token ids that end a completion in TRL's transformers generation: `eos_token_ids` from 1.14 (a model may
+    declare several), the tokenizer's one `eos_token_id` before."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    return list(ids) if ids else [trainer._tokenizer.eos_token_id]
