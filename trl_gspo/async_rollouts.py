@@ -633,7 +633,7 @@ class RolloutFuncGenerator:
 
 def generation_backend(trainer, seeded: bool, closing: threading.Event, timeout: float):
     """The backend that generates for `trainer`: its rollout_func, its vLLM server, or transformers `generate`."""
-    if trainer.rollout_func is not None:
+    if getattr(trainer, "rollout_func", None) is not None:
         return RolloutFuncGenerator(trainer)
     if trainer.use_vllm:
         if trainer.vllm_mode != "server":
@@ -645,9 +645,13 @@ def generation_backend(trainer, seeded: bool, closing: threading.Event, timeout:
 # ------------------------------------------------------------------------------------------------- the source
 @dataclass
 class _Job:
+    """One rollout batch's generation: the weights' step, the generator thread's future (None when nothing runs on
+    this process: restored from a checkpoint, or server mode on a process that does not talk to the server), and the
+    result once known."""
+
     sampled_at: int
-    future: Future | None = None  # None: nothing runs here (restored from a checkpoint, or server mode on a process
-    result: object = None  # that does not talk to the server); the result once known
+    future: Future | None = None
+    result: object = None
 
 
 class AsyncRollouts:
