@@ -85,7 +85,7 @@ STEPS_PER_GENERATION = 4
 ASYNC_SHAPES = {
     "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=4, completion=8, warmup_rollouts=1,
                  measured_rollouts=1, reps=1),  # fmt: skip
-    "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=8, completion=64, warmup_rollouts=1,
+    "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=8, completion=128, warmup_rollouts=1,
                 measured_rollouts=3, reps=3),  # fmt: skip
     "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=64, completion=512,
                  warmup_rollouts=1, measured_rollouts=2, reps=3),  # fmt: skip
@@ -428,6 +428,7 @@ def run_async(variant: str, shape: dict, device: str, out_dir: str) -> dict:
         "completion_tokens": k1 - k0,
         # synchronous runs: the blocking generation call (0 when it runs in the generator thread)
         "generation_seconds_per_step": (g1 - g0) / steps,
+        "host_load_1min": os.getloadavg()[0],  # other work on the host: two threads need two free cores to overlap
     }
     if rows:  # logged once, at the end: means over every rollout batch (first one included)
         for key in ("async/trainer_wait_s", "async/generation_s", "async/generator_idle_s", "async/training_s"):
