@@ -8,11 +8,12 @@ or refilling them), so this module owns the four TRL methods of the path and cal
 instead of one mixin per feature intercepting them through `super()`:
 
     _prepare_inputs(generation_batch)              training: every micro-step; evaluation: every batch
-      evaluation -> _generate_and_score_completions(generation_batch)       (synchronous, never filtered)
+      evaluation -> self._rollouts.pause(), _generate_and_score_completions(generation_batch)   (synchronous)
       a new rollout batch is due (TRL's schedule):
         batch = self._rollouts.next_batch(generation_batch)   RolloutSource: how a scored batch is obtained
         micro_batches = split_rollout(batch, steps_per_generation)         TRL's shuffle and split
         micro_batches = self._arrange_micro_batches(micro_batches, step)   padding.py: length sort per optimizer step
+      self._rollouts.poll()
       return micro_batches[step % steps_per_generation]
 
     _generate_and_score_completions(inputs)        one scored rollout batch from these prompts, now
@@ -26,9 +27,11 @@ instead of one mixin per feature intercepting them through `super()`:
                                               _recording_sampler_routes, then _keep_sampler_routes
 
 A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousRollouts` (the default) is TRL's
-behaviour: generate and score the dataloader's batch now. Another source (generation ahead of time, refilling
-filtered groups) implements the same methods; `rollout_source` picks it from the config. Its `state_dict` is saved
-with each checkpoint next to TRL's rollout buffer (checkpointing.py) and handed back on resume.
+behaviour: generate and score the dataloader's batch now. Another source (generation ahead of time:
+async_rollouts.py; refilling filtered groups) implements the same methods; `rollout_source` picks it from the config.
+The pipeline also calls its `poll` on every training micro-step (background failures, per-step metrics) and its
+`pause` before evaluation generates. Its `state_dict` is saved with each checkpoint next to TRL's rollout buffer
+(checkpointing.py) and handed back on resume.
 
 Sampling apart from scoring. A source that generates at another time than it scores (ahead of time, or in rounds
 before deciding what to keep) splits the batch in two steps with the same result as the one-call path:
