@@ -23,6 +23,10 @@ Dynamic sampling experiment (`--experiment dynamic-sampling`): GSPO with and wit
 task and a five-digit copy task, 5 seeds, held-out reward vs optimizer steps and vs training seconds, generated
 tokens per trained token; the whole specification is in `dynamic_sampling_experiment.py`.
 
+Asynchronous generation experiment (`--experiment async`): GRPO and GSPO, synchronous vs `async_generation` at
+staleness 1, 2 and 4, with and without the behaviour correction, 5 seeds, on the demo task; the regime and what counts
+as degradation are declared in `async_experiment.py`. Writes `async.md` (table), `async.png`, `async_summary.json`.
+
 MoE routing replay experiment (`--experiment routing-replay`): arms GRPO, GRPO+R2, GRPO+R3, GSPO, GSPO+R3 on a tiny
 Qwen3-MoE only, in a regime fixed before any result was looked at, to expose routing volatility (ROUTING_EXPERIMENT:
 16 experts top-2, 8 mini-batches per rollout, an 8-digit copy task so completions are 8 tokens, the learning rate
@@ -47,6 +51,9 @@ import sys
 import time
 from collections import defaultdict
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import async_experiment  # noqa: E402  (beside this file: the asynchronous-generation experiment's arms and report)
+
 #: name -> GSPOConfig overrides. Clip ranges are the paper's for each method.
 GRPO = dict(importance_sampling_level="token", epsilon=0.2, epsilon_high=0.27)
 GSPO = dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
@@ -59,6 +66,7 @@ VARIANTS = {
     "GRPO+R3": {**GRPO, "routing_replay": "R3"},
     "GSPO+R3": {**GSPO, "routing_replay": "R3"},
 }
+VARIANTS.update(async_experiment.ARMS)  # "GSPO async s2 no-corr", ...: `--experiment async`
 DEFAULT_VARIANTS = ("GRPO", "GSPO", "GSPO-token")
 COLORS = {"GRPO": "tab:red", "GSPO": "tab:blue", "GSPO-token": "tab:green", "GRPO+R2": "tab:orange",
           "GRPO+R3": "tab:purple", "GSPO+R3": "tab:cyan"}  # fmt: skip
@@ -425,6 +433,8 @@ def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=DEFAULT_VARIA
 
 def report(results: dict, output_dir: str, overrides: dict) -> dict:
     """summary.json and the plots from the per-run results (plus the routing-replay table when replay arms ran)."""
+    if all(variant in async_experiment.ARMS for _, variant in results):
+        return async_experiment.report(async_experiment.group_by_arm(results), output_dir)
     summary = summarize(results)
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump({"variants": VARIANTS, "overrides": overrides, "collapse": COLLAPSE, "results": summary}, f, indent=2)
@@ -524,11 +534,13 @@ def main(argv=None):
     parser.add_argument("--moe-seeds", type=int, nargs="*", default=None,
                         help="seeds for the MoE model (default: --seeds; the flag alone: no MoE runs)")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--experiment", choices=["routing-replay", "dynamic-sampling"], default=None,
+    parser.add_argument("--experiment", choices=["routing-replay", "dynamic-sampling", "async"], default=None,
                         help="routing-replay: the MoE routing replay experiment (ROUTING_EXPERIMENT; overrides "
                         "--seeds, --variants and the task, and --moe-seeds unless given). dynamic-sampling: GSPO with "
                         "and without dynamic sampling on two copy tasks (dynamic_sampling_experiment.py; --seeds and "
-                        "--max-steps override its settings only when given)")  # fmt: skip
+                        "--max-steps override its settings only when given). async: synchronous vs asynchronous "
+                        "generation (async_experiment.py; overrides --variants, and --seeds and --max-steps unless "
+                        "given)")  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--resume", action="store_true", help="reuse finished runs found in --output-dir")
     parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo); "
@@ -571,6 +583,16 @@ def main(argv=None):
             args.max_steps = spec["max_steps"]
         if "--moe-seeds" in given:  # fewer seeds (e.g. a smoke run); the pre-declared experiment uses all five
             moe_seeds = args.moe_seeds
+    if args.experiment == "async":
+        spec, given = async_experiment.ASYNC_EXPERIMENT, (argv if argv is not None else sys.argv)
+        variants, moe_seeds, overrides = list(spec["variants"]), [], dict(spec["overrides"])
+        args.num_prompts = spec["num_prompts"]
+        if "--eval-prompts" not in given:
+            args.eval_prompts = spec["eval_prompts"]
+        if "--seeds" not in given:  # fewer seeds only for a smoke run; the declared experiment uses five
+            seeds = list(spec["seeds"])
+        if "--max-steps" not in given:
+            args.max_steps = spec["max_steps"]
     if args.learning_rate is not None:
         overrides["learning_rate"] = args.learning_rate
     if args.tiny:

@@ -30,6 +30,12 @@ Scenarios, each reported as ratios ours/stock of medians over repetitions (runs 
   `shared_prefix="auto"`), `group_minibatches` (whole groups per optimizer step, so the loss forward shares too),
   `no_sharing`. `prompt_tokens_saved_per_step`: prompt positions not run again because a sibling's prefix stood
   for them.
+- `async` (not in the default list; `--scenarios async`): asynchronous generation, ours only: the same workload
+  synchronous vs `async_generation=True` with `max_staleness` 1 and 2, transformers generator, rotated in fresh
+  processes (generator and trainer one thread each). Reports wall-clock s/step async / sync beside the floor
+  `max(gen, train) / (gen + train)` measured in the synchronous runs of the same invocation (gen = the blocking
+  generation call, train = the rest of the step), and the generation share `gen / (gen + train)`. Its workload (shape
+  `async`, training without activation checkpointing) was fixed so that generation is >= 1/3 of a synchronous step.
 Both trainers' log-prob method is wrapped by one timer that sums its no-grad calls (with beta=0: TRL's pi_old pass);
 `stock_old_logprob_pass_share` = that time / step time in the stock runs, so 1 - share is what skipping the pass alone
 would give. `--no-gradient-checkpointing` trains both without TRL's default activation checkpointing.
@@ -102,6 +108,22 @@ SHAPES = {
                                   prompt_range=(896, 1152), measured_rollouts=1, reps=3)),  # fmt: skip
 }
 STEPS_PER_GENERATION = 4
+#: Workload of the `async` scenario per device (`tiny`: the smoke run): short prompts and longer completions so that
+#: generation is >= 1/3 of a synchronous step, no activation checkpointing.
+ASYNC_SHAPES = {
+    "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=4, completion=8, warmup_rollouts=1,
+                 measured_rollouts=1, reps=1),  # fmt: skip
+    "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=8, completion=128, warmup_rollouts=1,
+                measured_rollouts=3, reps=3),  # fmt: skip
+    "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=64, completion=512,
+                 warmup_rollouts=1, measured_rollouts=2, reps=3),  # fmt: skip
+}
+#: The async scenario's variants: GSPOConfig settings on top of the workload.
+ASYNC_VARIANTS = {
+    "sync": {},
+    "async_staleness1": dict(async_generation=True, max_staleness=1),
+    "async_staleness2": dict(async_generation=True, max_staleness=2),
+}
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -386,6 +408,94 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
     return result
 
 
+def run_async(variant: str, shape: dict, device: str, out_dir: str) -> dict:
+    """One run of the `async` scenario: ours with `ASYNC_VARIANTS[variant]`; wall-clock seconds per optimizer step over
+    the measured rollouts and, in synchronous runs, the seconds per step spent in the blocking generation call."""
+    import torch
+    from transformers import TrainerCallback
+
+    from trl_gspo import GSPOConfig, GSPOTrainer
+
+    tokenizer = _tokenizer(QWEN3_VOCAB if device == "cuda" else None)
+    model = _model(tokenizer, shape, device)
+    n_rollouts = shape["warmup_rollouts"] + shape["measured_rollouts"]
+    args = GSPOConfig(
+        output_dir=out_dir, use_cpu=device == "cpu", bf16=device == "cuda", report_to=[], save_strategy="no",
+        logging_steps=10_000, disable_tqdm=True, learning_rate=1e-5, lr_scheduler_type="constant",
+        per_device_train_batch_size=shape["batch"], num_generations=shape["num_generations"],
+        steps_per_generation=STEPS_PER_GENERATION, max_completion_length=shape["completion"],
+        max_steps=n_rollouts * STEPS_PER_GENERATION, seed=0, dataloader_num_workers=0, gradient_checkpointing=False,
+        **LOSS_SETTINGS, **ASYNC_VARIANTS[variant],
+    )  # fmt: skip
+    counter = _TokenCounter()
+    trainer = GSPOTrainer(model, counter, args=args, train_dataset=_dataset(shape), processing_class=tokenizer)
+    generation = [0.0]
+    single_turn = trainer._generate_single_turn
+
+    def timed_single_turn(*args, **kwargs):  # the blocking call async generation moves off the main thread
+        start = time.perf_counter()
+        out = single_turn(*args, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        generation[0] += time.perf_counter() - start
+        return out
+
+    trainer._generate_single_turn = timed_single_turn
+    marks, warmup = {}, shape["warmup_rollouts"] * STEPS_PER_GENERATION
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if state.global_step in (warmup, args.max_steps):
+                marks[state.global_step] = (time.perf_counter(), time.process_time(), generation[0], counter.tokens)
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    steps = shape["measured_rollouts"] * STEPS_PER_GENERATION
+    (t0, c0, g0, k0), (t1, c1, g1, k1) = marks[warmup], marks[args.max_steps]
+    rows = [h for h in trainer.state.log_history if "async/trainer_wait_s" in h]
+    result = {
+        "seconds_per_step": (t1 - t0) / steps,
+        "cpu_seconds_per_step": (c1 - c0) / steps,
+        "completion_tokens": k1 - k0,
+        # synchronous runs: the blocking generation call (0 when it runs in the generator thread)
+        "generation_seconds_per_step": (g1 - g0) / steps,
+        "host_load_1min": os.getloadavg()[0],  # other work on the host: two threads need two free cores to overlap
+    }
+    if rows:  # logged once, at the end: means over every rollout batch (first one included)
+        for key in ("async/trainer_wait_s", "async/generation_s", "async/generator_idle_s", "async/training_s"):
+            if key in rows[-1]:
+                result[key.replace("async/", "mean_").replace("/", "_")] = rows[-1][key]
+    del trainer, model
+    return result
+
+
+def async_scenario(shape: dict, device: str, reps: int, out_dir: str, log) -> dict:
+    """sync vs async staleness 1 and 2 in fresh processes, order rotated each repetition; ratios of medians, and the
+    floor max(gen, train) / (gen + train) from the synchronous runs of this invocation."""
+    kinds = list(ASYNC_VARIANTS)
+    runs = {k: [] for k in kinds}
+    for rep in range(reps):
+        order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
+        for kind in order:
+            runs[kind].append(_run_worker(dict(task="async", variant=kind, shape=shape, device=device, out_dir=out_dir)))
+            r = runs[kind][-1]
+            log(f"  async rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, generation in the step "
+                f"{r['generation_seconds_per_step']:.4f} s, trainer waited {r.get('mean_trainer_wait_s', 0):.4f} s/rollout")
+    med = {k: {m: _median(v, m) for m, x in v[0].items() if isinstance(x, (int, float))} for k, v in runs.items()}
+    sync_step, gen = med["sync"]["seconds_per_step"], med["sync"]["generation_seconds_per_step"]
+    train = sync_step - gen
+    floor = max(gen, train) / (gen + train)
+    result = {"variants": ASYNC_VARIANTS, "median": med, "runs": runs, "generation_share": gen / sync_step,
+              "floor_ratio": floor, "sync_generation_seconds_per_step": gen, "sync_train_seconds_per_step": train}  # fmt: skip
+    for kind in kinds[1:]:
+        ratio = _ratio(med[kind]["seconds_per_step"], sync_step)
+        result[kind] = {"ratio_seconds_per_step": ratio, "ratio_over_floor": ratio / floor,
+                        "meets_target": gen / sync_step >= 1 / 3 and ratio <= 0.75 and ratio <= 1.10 * floor}  # fmt: skip
+    return result
+
+
 #: `logprob_vocab_chunk_size` of the `ours_chunked` memory variant.
 MEMORY_CHUNK = 4096
 
@@ -551,6 +661,8 @@ def _worker(spec: dict) -> dict:
         )  # fmt: skip
     if spec["task"] == "loss_path":
         return loss_path(spec["shape"], spec["device"], spec["iters"])
+    if spec["task"] == "async":
+        return run_async(spec["variant"], spec["shape"], spec["device"], spec["out_dir"])
     return logprob_memory(spec["kind"], spec["vocab"], spec["tokens"], spec["device"])
 
 
@@ -713,7 +825,8 @@ def _summary(sc: dict) -> dict:
     if all(isinstance(v, dict) and "variants" in v for v in sc.values()):
         return {key: {v: {k: x for k, x in sub[v].items() if k.startswith("ratio") or k == "prompt_tokens_saved_per_step"}
                       for v in sub["variants"] if v != "stock"} for key, sub in sc.items()}  # fmt: skip
-    return {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu"}
+    keep = (*ASYNC_VARIANTS, "floor_ratio", "generation_share")
+    return {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu" or k in keep}
 
 
 def main(argv=None):
@@ -840,6 +953,12 @@ def main(argv=None):
                 {k: v for k, v in LAYOUT_VARIANTS[name].items() if args.variants is None or k in args.variants.split(",")},
             )  # fmt: skip
             save()
+    if "async" in wanted:
+        a_shape = dict(ASYNC_SHAPES["tiny" if args.tiny else args.device])
+        log(f"async (sync vs async_generation staleness 1 and 2, transformers generator; {a_shape['batch']} rows x "
+            f"{STEPS_PER_GENERATION} mini-batches per rollout, {a_shape['completion']}-token completions)")
+        report["scenarios"]["async"] = async_scenario(a_shape, args.device, args.reps or a_shape["reps"], work_dir, log)
+        save()
     if "logprob_memory" in wanted:
         log(f"logprob_memory (vocab {shape['mem_vocab']} x {shape['mem_tokens']} tokens)")
         # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.

@@ -39,10 +39,12 @@ def make_trainer(output_dir, reward_funcs=length_reward, trainer_cls=GSPOTrainer
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    trainer_kwargs = {k: overrides.pop(k) for k in ("rollout_func", "peft_config", "eval_dataset") if k in overrides}
     settings.update(overrides)
     args = GSPOConfig(**settings)
     dataset = Dataset.from_dict({"prompt": list(prompts)})
-    return trainer_cls(model, reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer)
+    return trainer_cls(model, reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer,
+                       **trainer_kwargs)  # fmt: skip
 
 
 class SaveAt(TrainerCallback):
@@ -89,8 +91,22 @@ def main():
     parser.add_argument("--weights_out")
     parser.add_argument("--num_prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--resume_each", type=int, nargs="*", help="steps to save at, then resume from")
+    parser.add_argument("--async_generation", action="store_true")
+    parser.add_argument("--generation_delay", type=float, default=0.0, help="seconds added to each async generation")
     cli = parser.parse_args()
     prompts = PROMPTS[: cli.num_prompts]
+    if cli.generation_delay:
+        from trl_gspo.async_rollouts import TransformersGenerator
+
+        generate = TransformersGenerator._generate
+
+        def slow(self, *args, **kwargs):
+            import time
+
+            time.sleep(cli.generation_delay)
+            return generate(self, *args, **kwargs)
+
+        TransformersGenerator._generate = slow
 
     if cli.resume_each:
         straight, resumed = straight_then_resumed(cli.output_dir, cli.max_steps, cli.resume_each, prompts=prompts)
@@ -109,7 +125,8 @@ def main():
 
                 time.sleep(cli.step_delay)
 
-    trainer = make_trainer(cli.output_dir, max_steps=cli.max_steps, save_strategy="no", prompts=prompts)
+    trainer = make_trainer(cli.output_dir, max_steps=cli.max_steps, save_strategy="no", prompts=prompts,
+                           **({"async_generation": True} if cli.async_generation else {}))  # fmt: skip
     trainer.add_callback(Progress())
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     if cli.weights_out and trainer.accelerator.is_main_process:

@@ -94,3 +94,23 @@ def test_mfu_peak_tells_form_factors_apart():
                 "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
                 "NVIDIA GeForce RTX 4090": None}  # fmt: skip
     assert {name: run.bf16_peak_flops(name) for name in expected} == expected
+
+
+def test_tiny_async_scenario_writes_ratios_and_the_floor(tmp_path):
+    out = tmp_path / "async.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--tiny", "--scenarios", "async", "--reps", "1",
+         "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sc = json.loads(out.read_text())["scenarios"]["async"]
+    assert set(sc["runs"]) == {"sync", "async_staleness1", "async_staleness2"}
+    assert 0 < sc["generation_share"] < 1 and 0.5 <= sc["floor_ratio"] < 1
+    assert sc["median"]["sync"]["generation_seconds_per_step"] > 0  # measured inside the synchronous step
+    for kind in ("async_staleness1", "async_staleness2"):
+        # generation left the main thread: TRL's generation call there only hands over the finished completions
+        assert sc["median"][kind]["generation_seconds_per_step"] < 0.1 * sc["median"]["sync"]["generation_seconds_per_step"]
+        assert _positive(sc[kind]["ratio_seconds_per_step"]) and "meets_target" in sc[kind]
+        ratio = sc["median"][kind]["seconds_per_step"] / sc["median"]["sync"]["seconds_per_step"]
+        assert math.isclose(sc[kind]["ratio_seconds_per_step"], ratio)

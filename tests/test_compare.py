@@ -105,3 +105,20 @@ def test_dynamic_sampling_experiment_smoke_run_writes_its_table_and_plot(tmp_pat
     (out / "summary.json").unlink()
     compare.main(["--output-dir", str(out), "--experiment", "dynamic-sampling", "--replot"])
     assert json.loads((out / "summary.json").read_text())["results"] == summary
+
+
+def test_async_experiment_smoke_writes_table_and_plot(tmp_path):
+    """`--experiment async` on one seed and a few steps: every arm trains, the table names degradation per arm."""
+    compare = _compare_module()
+    out = tmp_path / "async"
+    compare.main(["--output-dir", str(out), "--experiment", "async", "--seeds", "0", "--max-steps", "12", "--tiny", "--eval-prompts", "8"])
+    summary = json.loads((out / "async_summary.json").read_text())["results"]
+    assert set(summary) == set(compare.async_experiment.ARMS)
+    assert summary["GSPO async s2"]["staleness_mean"] > summary["GSPO async s1"]["staleness_mean"] > 0
+    assert summary["GSPO async s1"]["behaviour_weight_mean"] is not None
+    assert summary["GSPO async s1 no-corr"]["behaviour_weight_mean"] is None  # correction off: no weight computed
+    assert summary["GRPO sync"]["staleness_mean"] is None and "degraded" not in summary["GRPO sync"]
+    assert "degraded" in summary["GRPO async s4 no-corr"]
+    table = (out / "async.md").read_text()
+    assert table.count("\n| GSPO async") == 6 and "Degradation:" in table
+    assert (out / "async.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -61,8 +61,13 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
      # (longer completions, so rows end at different lengths and the ranks' packed widths differ)
      ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12")),
      # shared-prefix forwards with whole-group mini-batches: every pass (pi_old and loss) runs each prompt once
-     ("zero3.yaml", ("DEEPSPEED",), ("--shared_prefix", "true", "--group_minibatches", "true"))],
-    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed", "zero3-shared-prefix"],
+     ("zero3.yaml", ("DEEPSPEED",), ("--shared_prefix", "true", "--group_minibatches", "true")),
+     # asynchronous generation (async_rollouts.py): a generator copy per rank, weights pushed (ZeRO-3: gathered) on
+     # every rank's main thread at the same sync points
+     # (one step per rollout batch, so the second step trains on a batch sent after the first push)
+     ("multi_gpu.yaml", ("MULTI_CPU",), ("--async_generation", "true", "--steps_per_generation", "1")),
+     ("zero3.yaml", ("DEEPSPEED",), ("--async_generation", "true", "--max_staleness", "2", "--steps_per_generation", "1"))],
+    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed", "zero3-shared-prefix", "ddp-async", "zero3-async"],
 )  # fmt: skip
 def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type, extra):
     from transformers import AutoModelForCausalLM
@@ -106,5 +111,8 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
         assert float(rows[0]["moe/routing_shift"]) == 0.0  # step 1: on-policy mini-batch
     if "--shared_prefix" in extra:  # prompts ran once for their completions on both ranks' steps
         assert all(float(r["throughput/prompt_tokens_saved_per_step"]) > 0 for r in rows)
+    if "--async_generation" in extra:  # both steps trained on batches generated ahead, pooled over the two ranks
+        assert [float(r["async/staleness/max"]) for r in rows] == [0.0, 1.0]  # step 2's batch: weights of step 0
+        assert all(float(r["async/behaviour_weight/mean"]) > 0 for r in rows)
     if "--padding_free" in extra:  # packing ran and removed padding TRL would have computed
         assert all(float(r["throughput/padding_fraction"]) < float(r["throughput/stock_padding_fraction"]) for r in rows)

@@ -56,7 +56,8 @@ def test_expected_recipes_are_shipped():
     names = {r.stem for r in RECIPES}
     assert {"demo", "qwen3_1p7b_math_zero2", "qwen3_30b_a3b_moe_zero3", "qwen3_4b_lora_24gb",
             "qwen3_1p7b_gspo_token", "qwen3_4b_math_vllm", "qwen3_30b_a3b_moe_grpo_r2",
-            "qwen3_30b_a3b_moe_gspo_r3", "qwen3_1p7b_math_dynamic_sampling"} <= names  # fmt: skip
+            "qwen3_30b_a3b_moe_gspo_r3", "qwen3_1p7b_math_dynamic_sampling",
+            "qwen3_4b_math_vllm_async"} <= names  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -114,10 +115,12 @@ def _fields(recipe: str) -> dict:
 def test_routing_replay_recipes_differ_from_the_moe_recipe_only_where_they_say(variant, differs,
                                                                                gpu_recipes_parse_on_cpu):  # fmt: skip
     """The variants `extends` the MoE recipe: every parsed field equals the base's except the compared ones and the
-    output folder (and what TRL derives from output_dir)."""
+    output folder (and what is derived from them: TRL's logging_dir, our correction's default per level)."""
     base, got = _fields("qwen3_30b_a3b_moe_zero3"), _fields(variant)
     changed = {k.split(".", 1)[1] for k in base if base[k] != got[k]}
-    assert changed - {"output_dir", "logging_dir"} == set(differs)
+    # derived: the length-normalised vLLM correction is the default for sequence levels only (sampler_logprobs.py)
+    derived = {"vllm_importance_sampling_length_normalized"} if "importance_sampling_level" in differs else set()
+    assert changed - {"output_dir", "logging_dir"} - derived == set(differs)
     for key, value in differs.items():
         assert got[f"GSPOConfig.{key}"] == value
     assert "qwen3_30b_a3b_moe_zero3" in _header(RECIPES_DIR / f"{variant}.yaml")  # the header names what it compares
@@ -159,6 +162,15 @@ def test_vllm_recipe_uses_vllm_and_server_mode_flag_overrides(gpu_recipes_parse_
     assert args.use_vllm and args.vllm_mode == "colocate"
     _, args, *_ = parse("train", ["--config", recipe, "--vllm_mode", "server"])
     assert args.vllm_mode == "server"  # the header's server-mode command
+
+
+def test_async_vllm_recipe_runs_server_mode_asynchronously(gpu_recipes_parse_on_cpu):
+    recipe = RECIPES_DIR / "qwen3_4b_math_vllm_async.yaml"
+    _, args, *_ = parse("train", ["--config", str(recipe)])
+    assert args.use_vllm and args.vllm_mode == "server" and args.async_generation and args.max_staleness == 1
+    assert args.vllm_importance_sampling_correction and args.vllm_importance_sampling_length_normalized
+    header = recipe.read_text().split("\nextends:")[0]
+    assert "trl vllm-serve --model Qwen/Qwen3-4B" in header and "trl-gspo train --config qwen3_4b_math_vllm_async" in header
 
 
 def test_gspo_token_recipe_trainer_class_overrides_the_documented_hook(gpu_recipes_parse_on_cpu):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .async_rollouts import AsyncOptions
 from .checkpointing import CheckpointOptions
 from .diagnostics import DiagnosticsOptions
 from .dynamic_sampling import DynamicSamplingOptions
@@ -44,7 +45,7 @@ MAX_FINITE_LOG_RATIO = 88.0
 #: Each feature's fields and their validation, in the order they are checked.
 FEATURE_OPTIONS = (
     NonFiniteOptions, RewardGuardOptions, CheckpointOptions, FusedHeadOptions, SamplerLogprobOptions,
-    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions, SharedPrefixOptions, DynamicSamplingOptions,
+    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions, SharedPrefixOptions, DynamicSamplingOptions, AsyncOptions,
 )  # fmt: skip
 
 
@@ -54,7 +55,7 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     Configuration for [`GSPOTrainer`]: every [`trl.GRPOConfig`] field, with the GSPO paper's defaults, plus each
     feature's fields (documented in its options class: `NonFiniteOptions`, `RewardGuardOptions`,
     `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `DiagnosticsOptions`, `RoutingReplayOptions`,
-    `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`).
+    `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`, `AsyncOptions`).
 
     Defaults that differ from `trl.GRPOConfig` (paper, arXiv 2507.18071, Sec. 5):
     - `importance_sampling_level="sequence"` (GSPO) instead of `"token"` (GRPO).

@@ -519,6 +519,12 @@ class DynamicSampling:
         if state.get("end_step", -1) >= 0:
             self.end_step = int(state["end_step"])
 
+    def poll(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -164,3 +164,51 @@ def token_sum_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, normalizer:
 def sequence_sum_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """LUSPO aggregation: sum over each sequence's valid tokens, mean over sequences (length-weighted GSPO)."""
     return (per_token_loss * mask).sum(-1).mean()
+
+
+#: How a behaviour weight outside its bounds is treated: clamped to the bound, or zeroed (the sample is dropped).
+BEHAVIOUR_BOUNDS = ("truncate", "mask")
+
+
+def behaviour_log_weights(proximal_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor,
+                          per_sequence: bool, length_normalized: bool = True) -> torch.Tensor:  # fmt: skip
+    """Log of the decoupled objective's behaviour weight ``pi_prox / mu``, ``(B, 1)`` or ``(B, T)``, before bounds.
+
+    Decoupled PPO (AReaL) / rollout correction (verl): a sample drawn by the behaviour policy ``mu`` (the weights that
+    generated it, whose log-probs the sampler returned) is trained with the clipped ratio anchored on the proximal
+    policy ``pi_prox`` (log-probs recomputed when training on the batch starts, TRL's pi_old), and the staleness is
+    corrected by this detached weight multiplying its loss.
+
+        token:                              log w_i,t = log pi_prox(y_t) - log mu(y_t)
+        sequence, length-normalised:        log w_i   = (1/|y_i|) sum_t mask * (log pi_prox - log mu)   (geometric mean)
+        sequence, summed (TRL's sequence_*): log w_i   = sum_t mask * (log pi_prox - log mu)
+
+    The geometric mean keeps the weight on GSPO's per-token scale: the sum grows with length, so a per-token gap of
+    1e-3 over 2,000 tokens already gives e^2. Tokens the sampler could not score (NaN) are left out of the mean and
+    get weight 1 (log 0) at token level. Detached: the weight scales the gradient, it has none.
+    """
+    valid = mask.bool() & ~torch.isnan(behaviour_logps)
+    diff = torch.where(valid, proximal_logps.detach() - behaviour_logps, 0.0)
+    if not per_sequence:
+        return diff
+    if length_normalized:
+        return masked_sequence_mean(diff, valid).unsqueeze(-1)
+    return diff.sum(-1, keepdim=True)
+
+
+def bounded_behaviour_weights(log_weights: torch.Tensor, bound: str, low: float | None, high: float | None,
+                              max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(weights, outside)``: ``exp(log_weights)`` with TRL's importance-sampling bounds ``[low, high]`` (either may be
+    None: unbounded on that side) applied as ``bound`` says (`BEHAVIOUR_BOUNDS`): ``"truncate"`` clamps to the bound,
+    ``"mask"`` zeroes the weight (the sample or token contributes nothing). ``outside`` marks the weights the bounds
+    changed. ``|log w|`` is clamped at ``max_log_ratio`` before ``exp`` (as for the importance ratio), so a far-off
+    sample gives a large finite weight, never inf."""
+    weights = importance_ratio(log_weights.detach(), max_log_ratio)
+    below = weights < low if low is not None else torch.zeros_like(weights, dtype=torch.bool)
+    above = weights > high if high is not None else torch.zeros_like(weights, dtype=torch.bool)
+    outside = below | above
+    if bound == "truncate":
+        return (weights if low is None and high is None else weights.clamp(min=low, max=high)), outside
+    if bound == "mask":
+        return weights.masked_fill(outside, 0.0), outside
+    raise ValueError(f"bound={bound!r}; allowed: {', '.join(BEHAVIOUR_BOUNDS)}.")

@@ -8,11 +8,12 @@ or refilling them), so this module owns the four TRL methods of the path and cal
 instead of one mixin per feature intercepting them through `super()`:
 
     _prepare_inputs(generation_batch)              training: every micro-step; evaluation: every batch
-      evaluation -> _generate_and_score_completions(generation_batch)       (synchronous, never filtered)
+      evaluation -> self._rollouts.pause(), _generate_and_score_completions(generation_batch)   (synchronous)
       a new rollout batch is due (TRL's schedule):
         batch = self._rollouts.next_batch(generation_batch)   RolloutSource: how a scored batch is obtained
         micro_batches = split_rollout(batch, steps_per_generation)         TRL's shuffle and split
         micro_batches = self._arrange_micro_batches(micro_batches, step)   padding.py: length sort per optimizer step
+      self._rollouts.poll()
       return micro_batches[step % steps_per_generation]
 
     _generate_and_score_completions(inputs)        one scored rollout batch from these prompts, now
@@ -28,8 +29,10 @@ instead of one mixin per feature intercepting them through `super()`:
 A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousRollouts` (the default) is TRL's
 behaviour: generate and score the dataloader's batch now. `DynamicSampling` (dynamic_sampling.py,
 `dynamic_sampling=True`) samples rounds of prompts until the batch is filled with groups that carry signal, then
-scores the kept ones. Another source (generation ahead of time) implements the same methods; `rollout_source` picks
-it from the config. Its `state_dict` is saved with each checkpoint next to TRL's rollout buffer (checkpointing.py)
+scores the kept ones. `AsyncRollouts` (async_rollouts.py, `async_generation=True`) generates later rollout batches
+on a generator thread while the trainer trains. `rollout_source` picks the source from the config. The pipeline also
+calls its `poll` on every training micro-step (background failures, per-step metrics) and its `pause` before
+evaluation generates. Its `state_dict` is saved with each checkpoint next to TRL's rollout buffer (checkpointing.py)
 and handed back on resume.
 
 Sampling apart from scoring. A source that generates at another time than it scores (ahead of time, or in rounds
@@ -49,6 +52,17 @@ as one batch.
 prepared by TRL's own code; `_score` runs it again with the generation handed in. Both run on the calling thread
 (TRL's vLLM paths make collectives inside `_generate`). TRL's prompt preparation runs in both steps, so a batch whose
 preparation has side effects (an `environment_factory`'s `reset`) cannot be split this way.
+
+Generating elsewhere (async_rollouts.py: a generator thread works on later rollout batches while the trainer trains).
+Only the blocking generation call can leave the main thread, so the path is cut one level deeper:
+
+    request = self._generation_request(inputs)       TRL's prompt preparation, stopped at its generation call: the
+                                                     tokenized prompts (`_generate_single_turn`'s arguments) or, with
+                                                     a `rollout_func`, the prompts it would be called with
+    ... the request is generated elsewhere ...
+    self._injected = Completions(...)                 then TRL's one-call path runs as usual, and its generation call
+    self._generate_and_score_completions(inputs)      returns these completions (or, `completion_ids=None`, generates
+                                                      through TRL, whose vLLM client the source answers)
 """
 
 from __future__ import annotations
@@ -115,6 +129,38 @@ def gather_rows(rows: list[tuple[Generation, int]]) -> Generation:
     return Generation(outputs, routes, first.sampled_at, column(lambda g: g.prompts))
 
 
+@dataclass
+class GenerationRequest:
+    """What TRL's generation call would be asked for one batch of prompts, captured without generating."""
+
+    prompts: list | None = None  # the prompts TRL's `_generate` received (rollout_func path)
+    prompt_ids: list | None = None  # TRL's tokenized prompts (`_generate_single_turn`'s first argument)
+    single_turn_args: tuple = ()  # the rest of `_generate_single_turn`'s arguments (they vary across TRL releases)
+    single_turn_kwargs: dict | None = None
+
+
+@dataclass
+class Completions:
+    """Completions generated elsewhere for a `GenerationRequest` (async_rollouts.py), for TRL's generation call to
+    return: single-turn ids with the sampler's log-probs and R3 routes, or a `rollout_func`'s output dict. With neither
+    (`completion_ids` and `rollout_output` None) TRL's call runs and its engine client answers (vLLM server)."""
+
+    sampled_at: int  # optimizer step whose weights sampled them
+    prompt_ids: list | None = None  # the request's prompts, checked against the ones TRL prepares now
+    completion_ids: list | None = None
+    logprobs: list | None = None  # the sampler's log_softmax(logits / T) of each sampled token
+    routes: list | None = None  # R3: one [prompt + completion, L, k] tensor per completion (route_sources.py)
+    rollout_output: dict | None = None  # what the rollout_func returned
+
+
+class _Requested(Exception):
+    """Raised at TRL's generation call to stop `_generate_and_score_completions` there (`_generation_request`)."""
+
+    def __init__(self, request: GenerationRequest):
+        super().__init__("requested")
+        self.request = request
+
+
 class _Sampled(Exception):
     """Raised from `_generate` to stop TRL's `_generate_and_score_completions` right after generation (`_sample`)."""
 
@@ -124,6 +170,7 @@ class _Sampled(Exception):
 
 
 _SAMPLE_ONLY = object()  # `_injected` marker: the running call is `_sample`
+_REQUEST_ONLY = object()  # `_injected` marker: the running call is `_generation_request`
 
 
 class SynchronousRollouts:
@@ -143,12 +190,22 @@ class SynchronousRollouts:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def poll(self) -> None:
+        """Called on every training micro-step: raise what went wrong in background work, record per-step metrics."""
+
+    def pause(self) -> None:
+        """Called before evaluation uses the generation engine on the main thread: let background generation finish."""
+
     def close(self) -> None:
         """Called when `train()` returns or raises: release threads, clients, buffers."""
 
 
 def rollout_source(trainer):
     """The `RolloutSource` the config asks for."""
+    if trainer.args.async_generation:
+        from .async_rollouts import AsyncRollouts
+
+        return AsyncRollouts(trainer)
     if trainer.args.dynamic_sampling:
         from .dynamic_sampling import DynamicSampling
 
@@ -178,12 +235,14 @@ class RolloutPipeline:
     @profiling_decorator
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
+            self._rollouts.pause()
             return self._generate_and_score_completions(generation_batch)
         spg = self.args.steps_per_generation
         if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:  # None: resumed, no buffer
             batch = self._rollouts.next_batch(generation_batch)
             micro_batches = split_rollout(batch, spg)
             self._buffered_inputs = self._arrange_micro_batches(micro_batches, self._step)
+        self._rollouts.poll()
         return self._buffered_inputs[self._step % spg]
 
     # -------------------------------------------------------------------------------- one scored batch, now
@@ -199,7 +258,8 @@ class RolloutPipeline:
         self._finish_sampler_correction(output)
         if self.model.training:
             injected = self._injected
-            self._rollout_sampled_at = injected.sampled_at if isinstance(injected, Generation) else self.state.global_step
+            sampled = isinstance(injected, (Generation, Completions))
+            self._rollout_sampled_at = injected.sampled_at if sampled else self.state.global_step
         return output
 
     # ----------------------------------------------------------------------- sampling apart from scoring
@@ -210,6 +270,18 @@ class RolloutPipeline:
             super()._generate_and_score_completions(inputs)
         except _Sampled as done:
             return done.generation
+        finally:
+            self._injected = None
+        raise RuntimeError("TRL's _generate_and_score_completions returned without calling _generate.")
+
+    def _generation_request(self, inputs) -> GenerationRequest:
+        """TRL's prompt preparation for `inputs`, stopped at its generation call: what would be generated (module
+        docstring). Nothing is generated, scored or logged."""
+        self._injected = _REQUEST_ONLY
+        try:
+            super()._generate_and_score_completions(inputs)
+        except _Requested as requested:
+            return requested.request
         finally:
             self._injected = None
         raise RuntimeError("TRL's _generate_and_score_completions returned without calling _generate.")
@@ -236,7 +308,16 @@ class RolloutPipeline:
             self._keep_sampler_logps(injected.outputs)
             self._sampler_routes = injected.sampler_routes
             return injected.outputs
-        outputs = super()._generate(prompts)
+        if self.rollout_func is not None and injected is _REQUEST_ONLY:
+            raise _Requested(GenerationRequest(prompts=prompts))
+        if isinstance(injected, Completions) and injected.rollout_output is not None:  # the rollout_func ran elsewhere
+            rollout_func, self.rollout_func = self.rollout_func, lambda *_: injected.rollout_output
+            try:
+                outputs = super()._generate(prompts)
+            finally:
+                self.rollout_func = rollout_func
+        else:
+            outputs = super()._generate(prompts)
         self._keep_sampler_logps(outputs)
         self._keep_rollout_func_routes(outputs)
         if injected is _SAMPLE_ONLY:
@@ -244,6 +325,14 @@ class RolloutPipeline:
         return outputs
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # arguments vary across TRL releases (trl_compat)
+        injected = self._injected
+        if injected is _REQUEST_ONLY:
+            raise _Requested(GenerationRequest(None, [list(ids) for ids in prompt_ids], args, kwargs))
+        if isinstance(injected, Completions) and injected.completion_ids is not None:  # generated elsewhere
+            if injected.prompt_ids != [list(ids) for ids in prompt_ids]:
+                raise RuntimeError("Completions generated ahead of time were for other prompts than this batch's.")
+            self._keep_generated_routes(prompt_ids, injected.completion_ids, injected.routes)
+            return injected.completion_ids, injected.logprobs
         with self._recording_sampler_logprobs() as recorder, self._recording_sampler_routes() as route_log:
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         if recorder is not None:  # raw log_softmax(logits / T) of each sampled token (sampler_logprobs.py)

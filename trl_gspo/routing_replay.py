@@ -177,6 +177,14 @@ class MoERouting:
             raw = self.vllm_generation.last_routed_experts  # set by _capture_vllm_routes
             self._sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "vLLM")
 
+    def _keep_generated_routes(self, prompt_ids, completion_ids, routes):
+        """R3 routes recorded by another copy of the model (async_rollouts.py's generator): one tensor per completion,
+        as `routes_from_generate` returns them."""
+        if self._replay == "R3":
+            if routes is None or len(routes) != len(completion_ids):
+                raise RuntimeError("routing_replay='R3': the generator returned no routes for these completions.")
+            self._sampler_routes = (routes, [len(p) for p in prompt_ids], [len(c) for c in completion_ids])
+
     def _keep_rollout_func_routes(self, outputs):
         """After TRL's `_generate`: R3's routes returned by a `rollout_func` (`routed_experts`), and the check that
         R3 got routes from whichever path generated."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import trl_compat
-from .losses import masked_sequence_mean
+from .losses import SEQUENCE_LEVELS, masked_sequence_mean
 from .validation import check_choice
 
 logger = logging.getLogger(__name__)
@@ -50,10 +50,13 @@ class SamplerLogprobOptions:
             trainer compute the same distribution up to precision (same weights, `log_softmax(logits/T)`): on vLLM
             that needs top_p=1, top_k off, min_p off and repetition_penalty=1; the mismatch is logged under
             `sampler/*` on every on-policy mini-batch. Saves nothing when every mini-batch is on-policy.
-        vllm_importance_sampling_length_normalized (`bool`, *optional*, defaults to `False`):
+        vllm_importance_sampling_length_normalized (`bool` or `None`, *optional*, defaults to `None`):
             With vLLM, `old_logprobs_source="recompute"` and a `sequence_*` `vllm_importance_sampling_mode`, use
             `exp(mean_t(log pi_old - log pi_vllm))` as the sampler-trainer correction instead of TRL's
-            `exp(sum_t ...)`, which grows with length and masks or truncates long completions.
+            `exp(sum_t ...)`, which grows with length and masks or truncates long completions (with asynchronous
+            generation: the behaviour weight of sequence levels, async_rollouts.py). `None` resolves to `True` for the
+            `sequence` and `sequence_token` levels with a `sequence_*` mode, and to `False` otherwise (TRL's own
+            correction, e.g. for GRPO); set `False` to keep TRL's `exp(sum)`.
     """
 
     old_logprobs_source: str = field(
@@ -66,12 +69,14 @@ class SamplerLogprobOptions:
             "choices": list(OLD_LOGPROBS_SOURCES),
         },
     )
-    vllm_importance_sampling_length_normalized: bool = field(
-        default=False,
+    vllm_importance_sampling_length_normalized: bool | None = field(
+        default=None,
         metadata={
             "help": "Length-normalise TRL's sequence-level vLLM importance-sampling correction (mean instead of sum "
-            "of token log-ratios), GSPO-consistent and stable on long completions. Only for sequence_* modes with "
-            "old_logprobs_source='recompute' (with 'sampler' the correction is an identity and is turned off)."
+            "of token log-ratios), GSPO-consistent and stable on long completions: TRL's exp(sum) with its cap of 3 "
+            "masks long answers for a tiny per-token gap. Default (None): on for the sequence and sequence_token "
+            "levels with a sequence_* mode, off otherwise. Only with old_logprobs_source='recompute' (with 'sampler' "
+            "the vLLM correction is an identity and is turned off)."
         },
     )
 
@@ -79,6 +84,11 @@ class SamplerLogprobOptions:
         source = self.old_logprobs_source
         check_choice("old_logprobs_source", source, OLD_LOGPROBS_SOURCES)
         mode = self.vllm_importance_sampling_mode
+        if self.vllm_importance_sampling_length_normalized is None:  # GSPO's levels get GSPO's geometric mean
+            self.vllm_importance_sampling_length_normalized = (
+                self.importance_sampling_level in SEQUENCE_LEVELS and mode.startswith("sequence_")
+                and not (source == "sampler" and self.use_vllm)
+            )  # fmt: skip
         if self.vllm_importance_sampling_length_normalized and not mode.startswith("sequence_"):
             raise ValueError(
                 f"vllm_importance_sampling_length_normalized=True needs a sequence-level vllm_importance_sampling_mode "

@@ -1,21 +1,23 @@
-"""`GSPOTrainer`: `trl.GRPOTrainer` whose policy loss goes through two hooks.
+"""`GSPOTrainer`: `trl.GRPOTrainer` whose policy loss goes through three hooks.
 
 TRL 1.16 computes the whole loss in one method, `GRPOTrainer._compute_loss`, with the importance ratio and the
 clipped objective written inline. This class owns that one method: generation, rewards, advantages, old/ref
 log-probs, vLLM, PEFT, optimisation and logging stay TRL's. The loss is rebuilt as a short pipeline that calls
-TRL's own helpers for the forward pass and masks, and two hooks for what GSPO changes:
+TRL's own helpers for the forward pass and masks, and three hooks for what GSPO changes:
 
     importance_log_weights(logps, old_logps, mask)   # token / sequence / sequence_token (losses.py)
     policy_loss(ratio, advantages, logps)            # clipped surrogate (or CISPO)
+    behaviour_weight(inputs, old_logps, mask)        # weight for the sampling policy: decoupled pi_prox / mu when
+                                                     # generation runs ahead (async_rollouts.py), else TRL's vLLM one
 
 plus `token_advantages(inputs)`, the place to supply per-token advantages for GSPO-token. Everything between
-(KL term, entropy mask and bonus, vLLM importance-sampling correction, off-policy mask, aggregation and
+(KL term, entropy mask and bonus, off-policy mask, aggregation and
 gradient-accumulation normalisation, MoE aux loss, metrics) follows TRL's semantics; `tests/test_parity.py`
 checks loss and gradients against stock `GRPOTrainer` so drift is caught when the TRL pin moves.
 
 Features around the loss are mixins, one per module: `ResumableTraining` (checkpointing.py), `RolloutPipeline`
 (rollout.py: owns TRL's rollout path, `_prepare_inputs` -> `_generate_and_score_completions` -> `_generate`, and
-calls each feature's step there explicitly), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py:
+calls each feature's step there explicitly; its rollout source may generate ahead of time, async_rollouts.py), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py:
 MoE routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py), `TrainingDiagnostics`
 (diagnostics.py) and `PaddingRemoval` (padding.py: sorted micro-batches, throughput counts). Every log-prob forward
 is one explicit pipeline, `LogprobForward` (forward.py), whose named steps call into sampler_logprobs,
@@ -31,6 +33,7 @@ import torch
 from trl import GRPOTrainer
 
 from . import checkpointing, losses, model_card
+from .async_rollouts import decoupled_behaviour_weight
 from .checkpointing import ResumableTraining
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
 from .diagnostics import TrainingDiagnostics
@@ -139,6 +142,16 @@ class GSPOTrainer(
             return losses.sapo_loss(ratio, advantages, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg)
         return losses.clipped_surrogate_loss(ratio, advantages, self.epsilon_low, self.epsilon_high, self.args.delta)
 
+    def behaviour_weight(self, inputs: dict, proximal_logps, mask) -> torch.Tensor | None:
+        """Hook 3: detached weight, `(B, 1)` or `(B, T)`, for the policy that sampled the batch (multiplies the loss),
+        or None. Asynchronous generation: the decoupled objective's `pi_prox / mu`, `pi_prox` being the pi_old the
+        ratio is anchored on (async_rollouts.py). Synchronous vLLM: TRL's sampler correction, computed at scoring."""
+        if self.args.async_generation and self.model.training:
+            return decoupled_behaviour_weight(self, inputs, proximal_logps, mask)
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            return inputs["importance_sampling_ratio"]
+        return None
+
     # --------------------------------------------------------------------------------------------- the loss
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -176,8 +189,9 @@ class GSPOTrainer(
             )
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        behaviour = self.behaviour_weight(inputs, old_logps, mask)
+        if behaviour is not None:
+            per_token_loss = per_token_loss * behaviour
         per_token_kl = None
         if self.beta != 0.0:
             ref_logps = inputs["ref_per_token_logps"]

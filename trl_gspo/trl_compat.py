@@ -37,6 +37,8 @@ differ from 1.10.0 to 1.16.0 (last row: transformers across its supported range)
 | `vllm_generation.generate`, `.mode`, `.llm.generate` (colocate), `.tp_group`, `trl.generation.vllm_generation.LLM` | routing_replay (R3 routes from vLLM) | none |
 | `vllm_generation.vllm_client` (main process only), its `generate(prompts=..., features=...)` and `_post(url, json=...)` (server) | routing_replay, via `vllm_server_returns_routes` / `watch_vllm_server_responses` here | 1.14.2 and 1.16: posts to vLLM's own `/v1/completions` (routes in each choice), and 1.16 with images one `/inference/v1/generate` request per prompt from a thread pool; 1.10: `trl vllm-serve`'s `/generate/`, no routes |
 | `trl.trainer.utils.RepeatSampler` (`data_source`, `mini_repeat_count`, `batch_size`, `repeat_count`, `shuffle`, `seed`, `generator`, `num_samples`), `GRPOTrainer._get_train_sampler` | checkpointing (`EpochRepeatSampler`) | none: one seeded `torch.Generator`, one `randperm` per pass over the data |
+| `_generate_single_turn` arguments, `_tokenize_prompts` (through it), `rollout_func`, `generation_config`, `eos_token_ids`, `pad_to_multiple_of`, `_tokenizer` | rollout, async_rollouts (generation ahead of time), via `single_turn_request` and `eos_token_ids` here | `num_generations` from 1.14.2; `eos_token_ids` (several end tokens) in 1.16, the tokenizer's `eos_token_id` in 1.10 |
+| `vllm_generation.sync_weights`, `_last_loaded_step`, `VLLMGeneration.generate`'s sampling parameters, `vllm_client.session.post` (server) | async_rollouts (server requests sent from the generator thread, weights pushed at sync points), via `vllm_server_sampling_params` here | checked at run time: the request TRL makes must equal the one sent ahead of time |
 
 A new TRL-internal use (a mixin overriding another private method, a hook on TRL's old-policy pass) belongs in this
 table, and a difference across the range gets a helper here, not a version check at the call site.
@@ -154,3 +156,41 @@ def watch_vllm_server_responses(client, keep) -> None:
         return response
 
     client._post = post_and_keep
+
+
+def single_turn_request(trainer, args: tuple, kwargs: dict) -> tuple:
+    """`(images, multimodal_fields, num_generations)` of a `_generate_single_turn(prompt_ids, images, multimodal_fields,
+    [num_generations,] has_tool_images=False)` call: `num_generations` is an argument from 1.14.2; before, TRL used the
+    trainer's (training mode)."""
+    images = args[0] if args else kwargs.get("images")
+    fields = args[1] if len(args) > 1 else kwargs.get("multimodal_fields")
+    n = kwargs.get("num_generations")
+    if n is None and len(args) > 2 and isinstance(args[2], int) and not isinstance(args[2], bool):
+        n = args[2]
+    return images, fields or {}, trainer.num_generations if n is None else n
+
+
+def vllm_server_sampling_params(generation, num_generations: int) -> dict:
+    """The keyword arguments TRL's `VLLMGeneration.generate` passes to `VLLMClient.generate` in server mode (1.16),
+    for sending the same request ahead of time (async_rollouts.py). If they ever differ from what TRL then sends, the
+    source notices (it compares the request bodies) and raises, so a drift here cannot go unseen."""
+    min_p = getattr(generation, "min_p", 0.0)
+    return {
+        "n": num_generations,
+        "repetition_penalty": generation.repetition_penalty,
+        "temperature": generation.temperature,
+        "top_p": generation.top_p,
+        "top_k": generation.top_k,
+        "min_p": 0.0 if min_p is None else min_p,
+        "max_tokens": generation.max_completion_length,
+        "logprobs": getattr(generation, "logprobs", 0),
+        "structured_outputs_regex": getattr(generation, "structured_outputs_regex", None),
+        "generation_kwargs": getattr(generation, "generation_kwargs", None),
+    }
+
+
+def eos_token_ids(trainer) -> list[int]:
+    """The token ids that end a completion in TRL's transformers generation: `eos_token_ids` from 1.14 (a model may
+    declare several), the tokenizer's one `eos_token_id` before."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    return list(ids) if ids else [trainer._tokenizer.eos_token_id]
