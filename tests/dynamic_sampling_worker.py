@@ -42,8 +42,8 @@ def main():
     report = {"rank": trainer.accelerator.process_index, "kept": [], "rewards": [], "rows": [], "finished": []}
     fill = source.fill
 
-    def recording_fill():
-        filled = fill()
+    def recording_fill(sample=None):
+        filled = fill(sample)
         report["kept"].append([r * GROUPS_PER_ROUND + k for r, k in filled.plan.groups])
         report["rewards"].append([v for round_ in filled.rounds for v in round_.rewards[:, 0].tolist()])
         groups = {}  # prompt -> flat group index, for the rows this rank trains on

@@ -66,8 +66,12 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
      # every rank's main thread at the same sync points
      # (one step per rollout batch, so the second step trains on a batch sent after the first push)
      ("multi_gpu.yaml", ("MULTI_CPU",), ("--async_generation", "true", "--steps_per_generation", "1")),
-     ("zero3.yaml", ("DEEPSPEED",), ("--async_generation", "true", "--max_staleness", "2", "--steps_per_generation", "1"))],
-    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed", "zero3-shared-prefix", "ddp-async", "zero3-async"],
+     ("zero3.yaml", ("DEEPSPEED",), ("--async_generation", "true", "--max_staleness", "2", "--steps_per_generation", "1")),
+     # both: the generator generates sampling rounds ahead, the ranks fill each batch on the gathered rewards
+     ("multi_gpu.yaml", ("MULTI_CPU",), ("--async_generation", "true", "--dynamic_sampling", "true",
+                                         "--steps_per_generation", "1"))],
+    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed", "zero3-shared-prefix", "ddp-async", "zero3-async",
+         "ddp-async-dynamic-sampling"],
 )  # fmt: skip
 def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type, extra):
     from transformers import AutoModelForCausalLM
@@ -111,7 +115,11 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
         assert float(rows[0]["moe/routing_shift"]) == 0.0  # step 1: on-policy mini-batch
     if "--shared_prefix" in extra:  # prompts ran once for their completions on both ranks' steps
         assert all(float(r["throughput/prompt_tokens_saved_per_step"]) > 0 for r in rows)
-    if "--async_generation" in extra:  # both steps trained on batches generated ahead, pooled over the two ranks
+    if "--dynamic_sampling" in extra:  # filled from rounds generated ahead: within the bound, every trained group
+        assert all(float(r["dynamic_sampling/rounds"]) >= 1 for r in rows)  # with reward spread (or padding, logged)
+        assert all(float(r["async/staleness/max"]) <= 1.0 for r in rows)
+        assert all(float(r["dynamic_sampling/batch_fill"]) > 0 for r in rows)
+    elif "--async_generation" in extra:  # both steps trained on batches generated ahead, pooled over the two ranks
         assert [float(r["async/staleness/max"]) for r in rows] == [0.0, 1.0]  # step 2's batch: weights of step 0
         assert all(float(r["async/behaviour_weight/mean"]) > 0 for r in rows)
     if "--padding_free" in extra:  # packing ran and removed padding TRL would have computed

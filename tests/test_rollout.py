@@ -156,3 +156,19 @@ def test_gather_rows_moves_every_per_row_value_with_its_row():
     assert a.take([2, 0]).outputs[3] == ["c1.2", "c1.0"]
     with pytest.raises(ValueError, match="some generations carry a per-row output that others lack"):
         gather_rows([(a, 0), (_generation(3, 1, tools=False), 0)])
+
+
+def test_gather_rows_keeps_each_rows_sampling_stamp():
+    """Rows sampled by different weights (async dynamic sampling) keep their own stamp through every merge; the
+    generation's `sampled_at` is the oldest (what sampler reuse and R3 check for an on-policy batch)."""
+    from dataclasses import replace
+
+    from trl_gspo.rollout import gather_rows
+
+    old, new = replace(_generation(1, 3), sampled_at=2), replace(_generation(2, 2), sampled_at=4)
+    merged = gather_rows([(new, 1), (old, 0), (new, 0)])
+    assert merged.sampled_at == 2 and merged.sampled_at_rows() == [4, 2, 4]
+    again = gather_rows([(merged, 2), (merged, 0), (old, 1)])  # a merged generation merged again (other processes)
+    assert again.sampled_at == 2 and again.sampled_at_rows() == [4, 4, 2]
+    assert merged.take([0, 2]).sampled_at_rows() == [4, 4] and merged.take([0, 2]).sampled_at == 4
+    assert gather_rows([(old, 0), (old, 2)]).row_sampled_at is None  # uniform: one stamp

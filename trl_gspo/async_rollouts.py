@@ -40,6 +40,9 @@ process. Backends (the generator side):
   use the trainer's model, which changes while it runs).
 - vLLM colocate is refused (config): the same GPUs generate and train, so there is nothing to overlap.
 
+With dynamic sampling (`dynamic_sampling=True` too) the jobs are sampling rounds (positions of the prompt stream)
+instead of rollout batches, and the main thread fills each batch from them (`_next_filled_batch`).
+
 The decoupled objective (`decoupled_behaviour_weight`, the loss's hook 3): the clipped ratio stays current / proximal
 (TRL's pi_old pass, recomputed when training on the batch starts; without off-policy mini-batches pi_old is the
 current policy itself), and a detached behaviour weight proximal / sampler multiplies the loss: length-normalised
@@ -652,6 +655,7 @@ class _Job:
     sampled_at: int
     future: Future | None = None
     result: object = None
+    batch: int = -1  # rollout batch at whose sync point it was sent (dynamic sampling's staleness check)
 
 
 class AsyncRollouts:
@@ -667,8 +671,15 @@ class AsyncRollouts:
                     f"async_generation=True does not support {name} (multi-turn tool calls generate again on the "
                     "main thread between turns); set async_generation=False."
                 )
+        self.filler = None  # dynamic sampling: the filling policy, answered by the jobs (see `_next_filled_batch`)
+        if trainer.args.dynamic_sampling:
+            from .dynamic_sampling import DynamicSampling
+
+            self.filler = DynamicSampling(trainer)
         self.worker = self.backend = self.stream = None
-        self.jobs: dict[int, _Job] = {}  # rollout index -> its generation, sent and not yet scored
+        # rollout index (with dynamic sampling: position of the generation round in the prompt stream) -> its
+        # generation, sent and not yet consumed
+        self.jobs: dict[int, _Job] = {}
         self.restored: dict[int, dict] = {}  # from a checkpoint: rollout index -> {"sampled_at", "result"}
         self.next_rollout = 0  # first rollout index not yet sent
         self._loads: list[Future] = []  # weight snapshots queued for the generator
@@ -676,21 +687,20 @@ class AsyncRollouts:
         self._sampled_at = None  # of the rollout batch being trained on
         self._idle_logged = 0.0
         self._scored_at = None
+        self._batch = -1  # rollout batch being produced (its sync point stamps the jobs sent)
+        self._rounds_per_batch = 1  # dynamic sampling: rounds the previous batch took (the look-ahead estimate)
+        self._regenerated = 0  # dynamic sampling: rounds generated again because they became too stale
 
     # ---------------------------------------------------------------------------------------- RolloutSource
     def next_batch(self, generation_batch: list) -> dict:
+        if self.filler is not None:
+            return self._next_filled_batch(generation_batch)
         trainer = self.trainer
         rollout = trainer._step // (trainer.args.steps_per_generation * trainer.num_iterations)
         started = time.perf_counter()
         self._start(rollout)
-        waited = 0.0
-        job = self.jobs.get(rollout)
-        if job is not None:  # sent earlier: wait for it before the sync point (the generator is then free of it)
-            waited += self._wait(rollout, job)
-        if self.backend.needs_idle_sync:
-            waited += self._wait_all()
-        self._push_weights()
-        self._send_through(rollout + self.staleness)
+        self._batch = rollout
+        waited = self._sync_point(rollout, rollout + self.staleness)
         job = self.jobs.pop(rollout)
         waited += self._wait(rollout, job)
         expected = self.stream.batch(rollout)
@@ -701,15 +711,86 @@ class AsyncRollouts:
                 "is not supported with async generation)."
             )
         batch = self._score(generation_batch, job)
+        self._log_batch(started, waited, job.future.busy_s if job.future is not None else 0.0)
+        return batch
+
+    def _next_filled_batch(self, generation_batch: list) -> dict:
+        """Dynamic sampling with asynchronous generation: the generator works on generation rounds (positions of the
+        prompt stream) instead of whole rollout batches, and the filling runs on the main thread, consuming them.
+
+        At the sync point of rollout batch k the rounds `cursor .. cursor + R * (max_staleness + 1) - 1` are sent
+        (those not sent yet): `cursor` is the first round batch k may use and R the number of rounds the previous batch
+        took, so the generator keeps working for the next batches while this one trains (with `max_staleness=0` only
+        round `cursor`: generation then matches the synchronous trainer's). Filling consumes rounds in stream order: a
+        round already sent is waited for; one not sent yet, or sent at a sync point more than `max_staleness` batches
+        ago (the estimate R was short), is sent now, sampled by the weights just pushed, and waited for. So the bound
+        holds exactly, no prompt is skipped, and which rounds are generated by which weights depends on the step count
+        only (reproducible). Rounds sent and not consumed stay queued for the next batch (and in checkpoints)."""
+        trainer, filler = self.trainer, self.filler
+        if filler.cursor is None:
+            filler.cursor = filler._starting_cursor()
+        per_rollout = trainer.args.steps_per_generation * trainer.num_iterations
+        rollout = trainer._step // per_rollout
+        started = time.perf_counter()
+        self._start(filler.cursor)
+        first, self._batch = filler.cursor, rollout
+        remaining = -(-trainer.state.max_steps * trainer.args.gradient_accumulation_steps // per_rollout) - rollout - 1
+        batches_ahead = min(self.staleness, max(remaining, 0))  # none for batches that will not come
+        window = self._rounds_per_batch * (batches_ahead + 1) if self.staleness else 1
+        last = first + window - 1
+        if filler.budget is not None:  # epoch-bounded: no rounds past the data (filling may still read on, on demand)
+            last = min(last, max(filler.budget - 1, first))
+        self._filled_wait, self._filled_generation_s = self._sync_point(first, last), 0.0
+        batch = filler.next_batch(generation_batch, sample=self._sample_round)
+        self._rounds_per_batch = filler.last.plan.rounds
+        trainer._metrics["train"]["async/regenerated_rounds"].append(float(self._regenerated))
+        self._regenerated = 0
+        stamps = filler.last.generation.sampled_at_rows()
+        batch["sampled_at"] = torch.tensor(stamps, dtype=torch.long, device=batch["completion_ids"].device)
+        self._sampled_at = min(stamps)
+        self._log_batch(started, self._filled_wait, self._filled_generation_s)
+        return batch
+
+    def _sample_round(self, position: int, inputs: list):
+        """`DynamicSampling.fill`'s `sample`: round `position`'s completions, generated ahead or now, as a
+        `Generation` (TRL's prompt preparation and generation call, answered by them)."""
+        job = self.jobs.get(position)
+        if job is not None and job.batch < self._batch - self.staleness:  # too stale for the bound: generate again
+            self._wait(position, job)
+            del self.jobs[position]
+            self._send(position)
+            self._regenerated += 1
+        elif job is None:  # beyond the rounds sent ahead: send it now, at the weights just pushed
+            self._send_through(position, bounded=False)
+        job = self.jobs.pop(position)
+        self._filled_wait += self._wait(position, job)
+        self._filled_generation_s += job.future.busy_s if job.future is not None else 0.0
+        completions = self.backend.completions(job.result)
+        completions.sampled_at = job.sampled_at
+        with self.backend.answering(job.result):
+            return self.trainer._sample(inputs, completions)
+
+    def _sync_point(self, first: int, last: int) -> float:
+        """Wait as the backend needs, push the trainer's weights, send the requests through `last`; seconds waited."""
+        waited = 0.0
+        job = self.jobs.get(first)
+        if job is not None:  # sent earlier: wait for it before the sync point (the generator is then free of it)
+            waited += self._wait(first, job)
+        if self.backend.needs_idle_sync:
+            waited += self._wait_all()
+        self._push_weights()
+        self._send_through(last)
+        return waited
+
+    def _log_batch(self, started: float, waited: float, generation_s: float) -> None:
         now = time.perf_counter()
-        metrics = trainer._metrics["train"]
+        metrics = self.trainer._metrics["train"]
         metrics["async/trainer_wait_s"].append(waited)
-        metrics["async/generation_s"].append(job.future.busy_s if job.future is not None else 0.0)
+        metrics["async/generation_s"].append(generation_s)
         metrics["async/generator_idle_s"].append(self.worker.idle_s - self._idle_logged)
         if self._scored_at is not None:  # main-thread time since the previous batch was scored, less the waits
             metrics["async/training_s"].append(started - self._scored_at)
         self._idle_logged, self._scored_at = self.worker.idle_s, now
-        return batch
 
     def poll(self) -> None:
         """Every micro-step: raise a generator failure now, and log the staleness of the batch being trained on."""
@@ -737,14 +818,20 @@ class AsyncRollouts:
         jobs = {}
         for rollout, job in sorted(self.jobs.items()):
             self._wait(rollout, job)
-            jobs[rollout] = {"sampled_at": job.sampled_at, "result": job.result}
+            jobs[rollout] = {"sampled_at": job.sampled_at, "result": job.result, "batch": job.batch}
         for rollout, saved in self.restored.items():
             jobs.setdefault(rollout, saved)
-        return {"jobs": jobs, "sampled_at": self._sampled_at}
+        state = {"jobs": jobs, "sampled_at": self._sampled_at}
+        if self.filler is not None:
+            state["filler"] = {**self.filler.state_dict(), "rounds_per_batch": self._rounds_per_batch}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.restored = dict(state.get("jobs", {}))
         self._sampled_at = state.get("sampled_at")
+        if self.filler is not None:
+            self.filler.load_state_dict(state.get("filler", {}))
+            self._rounds_per_batch = int(state.get("filler", {}).get("rounds_per_batch", 1))
 
     def close(self) -> None:
         if self.worker is not None and not self.worker.close(CLOSE_TIMEOUT_S):
@@ -761,7 +848,7 @@ class AsyncRollouts:
         if self.worker is not None:
             return
         trainer = self.trainer
-        self.stream = PromptStream.for_trainer(trainer)
+        self.stream = self.filler.stream if self.filler is not None else PromptStream.for_trainer(trainer)
         self.worker = GenerationWorker()
         self.backend = generation_backend(trainer, self.staleness > 0, self.worker.closing, self.timeout)
         self.next_rollout, self._idle_logged = rollout, 0.0
@@ -779,20 +866,28 @@ class AsyncRollouts:
             self._loads.append(self.worker.submit(load))
         self._pushed_at = step
 
-    def _send_through(self, last: int):
+    def _send_through(self, last: int, bounded: bool = True):
+        """Send the requests of rollouts (rounds) `next_rollout .. last`; `bounded`: none for a rollout batch past the
+        end of training (rounds of dynamic sampling are bounded by the caller)."""
         trainer = self.trainer
         per_rollout = trainer.args.steps_per_generation * trainer.num_iterations
         total = trainer.state.max_steps * trainer.args.gradient_accumulation_steps  # micro-steps in this run
-        while self.next_rollout <= last and self.next_rollout * per_rollout < total:
+        bounded = bounded and self.filler is None
+        while self.next_rollout <= last and (not bounded or self.next_rollout * per_rollout < total):
             rollout = self.next_rollout
             saved = self.restored.pop(rollout, None)
             if saved is not None:
-                self.jobs[rollout] = _Job(saved["sampled_at"], result=saved["result"])
+                self.jobs[rollout] = _Job(saved["sampled_at"], result=saved["result"], batch=saved.get("batch", -1))
             else:
-                request = trainer._generation_request(self.stream.batch(rollout))
-                fn = self.backend.request(request, rollout, self._pushed_at)
-                self.jobs[rollout] = _Job(self._pushed_at, self.worker.submit(fn) if fn is not None else None)
+                self._send(rollout)
             self.next_rollout += 1
+
+    def _send(self, rollout: int):
+        """TRL's prompt preparation for `rollout` (a collective on some backends), its request to the generator."""
+        request = self.trainer._generation_request(self.stream.batch(rollout))
+        fn = self.backend.request(request, rollout, self._pushed_at)
+        future = self.worker.submit(fn) if fn is not None else None
+        self.jobs[rollout] = _Job(self._pushed_at, future, batch=self._batch)
 
     def _wait(self, rollout: int, job: _Job) -> float:
         """Seconds waited for `job`'s result (kept in `job.result`); a generator failure or a timeout raises here."""

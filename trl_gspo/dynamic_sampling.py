@@ -48,15 +48,17 @@ passed), `generated_per_kept` (completions generated per completion trained on),
 before filtering (TRL's own formulas on all rounds' rewards), so they read as without dynamic sampling; TRL's
 `completions/*` cover every round.
 
-Asynchronous generation. The pieces are separate so a source that generates ahead of time can do the filling in its
-generator: `GroupFilling` is the policy alone (which groups make the batch; no generation, no communication),
-`sample_round` one collective round, `assemble` the cross-process dealing, `DynamicSampling.fill` the loop up to the
-scoring, and `_score` can run later. `fill` must run on the main thread of every process in the same order (TRL's
-generation and reward gather are collectives).
+Asynchronous generation (`async_generation=True` too). `fill(sample)` takes the function that generates a round;
+`AsyncRollouts` (async_rollouts.py) keeps a `DynamicSampling` and answers it with rounds its generator thread
+generated ahead of time, within the staleness bound. `GroupFilling` is the policy alone (which groups make the batch;
+no generation, no communication), `sample_round` one collective round, `assemble` the cross-process dealing. `fill`
+runs on the main thread of every process in the same order (TRL's prompt preparation, the vLLM gathers and the
+reward gather are collectives).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -287,11 +289,12 @@ class Round:
     extra_logs: dict  # completion-table columns the reward functions logged (`log_extra`), per local row
 
 
-def sample_round(trainer, stream, rollout: int, group_filter=None) -> Round:
+def sample_round(trainer, stream, rollout: int, group_filter=None, sample=None) -> Round:
     """Generate for generation batch `rollout` of the stream, score it with the reward functions and decide which
-    groups pass. Collective: every process calls it for the same `rollout`."""
+    groups pass. Collective: every process calls it for the same `rollout`. `sample(rollout, inputs) -> Generation`
+    replaces `trainer._sample(inputs)` (asynchronous generation answers it with completions generated ahead)."""
     inputs = stream.batch(rollout)
-    generation = trainer._sample(inputs)
+    generation = sample(rollout, inputs) if sample is not None else trainer._sample(inputs)
     if generation.prompts is None:
         raise RuntimeError("dynamic sampling needs the prompts of each generation (Generation.prompts).")
     prompt_ids, completion_ids, _, completions, _, extra_fields, _, _ = generation.outputs
@@ -351,7 +354,7 @@ def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
         return obj.cpu()
     if isinstance(obj, Generation):
-        return Generation(_to_cpu(obj.outputs), _to_cpu(obj.sampler_routes), obj.sampled_at, obj.prompts)
+        return dataclasses.replace(obj, outputs=_to_cpu(obj.outputs), sampler_routes=_to_cpu(obj.sampler_routes))
     if isinstance(obj, dict):
         return {key: _to_cpu(value) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -463,16 +466,20 @@ class DynamicSampling:
         return None if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.stream.rollouts_per_epoch)
 
     # ------------------------------------------------------------------------------- RolloutSource
-    def next_batch(self, generation_batch: list[dict]) -> dict:
-        filled = self.fill()
+    def next_batch(self, generation_batch: list[dict], sample=None) -> dict:
+        """The filled, scored rollout batch (TRL's dataloader batch is not used: the source reads its own stream);
+        `sample`: as in `fill`."""
+        filled = self.fill(sample)
         trainer = self.trainer
         trainer._pending_extra_logs.update(filled.extra_logs)
         batch = trainer._score(filled.inputs, filled.generation, filled.rewards)
         log_fill(trainer, filled.rounds, filled.plan, filled.generation, self.cursor / self.stream.rollouts_per_epoch)
         return batch
 
-    def fill(self) -> Filled:
-        """Draw rounds until the batch is full or the cap is reached, and assemble this process's share."""
+    def fill(self, sample=None) -> Filled:
+        """Draw rounds until the batch is full or the cap is reached, and assemble this process's share.
+        `sample(position, inputs) -> Generation` generates round `position` of the stream (default: now, through
+        `trainer._sample`; async_rollouts.py answers it with completions generated ahead of time)."""
         trainer, args, stream = self.trainer, self.trainer.args, self.stream
         if self.cursor is None:
             self.cursor = self._starting_cursor()
@@ -487,7 +494,7 @@ class DynamicSampling:
                     break  # the data of num_train_epochs is used up: this batch is the last
                 logger.warning("dynamic sampling: the data of num_train_epochs=%s is used up but another rollout batch "
                                "was asked for; reading on into the next epoch.", args.num_train_epochs)  # fmt: skip
-            round_ = sample_round(trainer, stream, self.cursor, self.group_filter)
+            round_ = sample_round(trainer, stream, self.cursor, self.group_filter, sample)
             self.cursor += 1
             filling.add_round(round_.keep, round_.spread)
             rounds.append(round_)

@@ -63,6 +63,12 @@ Only the blocking generation call can leave the main thread, so the path is cut 
     self._injected = Completions(...)                 then TRL's one-call path runs as usual, and its generation call
     self._generate_and_score_completions(inputs)      returns these completions (or, `completion_ids=None`, generates
                                                       through TRL, whose vLLM client the source answers)
+    generation = self._sample(inputs, completions)    or the same answer, stopped after generation: a `Generation` for
+                                                      dynamic sampling to filter (async and dynamic sampling together)
+
+Two attributes steer the runs of TRL's `_generate_and_score_completions` above: `_stop_after` ("generate" in
+`_sample`, "request" in `_generation_request`, else None: run to the end) and `_injected` (the `Generation` that
+`_score` scores, or the `Completions` that answer TRL's generation call, else None: generate now).
 """
 
 from __future__ import annotations
@@ -87,9 +93,16 @@ class Generation:
     sampler_routes: tuple | None  # R3: the sampler's routes of these completions (routing_replay.py), else None
     sampled_at: int  # optimizer step whose weights sampled them
     prompts: list | None = None  # the prompts TRL handed `_generate` (prepared: what reward functions receive)
+    # per completion, when rows sampled by different weights were merged (async dynamic sampling); then `sampled_at`
+    # is the oldest of them. None: every row was sampled at `sampled_at`.
+    row_sampled_at: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.outputs[1])
+
+    def sampled_at_rows(self) -> list[int]:
+        """The optimizer step whose weights sampled each completion."""
+        return list(self.row_sampled_at) if self.row_sampled_at is not None else [self.sampled_at] * len(self)
 
     def take(self, rows: list[int]) -> Generation:
         """The generation of these rows only, in this order."""
@@ -126,7 +139,9 @@ def gather_rows(rows: list[tuple[Generation, int]]) -> Generation:
     if first.sampler_routes is not None:  # (per-row route tensors, prompt lengths, completion lengths)
         routes = tuple([g.sampler_routes[part][i] for g, i in rows] for part in range(3))
     outputs = (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images)
-    return Generation(outputs, routes, first.sampled_at, column(lambda g: g.prompts))
+    stamps = [g.sampled_at if g.row_sampled_at is None else g.row_sampled_at[i] for g, i in rows]
+    uniform = len(set(stamps)) == 1
+    return Generation(outputs, routes, min(stamps), column(lambda g: g.prompts), None if uniform else stamps)
 
 
 @dataclass
@@ -169,10 +184,6 @@ class _Sampled(Exception):
         self.generation = generation
 
 
-_SAMPLE_ONLY = object()  # `_injected` marker: the running call is `_sample`
-_REQUEST_ONLY = object()  # `_injected` marker: the running call is `_generation_request`
-
-
 class SynchronousRollouts:
     """TRL's rollout schedule: the rollout batch is generated and scored from the dataloader's batch when it is due."""
 
@@ -201,7 +212,8 @@ class SynchronousRollouts:
 
 
 def rollout_source(trainer):
-    """The `RolloutSource` the config asks for."""
+    """The `RolloutSource` the config asks for (asynchronous generation with dynamic sampling: `AsyncRollouts`, which
+    fills each batch through a `DynamicSampling` of its own)."""
     if trainer.args.async_generation:
         from .async_rollouts import AsyncRollouts
 
@@ -227,7 +239,8 @@ class RolloutPipeline:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._rollout_sampled_at = None  # optimizer step whose weights sampled the rollout batch being trained on
-        self._injected = None  # `_sample` marker, or the `Generation` that `_score` is scoring
+        self._stop_after = None  # where the running TRL path stops: "generate" (`_sample`), "request", None (the end)
+        self._injected = None  # the `Generation` that `_score` is scoring, or `Completions` answering the generation
         self._injected_rewards = None  # the reward matrix `_score` was given
         self._rollouts = rollout_source(self)
 
@@ -263,27 +276,28 @@ class RolloutPipeline:
         return output
 
     # ----------------------------------------------------------------------- sampling apart from scoring
-    def _sample(self, inputs) -> Generation:
-        """Generate for `inputs` (TRL's prompt preparation and `_generate`), without scoring (module docstring)."""
-        self._injected, self._sampler_routes = _SAMPLE_ONLY, None
+    def _sample(self, inputs, completions: Completions | None = None) -> Generation:
+        """Generate for `inputs` (TRL's prompt preparation and `_generate`), without scoring (module docstring);
+        `completions`: generated elsewhere for these prompts, returned by TRL's generation call instead."""
+        self._stop_after, self._injected, self._sampler_routes = "generate", completions, None
         try:
             super()._generate_and_score_completions(inputs)
         except _Sampled as done:
             return done.generation
         finally:
-            self._injected = None
+            self._stop_after, self._injected = None, None
         raise RuntimeError("TRL's _generate_and_score_completions returned without calling _generate.")
 
     def _generation_request(self, inputs) -> GenerationRequest:
         """TRL's prompt preparation for `inputs`, stopped at its generation call: what would be generated (module
         docstring). Nothing is generated, scored or logged."""
-        self._injected = _REQUEST_ONLY
+        self._stop_after = "request"
         try:
             super()._generate_and_score_completions(inputs)
         except _Requested as requested:
             return requested.request
         finally:
-            self._injected = None
+            self._stop_after = None
         raise RuntimeError("TRL's _generate_and_score_completions returned without calling _generate.")
 
     def _score(self, inputs, generation: Generation, rewards_per_func: torch.Tensor | None = None) -> dict:
@@ -308,7 +322,7 @@ class RolloutPipeline:
             self._keep_sampler_logps(injected.outputs)
             self._sampler_routes = injected.sampler_routes
             return injected.outputs
-        if self.rollout_func is not None and injected is _REQUEST_ONLY:
+        if self.rollout_func is not None and self._stop_after == "request":
             raise _Requested(GenerationRequest(prompts=prompts))
         if isinstance(injected, Completions) and injected.rollout_output is not None:  # the rollout_func ran elsewhere
             rollout_func, self.rollout_func = self.rollout_func, lambda *_: injected.rollout_output
@@ -320,13 +334,14 @@ class RolloutPipeline:
             outputs = super()._generate(prompts)
         self._keep_sampler_logps(outputs)
         self._keep_rollout_func_routes(outputs)
-        if injected is _SAMPLE_ONLY:
-            raise _Sampled(Generation(outputs, self._sampler_routes, self.state.global_step, prompts))
+        if self._stop_after == "generate":
+            sampled_at = injected.sampled_at if isinstance(injected, Completions) else self.state.global_step
+            raise _Sampled(Generation(outputs, self._sampler_routes, sampled_at, prompts))
         return outputs
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # arguments vary across TRL releases (trl_compat)
         injected = self._injected
-        if injected is _REQUEST_ONLY:
+        if self._stop_after == "request":
             raise _Requested(GenerationRequest(None, [list(ids) for ids in prompt_ids], args, kwargs))
         if isinstance(injected, Completions) and injected.completion_ids is not None:  # generated elsewhere
             if injected.prompt_ids != [list(ids) for ids in prompt_ids]:
