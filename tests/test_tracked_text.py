@@ -21,8 +21,6 @@ SESSION_NOTE = re.compile(
     re.IGNORECASE,
 )
 PATTERNS = {"machine path": MACHINE_PATH, "first person": FIRST_PERSON, "session note": SESSION_NOTE}
-#: Rewritten by the coordinator of issue 19 (the README becomes a user guide); its check is `test_readme_...`.
-PENDING = {"README.md"}
 #: This file: it holds the patterns themselves and the examples they are tested on.
 SELF = Path(__file__).resolve().relative_to(ROOT).as_posix()
 
@@ -73,12 +71,6 @@ def test_patterns_catch_what_they_are_for():
 def test_tracked_text_has_no_machine_paths_or_session_notes():
     names = _tracked_text_files()
     assert SELF in names and "benchmarks/results/cpu.json" in names  # raw results are scanned too
-    hits = _scan(name for name in names if name not in PENDING | {SELF})
-    assert not hits, "rewrite these for a user:\n" + "\n".join(hits)
-
-
-@pytest.mark.xfail(strict=True, reason="issue 19: README.md is being rewritten into a user guide; drop this mark and "
-                                       "PENDING once it passes")  # fmt: skip
-def test_readme_has_no_machine_paths_or_session_notes():
-    hits = _scan(sorted(PENDING))
+    assert "README.md" in names  # the README is held to it like every other tracked file
+    hits = _scan(name for name in names if name != SELF)
     assert not hits, "rewrite these for a user:\n" + "\n".join(hits)
