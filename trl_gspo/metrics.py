@@ -28,7 +28,7 @@ Partial = dict[str, torch.Tensor]  # name -> tensor([sum, count])
 #: Quantiles reported for value distributions (p5 / p95).
 QUANTILES = (0.05, 0.95)
 
-#: What each metric means (also the README's table). `{lo}-{hi}` is a response-length bucket.
+#: What each metric means (also the table in docs/diagnostics.md). `{lo}-{hi}` is a response-length bucket.
 METRIC_NAMES = {
     "seq_ratio/{mean,std,min,max,p5,p95}": "GSPO sequence ratio s_i = exp(mean_t lr_t) over the window's completions "
     "(computed for every level, so GRPO runs show what GSPO would have seen)",
