@@ -487,10 +487,12 @@ def test_auto_sorts_only_where_the_gradient_is_unchanged(tokenizer, tmp_path):
 
 
 class FixedRollouts:
-    """TRL rollout_func with varied completion lengths, the same batches for every trainer (seeded by call count)."""
+    """TRL rollout_func with varied completion lengths, one prompt per group of `prompt_lengths` tokens (low, high
+    exclusive), the same batches for every trainer (seeded by call count)."""
 
-    def __init__(self, tokenizer, max_len=10):
+    def __init__(self, tokenizer, max_len=10, prompt_lengths=(2, 7)):
         self.vocab, self.eos, self.max_len, self.calls = len(tokenizer), tokenizer.eos_token_id, max_len, 0
+        self.prompt_lengths = prompt_lengths
 
     def __call__(self, prompts, trainer):
         g = torch.Generator().manual_seed(self.calls)
@@ -498,7 +500,8 @@ class FixedRollouts:
         prompt_ids, completion_ids = [], []
         for i in range(len(prompts)):
             if i % trainer.num_generations == 0:
-                prompt = torch.randint(4, self.vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g)
+                prompt = torch.randint(4, self.vocab, (int(torch.randint(*self.prompt_lengths, (1,), generator=g)),),
+                                       generator=g)  # fmt: skip
             n = int(torch.randint(1, self.max_len + 1, (1,), generator=g))
             ids = torch.randint(4, self.vocab, (n,), generator=g)
             if n < self.max_len:

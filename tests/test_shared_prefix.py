@@ -17,6 +17,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from test_padding import FixedRollouts, _varied_reward
 from trl_gspo import GSPOConfig, GSPOTrainer, fused_head, padding, segment_attention, shared_prefix
 from trl_gspo.forward import plan_forward
 from trl_gspo.padding import row_spans
@@ -397,32 +398,6 @@ def test_flash_varlen_path_matches_the_sdpa_blocks(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------- end to end
-class GroupRollouts:
-    """TRL rollout_func: one prompt per group (lengths 3..8), completions of varied lengths; the same batches for every
-    trainer (seeded by call count)."""
-
-    def __init__(self, tokenizer, max_len=10):
-        self.vocab, self.eos, self.max_len, self.calls = len(tokenizer), tokenizer.eos_token_id, max_len, 0
-
-    def __call__(self, prompts, trainer):
-        g = torch.Generator().manual_seed(self.calls)
-        self.calls += 1
-        prompt_ids, completion_ids = [], []
-        for i in range(len(prompts)):
-            if i % trainer.num_generations == 0:
-                prompt = torch.randint(4, self.vocab, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
-            n = int(torch.randint(1, self.max_len + 1, (1,), generator=g))
-            ids = torch.randint(4, self.vocab, (n,), generator=g)
-            if n < self.max_len:
-                ids[-1] = self.eos
-            prompt_ids.append(prompt.tolist()), completion_ids.append(ids.tolist())
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
-
-
-def _reward(completions, completion_ids, **kwargs):
-    return [float(sum(ids) % 5) + 0.1 * len(ids) for ids in completion_ids]
-
-
 def _run(tokenizer, tmp_path, record=None, peft_config=None, **overrides):
     import os
 
@@ -432,9 +407,9 @@ def _run(tokenizer, tmp_path, record=None, peft_config=None, **overrides):
                     max_completion_length=10, learning_rate=0.05, optim="sgd", logging_steps=1, max_steps=4,
                     disable_tqdm=True)  # fmt: skip
     args = GSPOConfig(**{**settings, **overrides})
-    trainer = GSPOTrainer(build_tiny_model(tokenizer, seed=0), _reward, args=args,
+    trainer = GSPOTrainer(build_tiny_model(tokenizer, seed=0), _varied_reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["a b"] * 64}), processing_class=tokenizer,
-                          rollout_func=GroupRollouts(tokenizer), peft_config=peft_config)  # fmt: skip
+                          rollout_func=FixedRollouts(tokenizer, prompt_lengths=(3, 9)), peft_config=peft_config)  # fmt: skip
     if record is not None:
         original = trainer._compute_loss
 
