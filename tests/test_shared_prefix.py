@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from test_padding import FixedRollouts, _varied_reward
+from test_padding import LOSS_CASES, FixedRollouts, _varied_reward
 from trl_gspo import GSPOConfig, GSPOTrainer, fused_head, padding, segment_attention, shared_prefix
 from trl_gspo.forward import plan_forward
 from trl_gspo.padding import row_spans
@@ -240,20 +240,6 @@ def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path):
 
 
 # ------------------------------------------------------------------------------ loss, gradients and metrics
-LOSS_CASES = {
-    "grpo": dict(importance_sampling_level="sequence", loss_type="grpo"),
-    "bnpo": dict(importance_sampling_level="token", loss_type="bnpo", epsilon=0.01, epsilon_high=0.012),
-    "dr_grpo": dict(importance_sampling_level="token", loss_type="dr_grpo", epsilon=0.01, epsilon_high=0.012),
-    "dapo": dict(importance_sampling_level="token", loss_type="dapo", epsilon=0.01, epsilon_high=0.012),
-    "cispo": dict(importance_sampling_level="token", loss_type="cispo", epsilon_high=1.01),
-    "luspo": dict(importance_sampling_level="sequence", loss_type="luspo"),
-    "sapo": dict(importance_sampling_level="sequence", loss_type="sapo"),
-    "vespo": dict(importance_sampling_level="token", loss_type="vespo"),
-    "gspo-token, kl, entropy mask and bonus": dict(
-        importance_sampling_level="sequence_token", loss_type="grpo", beta=0.04, top_entropy_quantile=0.5,
-        entropy_coef=0.01,
-    ),  # fmt: skip
-}
 
 
 def _loss_inputs(model, seed, tool_mask=False):
