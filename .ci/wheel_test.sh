@@ -15,7 +15,7 @@ venv/bin/python -m pip install -q "$repo"
 export PATH="$work/venv/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 python - <<'PY'  # installed as a wheel: the package and its data come from site-packages, not the repository
-import trl_gspo, trl_gspo.cli as cli
+import trl_gspo, trl_gspo.cli.commands as cli
 assert "site-packages" in trl_gspo.__file__, trl_gspo.__file__
 assert (cli.SHIPPED["recipe"] / "per_token_advantages.py").is_file() and (cli.SHIPPED["accelerate config"] / "zero2.yaml").is_file()
 PY
@@ -28,8 +28,8 @@ trl-gspo check
 trl-gspo recipes copied && test -f copied/recipes/qwen3_1p7b_gspo_token.yaml && test -f copied/accelerate_configs/zero2.yaml
 
 python - <<'PY'  # a tiny model and a local dataset for the recipe run
-from trl_gspo.demo import make_demo_dataset
-from trl_gspo.tiny import save_tiny_model
+from trl_gspo.cli.demo import make_demo_dataset
+from trl_gspo.cli.tiny import save_tiny_model
 save_tiny_model("tiny-model")
 make_demo_dataset(32).to_json("copy.jsonl")
 PY

@@ -113,7 +113,7 @@ class CopyTask:
 
     def __init__(self, num_digits: int, moe_overrides: dict | None = None):
         self.num_digits, self.moe_overrides = num_digits, moe_overrides or {}
-        from trl_gspo import demo
+        from trl_gspo.cli import demo
 
         self.demo = demo
         self.demo_reward, self.demo_config = demo.demo_reward, demo.demo_config
@@ -131,7 +131,7 @@ class CopyTask:
         return Dataset.from_dict({"prompt": [f"copy {' '.join(d)} :" for d in rows], "target": [" ".join(d) for d in rows]})
 
     def build_demo_model(self, seed: int = 0, moe: bool = False):
-        from trl_gspo.tiny import build_tiny_model, build_tokenizer
+        from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
 
         tokenizer = build_tokenizer()
         return build_tiny_model(tokenizer, moe=moe, seed=seed, **(self.moe_overrides if moe else {})), tokenizer
@@ -157,7 +157,7 @@ class CopyTask:
 
 def load_task(spec: str | None):
     if spec is None:
-        return importlib.import_module("trl_gspo.demo")
+        return importlib.import_module("trl_gspo.cli.demo")
     module, _, attr = spec.partition(":")
     mod = importlib.import_module(module)
     return getattr(mod, attr) if attr else mod
@@ -543,7 +543,7 @@ def main(argv=None):
                         "given)")  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--resume", action="store_true", help="reuse finished runs found in --output-dir")
-    parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.demo); "
+    parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.cli.demo); "
                         "with --experiment dynamic-sampling, one of its task names (copy3, copy5)")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--max-completion-length", type=int, default=8,

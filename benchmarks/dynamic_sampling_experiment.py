@@ -3,7 +3,7 @@
     python benchmarks/compare.py --experiment dynamic-sampling --output-dir outputs/dynamic-sampling
     python benchmarks/compare.py --experiment dynamic-sampling --output-dir /tmp/ds --seeds 0 --max-steps 8 --tiny
 
-Tasks (EXPERIMENT, fixed in advance): `copy3`, the offline demo (trl_gspo.demo: copy three digits, shaped reward,
+Tasks (EXPERIMENT, fixed in advance): `copy3`, the offline demo (trl_gspo.cli.demo: copy three digits, shaped reward,
 its own config and held-out split), 1000 optimizer steps; `copy5`, the same task with five digits (compare.CopyTask:
 held-out prompts are the digit strings whose digit sum is a multiple of 7), 1500 steps. Arms: `GSPO` (the demo
 config) and `GSPO+DS` (the same plus `dynamic_sampling=True` with its defaults: `max_sampling_rounds=4`,
@@ -42,7 +42,7 @@ COLORS = {"GSPO": "tab:blue", "GSPO+DS": "tab:orange"}
 
 def load_task(name: str, digits: int):
     if digits == 3:
-        import trl_gspo.demo as demo  # the demo itself: its dataset, held-out split, reward and evaluation
+        import trl_gspo.cli.demo as demo  # the demo itself: its dataset, held-out split, reward and evaluation
 
         return demo
     from compare import CopyTask

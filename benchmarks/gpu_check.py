@@ -206,7 +206,7 @@ PARTS = [
 
 
 # ------------------------------------------------------------------------------------------------ parity, bf16
-#: Parity cases run in bf16 (names from `trl_gspo.parity`). Clip ranges are widened to 0.2 in the clipped ones:
+#: Parity cases run in bf16 (names from `trl_gspo.cli.parity`). Clip ranges are widened to 0.2 in the clipped ones:
 #: bf16 rounding moves ratios by ~1e-3, which at GSPO's 3e-4 range would flip clip decisions and turn rounding into
 #: O(1) differences. The clipping logic itself is checked exactly in fp32 by `trl-gspo check`.
 BF16_CASES = ("sequence-grpo (GSPO)", "token-grpo", "sequence-grpo-kl", "sequence-sapo", "token-sapo")
@@ -232,7 +232,8 @@ def _bf16_case(settings: dict, fp32, tokenizer, workdir: str, device: str) -> di
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_gspo import GSPOConfig, GSPOTrainer, parity
+    from trl_gspo import GSPOConfig, GSPOTrainer
+    from trl_gspo.cli import parity
 
     inputs = parity.make_inputs(fp32, seed=2, beta=settings.get("beta", 0) > 0)
     runs = {}
@@ -253,8 +254,8 @@ def parity_bf16(device: str = "cuda") -> dict:
     """`BF16_CASES` on a dense tiny Qwen3 and `BF16_MOE_CASES` on a tiny Qwen3-MoE (hidden 256), in bf16 on `device`."""
     from transformers import AutoModelForCausalLM
 
-    from trl_gspo import parity
-    from trl_gspo.tiny import build_tiny_model, build_tokenizer
+    from trl_gspo.cli import parity
+    from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     cases = {}
@@ -282,7 +283,7 @@ DEMO_STEPS, DEMO_MIN_AFTER = 300, 0.15
 
 
 def demo_cuda() -> dict:
-    from trl_gspo.demo import run_demo
+    from trl_gspo.cli.demo import run_demo
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-demo-") as work:
         result = run_demo(work, use_cpu=False, bf16=True, max_steps=DEMO_STEPS, logging_steps=50)
@@ -300,7 +301,7 @@ def _count_no_grad_forwards():
     import torch
     from trl import GRPOTrainer
 
-    from trl_gspo.forward import LogprobForward
+    from trl_gspo.forward.pipeline import LogprobForward
 
     targets = [(LogprobForward, "_planned_forward"), (GRPOTrainer, "_get_per_token_logps_and_entropies")]
     originals, passes = [vars(cls)[name] for cls, name in targets], [0]
@@ -330,9 +331,9 @@ def vllm_colocate(use_vllm: bool = True, device: str = "cuda", max_steps: int = 
     import math
 
     from trl_gspo import GSPOConfig, GSPOTrainer
-    from trl_gspo.console import use_console
-    from trl_gspo.demo import demo_reward, make_demo_dataset
-    from trl_gspo.tiny import save_tiny_model
+    from trl_gspo.cli.console import use_console
+    from trl_gspo.cli.demo import demo_reward, make_demo_dataset
+    from trl_gspo.cli.tiny import save_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as work:
         path = save_tiny_model(f"{work}/moe", moe=True)
@@ -377,7 +378,7 @@ ZERO_STEPS = 30
 
 def zero_command(stage: int, output_dir: str, num_processes: int = 2) -> list[str]:
     """`accelerate launch` of the demo on `num_processes` GPUs with the shipped ZeRO-`stage` config."""
-    from trl_gspo.cli import resolve_shipped
+    from trl_gspo.cli.commands import resolve_shipped
 
     config = resolve_shipped(f"zero{stage}", "accelerate config")
     launch = ["--config_file", str(config), "--num_processes", str(num_processes), "--main_process_port",
@@ -395,7 +396,7 @@ def check_saved_demo(output_dir: str, steps: int, moe: bool = False) -> list[str
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trl_gspo.demo import build_demo_model
+    from trl_gspo.cli.demo import build_demo_model
 
     problems = []
     try:
@@ -445,7 +446,7 @@ IN_PROCESS = {"parity_bf16": parity_bf16, "demo_cuda": demo_cuda, "vllm_colocate
 
 def run_part(name: str, result_path: str) -> int:
     """Child process of one part: run it, write its result JSON; exit 1 when its check failed."""
-    from trl_gspo.console import quiet_library_deprecations
+    from trl_gspo.cli.console import quiet_library_deprecations
 
     quiet_library_deprecations()  # as the command line does: the part's log shows the warnings that matter
     result = IN_PROCESS[name]()

@@ -169,7 +169,7 @@ class PeakMemory:
 
 # ------------------------------------------------------------------------------------------------ workload
 def _tokenizer(vocab_size: int | None = None):
-    from trl_gspo.tiny import WORDS, SPECIAL_TOKENS, build_tokenizer
+    from trl_gspo.cli.tiny import WORDS, SPECIAL_TOKENS, build_tokenizer
 
     extra = None
     if vocab_size is not None:  # pad the word-level vocabulary to the model's, so every sampled id decodes
@@ -181,7 +181,7 @@ def _model(tokenizer, shape: dict, device: str, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from trl_gspo.tiny import build_tiny_model
+    from trl_gspo.cli.tiny import build_tiny_model
 
     if device == "cuda":
         # Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B), randomly initialised: no download needed.
@@ -508,7 +508,7 @@ def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_gspo import GSPOConfig, GSPOTrainer
-    from trl_gspo.tiny import tiny_config
+    from trl_gspo.cli.tiny import tiny_config
 
     torch.manual_seed(0)
     tokenizer = _tokenizer()
@@ -793,7 +793,7 @@ def layout_scenario(name: str, shape: dict, device: str, reps: int, out_dir: str
 
 
 def memory_scenario(shape: dict, device: str, reps: int, log) -> dict:
-    from trl_gspo import fused_head
+    from trl_gspo.forward import fused_head
 
     runs = {"stock": [], "ours": [], "ours_chunked": [], "naive": []}
     if not fused_head.available():  # TRL < 1.15 has no fused head, so no tile size to set
@@ -934,7 +934,7 @@ def main(argv=None):
             "sampler_logprobs", "sampler", shape, args.device, reps, work_dir, log, gradient_checkpointing
         )
         save()
-    from trl_gspo import fused_head
+    from trl_gspo.forward import fused_head
 
     for name in ("long_prompt", "long_tail"):
         if name not in wanted:

@@ -15,7 +15,7 @@ try:  # importlib, not `import deepspeed.comm.torch as m`: the package attribute
 except ImportError:  # DeepSpeed not installed: only the DDP test can run
     pass
 
-from trl_gspo.cli import main  # noqa: E402
+from trl_gspo.cli.commands import main  # noqa: E402
 
 if __name__ == "__main__":
     code = main()

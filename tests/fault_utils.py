@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.tiny import build_tiny_model, build_tokenizer
+from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
 from transformers import TrainerCallback  # after TRL: with peft 0.17 (oldest set) TRL's import-time patch is needed
 
 PROMPTS = [f"add {a} {b} =" for a in range(1, 5) for b in range(1, 5)]
@@ -96,7 +96,7 @@ def main():
     cli = parser.parse_args()
     prompts = PROMPTS[: cli.num_prompts]
     if cli.generation_delay:
-        from trl_gspo.async_rollouts import TransformersGenerator
+        from trl_gspo.rollout.async_rollouts import TransformersGenerator
 
         generate = TransformersGenerator._generate
 

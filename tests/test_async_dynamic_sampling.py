@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from test_dynamic_sampling import PROMPTS, G, _trainer, has_signal, known_reward
-from trl_gspo.async_rollouts import AsyncRollouts
-from trl_gspo.prompt_stream import PromptStream
+from trl_gspo.rollout.async_rollouts import AsyncRollouts
+from trl_gspo.rollout.prompt_stream import PromptStream
 
 U = 2  # _trainer: steps_per_generation=4, gradient_accumulation_steps=2 -> 2 optimizer steps per rollout batch
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fault_utils import make_trainer
-from trl_gspo.rewards_guard import RewardFunctionError, check_reward_matrix, guard_reward_function
+from trl_gspo.guards.rewards_guard import RewardFunctionError, check_reward_matrix, guard_reward_function
 
 PROMPTS = ["add 1 2 =", "add 3 4 =", "add 5 6 ="]
 COMPLETIONS = ["3", "seven", "11"]

@@ -26,7 +26,7 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
     report = json.loads(out.read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(out)
     assert report["tiny"] is True and report["device"] == "cpu" and report["gradient_checkpointing"] is True
-    from trl_gspo import fused_head
+    from trl_gspo.forward import fused_head
 
     padding_path = fused_head.available()  # TRL < 1.15: padding removal is off, so long_tail is skipped (logged)
     layouts = {"long_tail", "long_prompt"} if padding_path else set()

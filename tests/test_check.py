@@ -9,7 +9,9 @@ import warnings
 import pytest
 from trl import GRPOTrainer
 
-from trl_gspo import check, parity, trl_compat
+from trl_gspo.cli import check
+from trl_gspo.cli import parity
+from trl_gspo.common import trl_compat
 
 
 def test_check_passes_on_the_installed_versions(capsys):

@@ -9,10 +9,10 @@ import pytest
 import yaml
 from datasets import DatasetDict
 
-from trl_gspo import cli
-from trl_gspo.cli import SHIPPED, RecipeError, main, parse
-from trl_gspo.demo import copy_score, demo_reward, make_demo_dataset
-from trl_gspo.rewards import math_accuracy_reward, resolve_reward
+from trl_gspo.cli import commands as cli
+from trl_gspo.cli.commands import SHIPPED, RecipeError, main, parse
+from trl_gspo.cli.demo import copy_score, demo_reward, make_demo_dataset
+from trl_gspo.cli.rewards import math_accuracy_reward, resolve_reward
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--max_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"]
@@ -65,7 +65,7 @@ def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, ca
 @pytest.mark.slow
 def test_demo_learns_the_copy_task(tmp_path):
     """300 of the demo's 2000 steps already lift the held-out reward clearly (seeds 0-3 measured 0.23-0.31)."""
-    from trl_gspo.demo import run_demo
+    from trl_gspo.cli.demo import run_demo
 
     result = run_demo(str(tmp_path / "learn"), num_eval_prompts=100, max_steps=300, logging_steps=20, disable_tqdm=True)
     assert result["before"] <= 0.05 and result["after"] >= 0.15
@@ -107,7 +107,7 @@ def test_train_runs_from_every_local_dataset_form(tmp_path, tiny_model_dir, copy
         extra = {"dataset_name": str(tmp_path / "saved")}
     elif source == "datasets_mixture":
         extra = {"dataset_name": None, "datasets": [{"path": "json", "data_files": copy_jsonl, "split": "train"}]}
-    recipe = _train_recipe(tmp_path, tiny_model_dir, None, reward_funcs=["trl_gspo.demo.demo_reward"], **extra)
+    recipe = _train_recipe(tmp_path, tiny_model_dir, None, reward_funcs=["trl_gspo.cli.demo.demo_reward"], **extra)
     assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
     model, _ = _load(tmp_path / "out")
     assert model.config.model_type == "qwen3"
@@ -310,13 +310,13 @@ def test_builtin_reward_names_resolve_to_trl_functions():
 
     assert resolve_reward("accuracy_reward") is accuracy_reward
     assert resolve_reward("think_format_reward") is think_format_reward
-    assert resolve_reward("trl_gspo.demo.demo_reward") is demo_reward
+    assert resolve_reward("trl_gspo.cli.demo.demo_reward") is demo_reward
 
 
 def test_model_card_fields_per_variant():
     from trl import GRPOTrainer
 
-    from trl_gspo.model_card import card_fields
+    from trl_gspo.common.model_card import card_fields
 
     assert card_fields("sequence", "grpo", GRPOTrainer._paper)[0::2] == ("GSPO", ["trl", "trl-gspo", "gspo"])
     name, paper, tags = card_fields("sequence_token", "luspo", GRPOTrainer._paper)
@@ -328,7 +328,7 @@ def test_model_card_fields_per_variant():
 # ---------------------------------------------------------------------- the first hour: paths, model, eval, precision
 RECIPE_MODULE = """
 from trl_gspo import GSPOTrainer
-from trl_gspo.demo import demo_reward
+from trl_gspo.cli.demo import demo_reward
 
 
 def copy_reward(completions, target, **kwargs):
@@ -387,7 +387,7 @@ def test_recipe_paths_resolve_next_to_the_recipe_first_then_the_working_director
 
 
 def test_eval_file_split_choice():
-    from trl_gspo.recipe_inputs import pick_eval_split
+    from trl_gspo.cli.recipe_inputs import pick_eval_split
 
     assert pick_eval_split("e.jsonl", "test", ["train"]) == "train"  # a single file loads as "train"
     assert pick_eval_split("org/data", "test", ["train", "test"]) == "test"
@@ -423,7 +423,7 @@ def test_model_that_cannot_load_fails_in_one_line_before_loading(tmp_path, copy_
 
 # ------------------------------------------------------------------------------------------- mixed precision
 def test_precision_rules():
-    from trl_gspo.recipe_inputs import reconcile_precision
+    from trl_gspo.cli.recipe_inputs import reconcile_precision
 
     # no CUDA: fp32, naming what is ignored; nothing to say when nothing asked for mixed precision
     assert reconcile_precision("bf16", False, False, False, cuda=False) == (

@@ -10,9 +10,9 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from trl_gspo import GSPOTrainer
-from trl_gspo.cli import main
-from trl_gspo.console import CompactProgressCallback, format_line, quiet_library_deprecations, use_console
-from trl_gspo.demo import build_demo_model, demo_config, demo_reward, make_demo_dataset
+from trl_gspo.cli.commands import main
+from trl_gspo.cli.console import CompactProgressCallback, format_line, quiet_library_deprecations, use_console
+from trl_gspo.cli.demo import build_demo_model, demo_config, demo_reward, make_demo_dataset
 
 #: A compact training line: step counter, then the groups the demo logs (no KL: beta = 0).
 LINE = re.compile(

@@ -28,8 +28,9 @@ import torch
 from datasets import Dataset
 from trl import GRPOTrainer
 
-from trl_gspo import GSPOConfig, GSPOTrainer, checkpointing
-from trl_gspo.dynamic_sampling import (
+from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo.guards import checkpointing
+from trl_gspo.rollout.dynamic_sampling import (
     DynamicSampling,
     GroupFilling,
     batch_unit,
@@ -37,9 +38,9 @@ from trl_gspo.dynamic_sampling import (
     keep_groups,
     prefilter_reward_metrics,
 )
-from trl_gspo.tiny import build_tiny_model
-from trl_gspo import trl_compat
-from trl_gspo.trl_compat import fused_logprob_head_module
+from trl_gspo.cli.tiny import build_tiny_model
+from trl_gspo.common import trl_compat
+from trl_gspo.common.trl_compat import fused_logprob_head_module
 
 G = 4
 PROMPTS = [f"copy {a} {b} :" for a in range(4) for b in range(4)]  # 16 prompts
@@ -532,7 +533,7 @@ def test_r3_routes_follow_the_kept_rows(tokenizer, tmp_path, mode):
     import vllm_stand_in
     from test_routing_replay import StandInVLLM
 
-    from trl_gspo.routing_replay import _capture_vllm_routes
+    from trl_gspo.moe.routing_replay import _capture_vllm_routes
 
     model = build_tiny_model(tokenizer, moe=True, seed=0, num_experts=8)
     trainer = _trainer(tokenizer, tmp_path, model=model, routing_replay="R3", max_completion_length=6)

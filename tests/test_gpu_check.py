@@ -145,7 +145,7 @@ def test_colocate_smoke_on_cpu_and_it_notices_when_pi_old_is_recomputed(monkeypa
     assert result["pi_old_passes"] == 0 and result["replay_coverage"] > 0.5
     assert result["sampler_logp_abs_diff"] < 1e-5  # same weights, same fp32 model: sampler == trainer
 
-    from trl_gspo.sampler_logprobs import SamplerLogprobReuse
+    from trl_gspo.rollout.sampler_logprobs import SamplerLogprobReuse
 
     monkeypatch.setattr(SamplerLogprobReuse, "_reuses_sampler_logps", lambda self: False)
     broken = gpu_check.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
@@ -154,7 +154,7 @@ def test_colocate_smoke_on_cpu_and_it_notices_when_pi_old_is_recomputed(monkeypa
 
 
 def test_saved_demo_check_and_zero_command(tmp_path):
-    from trl_gspo.demo import build_demo_model, run_demo
+    from trl_gspo.cli.demo import build_demo_model, run_demo
 
     out = tmp_path / "demo"
     run_demo(str(out), num_train_prompts=32, num_eval_prompts=8, max_steps=2, logging_steps=1, disable_tqdm=True)

@@ -8,9 +8,10 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trl_gspo import GSPOConfig, GSPOTrainer, metrics
-from trl_gspo.routing import RouterHooks, find_routers
-from trl_gspo.tiny import build_tiny_model
+from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo.common import metrics
+from trl_gspo.moe.routing import RouterHooks, find_routers
+from trl_gspo.cli.tiny import build_tiny_model
 
 # Three sequences of lengths 3, 1, 0 (empty), with known token log-ratios.
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
@@ -255,7 +256,7 @@ def test_moe_metrics_only_for_moe_and_routing_moves_after_updates(tokenizer, tmp
 DISTRIBUTED_SCRIPT = '''
 import json, torch
 from accelerate import Accelerator
-from trl_gspo.metrics import MetricWindow
+from trl_gspo.common.metrics import MetricWindow
 acc = Accelerator(cpu=True)
 r = acc.process_index
 w = MetricWindow()

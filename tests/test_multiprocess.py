@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_gspo.cli import SHIPPED
+from trl_gspo.cli.commands import SHIPPED
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seen on these machines: after a rank has finished (and printed its marker), libstdc++ can abort it at interpreter
@@ -76,11 +76,11 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
 def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type, extra):
     from transformers import AutoModelForCausalLM
 
-    from trl_gspo.demo import build_demo_model
+    from trl_gspo.cli.demo import build_demo_model
 
     if config.startswith("zero"):
         pytest.importorskip("deepspeed")
-    from trl_gspo import fused_head
+    from trl_gspo.forward import fused_head
 
     if ("--padding_free" in extra or "--shared_prefix" in extra) and not fused_head.available():
         pytest.skip("TRL < 1.15: no fused log-prob head, padding_free=True is refused (tests/test_padding.py)")

@@ -8,8 +8,9 @@ import torch
 from transformers import TrainerCallback
 
 from fault_utils import make_trainer
-from trl_gspo import GSPOTrainer, checkpointing
-from trl_gspo.nonfinite import NonFiniteTrainingError
+from trl_gspo import GSPOTrainer
+from trl_gspo.guards import checkpointing
+from trl_gspo.guards.nonfinite import NonFiniteTrainingError
 
 
 class NaNLogpsTrainer(GSPOTrainer):

@@ -15,9 +15,10 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo import fused_head, padding
-from trl_gspo.padding import ForwardLayout, layouts_to_batch, plan_layouts, row_spans
-from trl_gspo.tiny import build_tiny_model
+from trl_gspo.forward import fused_head
+from trl_gspo.forward import padding
+from trl_gspo.forward.padding import ForwardLayout, layouts_to_batch, plan_layouts, row_spans
+from trl_gspo.cli.tiny import build_tiny_model
 
 
 def _mask_from_spans(spans, s):
@@ -200,7 +201,7 @@ def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch
 
     monkeypatch.setattr(fused_head, "available", lambda: False)
     model = build_tiny_model(tokenizer, moe=True, seed=3)
-    with caplog.at_level("WARNING", logger="trl_gspo.padding"):
+    with caplog.at_level("WARNING", logger="trl_gspo.forward.padding"):
         trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path)
     assert "no fused log-prob head" in caplog.text and "trim_padding and sort_by_length are off" in caplog.text
     assert not trainer._sort_micro_batches and not trainer._sort_no_grad
@@ -626,7 +627,7 @@ def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, 
     """Forced routes (random experts, not the router's) replayed through every layout give the padded forward's
     log-probs at every completion token and, with grad, its parameter gradients. A route forced at the wrong position
     would change them: forcing these routes moves the log-probs far more than the tolerance."""
-    from trl_gspo.routing import RouterHooks, RouteTable
+    from trl_gspo.moe.routing import RouterHooks, RouteTable
 
     model = build_tiny_model(tokenizer, moe=True, seed=0)
     batch = _long_tail_batch(model.config.vocab_size, seed=7)

@@ -13,8 +13,8 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.rollout import Generation
-from trl_gspo.tiny import build_tiny_model
+from trl_gspo.rollout.pipeline import Generation
+from trl_gspo.cli.tiny import build_tiny_model
 
 G = 4
 PROMPTS = [f"copy {a} {b} :" for a in range(2) for b in range(2)]
@@ -99,7 +99,7 @@ def test_sampling_stamp_is_the_generations(tokenizer, tmp_path):
 def test_prompt_stream_is_the_train_dataloaders_order_across_epochs(tokenizer, tmp_path, shuffle):
     """Against TRL's own dataloader (RepeatSampler through accelerate): 10 prompts, 2 per rollout -> 5 rollouts per
     epoch, read over 3 epochs; each rollout's batch is repeated once per micro-step that trains on it."""
-    from trl_gspo.prompt_stream import PromptStream
+    from trl_gspo.rollout.prompt_stream import PromptStream
 
     dataset = Dataset.from_dict({"prompt": [f"copy {i} :" for i in range(10)], "target": [str(i) for i in range(10)]})
     args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=4,
@@ -140,7 +140,7 @@ def _generation(tag: int, rows: int, tools: bool = True) -> Generation:
 
 
 def test_gather_rows_moves_every_per_row_value_with_its_row():
-    from trl_gspo.rollout import gather_rows
+    from trl_gspo.rollout.pipeline import gather_rows
 
     a, b = _generation(1, 3), _generation(2, 2)
     merged = gather_rows([(b, 1), (a, 0), (a, 2)])
@@ -163,7 +163,7 @@ def test_gather_rows_keeps_each_rows_sampling_stamp():
     generation's `sampled_at` is the oldest (what sampler reuse and R3 check for an on-policy batch)."""
     from dataclasses import replace
 
-    from trl_gspo.rollout import gather_rows
+    from trl_gspo.rollout.pipeline import gather_rows
 
     old, new = replace(_generation(1, 3), sampled_at=2), replace(_generation(2, 2), sampled_at=4)
     merged = gather_rows([(new, 1), (old, 0), (new, 0)])

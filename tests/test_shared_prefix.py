@@ -18,10 +18,14 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from test_padding import LOSS_CASES, FixedRollouts, _varied_reward
-from trl_gspo import GSPOConfig, GSPOTrainer, fused_head, padding, segment_attention, shared_prefix
-from trl_gspo.forward import plan_forward
-from trl_gspo.padding import row_spans
-from trl_gspo.tiny import build_tiny_model
+from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo.forward import fused_head
+from trl_gspo.forward import padding
+from trl_gspo.forward import segment_attention
+from trl_gspo.forward import shared_prefix
+from trl_gspo.forward.pipeline import plan_forward
+from trl_gspo.forward.padding import row_spans
+from trl_gspo.cli.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: no fused log-prob head")
 
@@ -300,7 +304,7 @@ def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_pat
     token they equal the unshared forward's. Replayed (forced random routes, the same for siblings' prompts), the
     shared forward's log-probs and gradients equal the unshared replayed forward's; where siblings' prompt routes
     differ, those rows run unshared and the result still equals."""
-    from trl_gspo.routing import RouteTable
+    from trl_gspo.moe.routing import RouteTable
 
     model = build_tiny_model(tokenizer, moe=True, seed=0, router_aux_loss_coef=0.0)
     batch = _grouped_batch(model.config.vocab_size, seed=6)

@@ -23,7 +23,7 @@ import zlib
 
 import numpy as np
 
-EOS = 2  # trl_gspo.tiny's tokenizer
+EOS = 2  # trl_gspo.cli.tiny's tokenizer
 
 
 def completion_for(prompt_ids, j: int) -> list[int]:
@@ -78,7 +78,7 @@ def server_generation(trainer, server):
     main process only, as TRL builds it; then `_capture_vllm_routes` as `GSPOTrainer` runs it for R3 + vLLM."""
     from trl.generation import vllm_client, vllm_generation
 
-    from trl_gspo.routing_replay import _capture_vllm_routes
+    from trl_gspo.moe.routing_replay import _capture_vllm_routes
 
     def init_like_trl(self):  # VLLMGeneration._init_vllm, server mode, minus the HTTP connection
         if self.accelerator.is_main_process:
@@ -148,7 +148,7 @@ def main():
     from datasets import Dataset
 
     from trl_gspo import GSPOConfig, GSPOTrainer
-    from trl_gspo.tiny import build_tiny_model, build_tokenizer
+    from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     experts = 8

@@ -13,19 +13,19 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .async_rollouts import AsyncOptions
-from .checkpointing import CheckpointOptions
-from .diagnostics import DiagnosticsOptions
-from .dynamic_sampling import DynamicSamplingOptions
-from .fused_head import FusedHeadOptions
+from .rollout.async_rollouts import AsyncOptions
+from .guards.checkpointing import CheckpointOptions
+from .guards.diagnostics import DiagnosticsOptions
+from .rollout.dynamic_sampling import DynamicSamplingOptions
+from .forward.fused_head import FusedHeadOptions
 from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
-from .nonfinite import NonFiniteOptions
-from .padding import PaddingOptions
-from .rewards_guard import RewardGuardOptions
-from .routing_replay import RoutingReplayOptions
-from .sampler_logprobs import SamplerLogprobOptions
-from .shared_prefix import SharedPrefixOptions
-from .validation import check_choice
+from .guards.nonfinite import NonFiniteOptions
+from .forward.padding import PaddingOptions
+from .guards.rewards_guard import RewardGuardOptions
+from .moe.routing_replay import RoutingReplayOptions
+from .rollout.sampler_logprobs import SamplerLogprobOptions
+from .forward.shared_prefix import SharedPrefixOptions
+from .common.validation import check_choice
 
 logger = logging.getLogger(__name__)
 

@@ -32,18 +32,20 @@ import shutil
 import torch
 from trl import GRPOTrainer
 
-from . import checkpointing, losses, model_card
-from .async_rollouts import decoupled_behaviour_weight
-from .checkpointing import ResumableTraining
+from .guards import checkpointing
+from . import losses
+from .common import model_card
+from .rollout.async_rollouts import decoupled_behaviour_weight
+from .guards.checkpointing import ResumableTraining
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
-from .diagnostics import TrainingDiagnostics
-from .forward import LogprobForward
-from .nonfinite import NonFiniteGuard
-from .padding import PaddingRemoval
-from .rewards_guard import GuardedRewards
-from .rollout import RolloutPipeline
-from .routing_replay import MoERouting
-from .sampler_logprobs import SamplerLogprobReuse
+from .guards.diagnostics import TrainingDiagnostics
+from .forward.pipeline import LogprobForward
+from .guards.nonfinite import NonFiniteGuard
+from .forward.padding import PaddingRemoval
+from .guards.rewards_guard import GuardedRewards
+from .rollout.pipeline import RolloutPipeline
+from .moe.routing_replay import MoERouting
+from .rollout.sampler_logprobs import SamplerLogprobReuse
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
 _FORWARD_KEYS = (

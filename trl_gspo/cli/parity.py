@@ -166,7 +166,7 @@ def compare_with_stock(settings: dict, model, tokenizer, workdir, seed: int = 2)
     """Run one case through stock `GRPOTrainer` and `GSPOTrainer`; returns the differences (empty: parity)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from . import GSPOConfig, GSPOTrainer
+    from .. import GSPOConfig, GSPOTrainer
 
     inputs = make_inputs(model, seed=seed, beta=settings.get("beta", 0) > 0)
     stock = loss_and_grads(GRPOTrainer, GRPOConfig, model, settings, inputs, Path(workdir) / "stock", tokenizer)
@@ -181,7 +181,7 @@ def compare_gspo_token(base: str, model, tokenizer, workdir, seed: int = 2) -> l
     """GSPO-token (`sequence_token`) against our GSPO (`sequence`) on the `base` case, with one advantage per
     sequence: equal loss and gradients (the paper's Eq. 13 reduces to Eq. 7 then). TRL's clip metrics count
     sequences for a `(B, 1)` ratio and tokens for a `(B, T)` one, so they differ by definition and are not compared."""
-    from . import GSPOConfig, GSPOTrainer
+    from .. import GSPOConfig, GSPOTrainer
 
     level, reference_level = GSPO_TOKEN_CASE
     inputs = make_inputs(model, seed=seed)

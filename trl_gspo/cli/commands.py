@@ -30,8 +30,9 @@ from pathlib import Path
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
-from . import recipe_inputs, trl_compat
-from .config import GSPOConfig
+from . import recipe_inputs
+from ..common import trl_compat
+from ..config import GSPOConfig
 from .recipe_inputs import RecipeError
 from .console import ConsoleArguments, quiet_library_deprecations, use_console
 
@@ -83,7 +84,7 @@ class DemoArguments(ConsoleArguments):
 
 
 # ----------------------------------------------------------------------------------------- shipped files
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 
 def _shipped_folder(name: str) -> Path:
@@ -425,7 +426,7 @@ def resolve_trainer_class(path: str | None, search_dirs: tuple = ()):
     """`trainer_class` -> a GSPOTrainer subclass, imported by dotted path (never evaluated); modules in
     `search_dirs` (the recipe's folder) and in the working directory are importable."""
     from .rewards import import_object
-    from .trainer import GSPOTrainer
+    from ..trainer import GSPOTrainer
 
     if path is None:
         return GSPOTrainer
@@ -551,7 +552,7 @@ def version_line() -> str:
     """`trl-gspo --version`: this package and the libraries that decide its behaviour, in one line."""
     from importlib import metadata
 
-    from . import __version__
+    from .. import __version__
 
     others = ", ".join(f"{name} {metadata.version(name)}" for name in ("trl", "transformers", "torch"))
     return f"trl-gspo {__version__} ({others})"

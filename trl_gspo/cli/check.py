@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trl-gspo check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.parse_args(argv)
-    from . import trl_compat
+    from ..common import trl_compat
 
     start = time.perf_counter()
     print("Installed versions:")

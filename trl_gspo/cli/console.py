@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .validation import check_choice
+from ..common.validation import check_choice
 
 CONSOLE_MODES = ("compact", "stock")
 

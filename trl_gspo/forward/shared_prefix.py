@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validation import check_bool
+from ..common.validation import check_bool
 
 TRISTATE = ("auto", True, False)
 

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fused_head, segment_attention, trl_compat
+from . import fused_head, segment_attention
+from ..common import trl_compat
 from .segment_attention import SegmentPlan
-from .validation import check_bool, check_choice
+from ..common.validation import check_bool, check_choice
 
 logger = logging.getLogger(__name__)
 

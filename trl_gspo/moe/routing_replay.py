@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import metrics, trl_compat
+from ..common import metrics, trl_compat
 from .route_sources import place_routes, routes_from_engine, routes_from_generate
 from .routing import RouterHooks, RouterPass, RouteTable
-from .validation import check_choice
+from ..common.validation import check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class MoERouting:
             if raw is None:
                 raise ValueError(
                     "routing_replay='R3' with a rollout_func needs it to return 'routed_experts' (one [tokens, layers, "
-                    "top_k] array per completion, layouts as in trl_gspo.route_sources.routes_from_engine)."
+                    "top_k] array per completion, layouts as in trl_gspo.moe.route_sources.routes_from_engine)."
                 )
             self._sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "rollout_func")
         if self._replay == "R3" and self._sampler_routes is None:

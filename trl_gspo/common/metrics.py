@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import losses
+from .. import losses
 
 Partial = dict[str, torch.Tensor]  # name -> tensor([sum, count])
 

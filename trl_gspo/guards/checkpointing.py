@@ -37,7 +37,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import RepeatSampler
 
-from .validation import check_bool
+from ..common.validation import check_bool
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def checkpoint_problem(checkpoint: str) -> str | None:
     if not os.path.exists(marker):
         return (
             f"it has no {COMPLETE_MARKER}: the run stopped while writing it, or another trainer wrote it (if you know "
-            "it is complete, mark it with trl_gspo.checkpointing.mark_complete(path))"
+            "it is complete, mark it with trl_gspo.guards.checkpointing.mark_complete(path))"
         )
     with open(marker) as f:
         files = json.load(f)["files"]

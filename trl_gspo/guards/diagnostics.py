@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import metrics
-from .validation import check_bool
+from ..common import metrics
+from ..common.validation import check_bool
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from . import trl_compat
+from ..common import trl_compat
 
 
 @dataclass

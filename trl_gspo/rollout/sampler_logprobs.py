@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import trl_compat
-from .losses import SEQUENCE_LEVELS, masked_sequence_mean
-from .validation import check_choice
+from ..common import trl_compat
+from ..losses import SEQUENCE_LEVELS, masked_sequence_mean
+from ..common.validation import check_choice
 
 logger = logging.getLogger(__name__)
 

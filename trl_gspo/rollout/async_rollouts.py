@@ -66,10 +66,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import losses, trl_compat
+from .. import losses
+from ..common import trl_compat
 from .prompt_stream import PromptStream
-from .rollout import Completions, GenerationRequest
-from .validation import check_bool, check_int
+from .pipeline import Completions, GenerationRequest
+from ..common.validation import check_bool, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -368,7 +369,7 @@ class TransformersGenerator:
     needs_idle_sync = False  # weights wait in a snapshot until the running request is done
 
     def __init__(self, trainer, seeded: bool, closing: threading.Event):
-        from .routing import RouterHooks
+        from ..moe.routing import RouterHooks
         from .sampler_logprobs import SamplerLogprobRecorder
 
         args = trainer.args
@@ -471,7 +472,7 @@ class TransformersGenerator:
         completion_ids = [c[m].tolist() for c, m in zip(completion.cpu(), keep.cpu(), strict=True)]
         routes = None
         if log is not None:
-            from .route_sources import routes_from_generate
+            from ..moe.route_sources import routes_from_generate
 
             routes = routes_from_generate(log, len(prompt_ids), [len(p) for p in prompt_ids],
                                           [len(c) for c in completion_ids])  # fmt: skip
@@ -707,7 +708,7 @@ class AsyncRollouts:
         if [x.get("prompt") for x in generation_batch] != [x.get("prompt") for x in expected]:
             raise RuntimeError(
                 f"async_generation: the train dataloader's batch of rollout {rollout} differs from the one generated "
-                "ahead of time (trl_gspo.prompt_stream reproduces TRL's RepeatSampler; a custom sampler or dataloader "
+                "ahead of time (trl_gspo.rollout.prompt_stream reproduces TRL's RepeatSampler; a custom sampler or dataloader "
                 "is not supported with async generation)."
             )
         batch = self._score(generation_batch, job)

@@ -66,8 +66,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from .rollout import Generation, gather_rows
-from .validation import check_bool, check_choice, check_int
+from .pipeline import Generation, gather_rows
+from ..common.validation import check_bool, check_choice, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def load_group_filter(spec: str):
     """`dynamic_sampling_filter` -> None (the built-in rule) or the user's callable."""
     if spec == REWARD_STD:
         return None
-    from .rewards import import_object
+    from ..cli.rewards import import_object
 
     try:
         func = import_object(spec)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .trl_compat import is_async_callable
-from .validation import check_choice
+from ..common.trl_compat import is_async_callable
+from ..common.validation import check_choice
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from .validation import check_int
+from ..common.validation import check_int
 
 
 @dataclass

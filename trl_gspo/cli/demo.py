@@ -6,7 +6,7 @@ earns partial credit and a short one (an early end-of-sequence) loses it. Comple
 The random model scores ~0.02 sampled and 0.0 greedy. Copying needs attention to the prompt, so a rising reward on
 held-out prompts (digit strings never seen in training) means the policy learned the task, not a bias.
 
-    from trl_gspo.demo import run_demo
+    from trl_gspo.cli.demo import run_demo
     run_demo("outputs/demo")          # or: trl-gspo demo
 """
 
@@ -20,7 +20,7 @@ import time
 import torch
 from datasets import Dataset
 
-from .config import GSPOConfig
+from ..config import GSPOConfig
 from .console import use_console
 from .tiny import build_tiny_model, build_tokenizer
 
@@ -146,7 +146,7 @@ def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, nu
     """
     from trl.models.utils import unwrap_model_for_generation
 
-    from .trainer import GSPOTrainer
+    from ..trainer import GSPOTrainer
 
     args = args if args is not None else demo_config(output_dir, **overrides)
     model, tokenizer = build_demo_model(seed=args.seed, moe=moe)

@@ -1,0 +1,7 @@
+"""The shared bottom: what every path uses and nothing else.
+
+`validation` (the one error style of config checks), `metrics` (diagnostic statistics and `MetricWindow`),
+`trl_compat` (the supported TRL range and every TRL-internal name used) and `model_card` (what a saved model's card says).
+
+May import: `trl_gspo.losses` and third-party packages only; nothing else of trl_gspo.
+"""
