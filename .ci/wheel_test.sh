@@ -15,9 +15,9 @@ venv/bin/python -m pip install -q "$repo"
 export PATH="$work/venv/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 python - <<'PY'  # installed as a wheel: the package and its data come from site-packages, not the repository
-import trl_gspo, trl_gspo.cli.commands as cli
+import trl_gspo, trl_gspo.cli.shipped as shipped
 assert "site-packages" in trl_gspo.__file__, trl_gspo.__file__
-assert (cli.SHIPPED["recipe"] / "per_token_advantages.py").is_file() and (cli.SHIPPED["accelerate config"] / "zero2.yaml").is_file()
+assert (shipped.SHIPPED["recipe"] / "per_token_advantages.py").is_file() and (shipped.SHIPPED["accelerate config"] / "zero2.yaml").is_file()
 PY
 
 trl-gspo demo --output_dir demo-out --max_steps 2 --num_train_prompts 32 --num_eval_prompts 16 --disable_tqdm true

@@ -378,7 +378,7 @@ ZERO_STEPS = 30
 
 def zero_command(stage: int, output_dir: str, num_processes: int = 2) -> list[str]:
     """`accelerate launch` of the demo on `num_processes` GPUs with the shipped ZeRO-`stage` config."""
-    from trl_gspo.cli.commands import resolve_shipped
+    from trl_gspo.cli.shipped import resolve_shipped
 
     config = resolve_shipped(f"zero{stage}", "accelerate config")
     launch = ["--config_file", str(config), "--num_processes", str(num_processes), "--main_process_port",

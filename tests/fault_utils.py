@@ -96,7 +96,7 @@ def main():
     cli = parser.parse_args()
     prompts = PROMPTS[: cli.num_prompts]
     if cli.generation_delay:
-        from trl_gspo.rollout.async_rollouts import TransformersGenerator
+        from trl_gspo.rollout.async_backends import TransformersGenerator
 
         generate = TransformersGenerator._generate
 

@@ -33,7 +33,7 @@ from datasets import Dataset
 from fault_utils import PROMPTS, length_reward, make_trainer
 from trl_gspo import GSPOConfig, GSPOTrainer, losses
 from trl_gspo.guards import checkpointing
-from trl_gspo.rollout.async_rollouts import GeneratorThreadError, TransformersGenerator
+from trl_gspo.rollout.async_backends import GeneratorThreadError, TransformersGenerator
 from trl_gspo.cli.tiny import build_tiny_model
 
 U = 2  # fault_utils: steps_per_generation=2, one micro-batch per optimizer step -> 2 optimizer steps per rollout
@@ -670,7 +670,7 @@ def test_config_errors_name_the_field(tmp_path, caplog):
         config(async_generation=True, async_generation_timeout=0)
     with pytest.raises(ValueError, match="use_transformers_continuous_batching"):
         config(async_generation=True, use_transformers_continuous_batching=True)
-    with caplog.at_level(logging.WARNING, logger="trl_gspo.rollout.async_rollouts"):
+    with caplog.at_level(logging.WARNING, logger="trl_gspo.rollout.async_options"):
         config(async_generation=True, old_logprobs_source="sampler")
     assert "anchored on the sampler" in caplog.text and "clip fraction" in caplog.text
 

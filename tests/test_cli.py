@@ -10,7 +10,11 @@ import yaml
 from datasets import DatasetDict
 
 from trl_gspo.cli import commands as cli
-from trl_gspo.cli.commands import SHIPPED, RecipeError, main, parse
+from trl_gspo.cli import shipped
+from trl_gspo.cli.commands import main
+from trl_gspo.cli.parser import parse
+from trl_gspo.cli.recipe_inputs import RecipeError
+from trl_gspo.cli.shipped import SHIPPED
 from trl_gspo.cli.demo import copy_score, demo_reward, make_demo_dataset
 from trl_gspo.cli.rewards import math_accuracy_reward, resolve_reward
 
@@ -158,14 +162,14 @@ def test_trainer_class_that_does_not_resolve_names_both_places(tmp_path, tiny_mo
 # ------------------------------------------------------------------------------- shipped files by name
 def test_config_and_accelerate_config_resolve_by_name_and_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli.resolve_shipped("demo", "recipe") == SHIPPED["recipe"] / "demo.yaml"
-    assert cli.resolve_shipped("recipes/demo.yaml", "recipe") == SHIPPED["recipe"] / "demo.yaml"
-    assert cli.resolve_shipped("zero2.yaml", "accelerate config") == SHIPPED["accelerate config"] / "zero2.yaml"
+    assert shipped.resolve_shipped("demo", "recipe") == SHIPPED["recipe"] / "demo.yaml"
+    assert shipped.resolve_shipped("recipes/demo.yaml", "recipe") == SHIPPED["recipe"] / "demo.yaml"
+    assert shipped.resolve_shipped("zero2.yaml", "accelerate config") == SHIPPED["accelerate config"] / "zero2.yaml"
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "demo.yaml").write_text("max_steps: 3\n")
-    assert cli.resolve_shipped("recipes/demo.yaml", "recipe") == tmp_path / "recipes" / "demo.yaml"  # a file wins
+    assert shipped.resolve_shipped("recipes/demo.yaml", "recipe") == tmp_path / "recipes" / "demo.yaml"  # a file wins
     with pytest.raises(RecipeError, match=r"accelerate config 'zero22': no such file.*Did you mean 'zero2'\?"):
-        cli.resolve_shipped("zero22", "accelerate config")
+        shipped.resolve_shipped("zero22", "accelerate config")
 
 
 def test_accelerate_config_relaunches_under_accelerate_with_the_shipped_file(monkeypatch):

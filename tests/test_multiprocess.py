@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_gspo.cli.commands import SHIPPED
+from trl_gspo.cli.shipped import SHIPPED
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seen on these machines: after a rank has finished (and printed its marker), libstdc++ can abort it at interpreter

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo.forward import fused_head
-from trl_gspo.forward import padding
-from trl_gspo.forward.padding import ForwardLayout, layouts_to_batch, plan_layouts, row_spans
+from trl_gspo.forward import layouts, padding
+from trl_gspo.forward.layouts import ForwardLayout, layouts_to_batch, plan_layouts, row_spans
 from trl_gspo.cli.tiny import build_tiny_model
 
 
@@ -70,7 +70,7 @@ def test_packed_layout_by_hand():
     itself (the segment plan), the filler to itself; every real token appears exactly once."""
     s = 12
     spans = torch.tensor([[2, 12, 10], [5, 9, 4], [4, 9, 5]])
-    layout = padding.packed_layout(torch.arange(3), spans, (3, s), one_row=False)
+    layout = layouts.packed_layout(torch.arange(3), spans, (3, s), one_row=False)
     assert layout.packed and layout.shape == (2, 10)
     assert layout.source[0].tolist() == list(range(2, 12))
     assert layout.source[1].tolist() == [2 * s + c for c in range(4, 9)] + [1 * s + c for c in range(5, 9)] + [-1]
@@ -82,20 +82,20 @@ def test_packed_layout_by_hand():
     for a, b in ((0, 5), (5, 9), (9, 10)):
         expected[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
     assert torch.equal(mask, expected)
-    one_row = padding.packed_layout(torch.arange(3), spans, (3, s), one_row=True)
+    one_row = layouts.packed_layout(torch.arange(3), spans, (3, s), one_row=True)
     assert one_row.shape == (1, 19) and (one_row.source >= 0).all()
-    assert padding.packed_layout(torch.arange(3), spans, (3, s), one_row=False, multiple_of=8).shape == (2, 16)
+    assert layouts.packed_layout(torch.arange(3), spans, (3, s), one_row=False, multiple_of=8).shape == (2, 16)
 
 
 def test_trimmed_layout_keeps_positions_and_one_column_each_side():
     spans = torch.tensor([[3, 7, 4], [4, 6, 2]])
-    layout = padding.trimmed_layout(torch.arange(2), spans, (2, 10), prompt_width=5, trim=True)
+    layout = layouts.trimmed_layout(torch.arange(2), spans, (2, 10), prompt_width=5, trim=True)
     assert layout.source[0].tolist() == list(range(3, 7)) and layout.position_ids[0].tolist() == [3, 4, 5, 6]
     # every row's completion empty: one prompt and one completion column still stay
     empty = torch.tensor([[2, 5, 3], [4, 5, 1]])
-    layout = padding.trimmed_layout(torch.arange(2), empty, (2, 10), prompt_width=5, trim=True)
+    layout = layouts.trimmed_layout(torch.arange(2), empty, (2, 10), prompt_width=5, trim=True)
     assert (layout.source[0] % 10).tolist() == [2, 3, 4, 5]
-    assert padding.trimmed_layout(torch.arange(2), spans, (2, 10), 5, trim=False).source.shape == (2, 10)
+    assert layouts.trimmed_layout(torch.arange(2), spans, (2, 10), 5, trim=False).source.shape == (2, 10)
 
 
 def test_optimizer_step_groups_never_mix_steps():
@@ -334,7 +334,7 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
     assert torch.equal(before[seq_b], after[seq_b])  # B did not see it
 
     row_layout = ForwardLayout(layout.source[row : row + 1], layout.batch_shape, layout.position_ids[row : row + 1],
-                               True, segments=padding.SegmentPlan(*(x[row : row + 1] for x in (
+                               True, segments=layouts.SegmentPlan(*(x[row : row + 1] for x in (
                                    layout.segments.own_start, layout.segments.ctx_start, layout.segments.ctx_end))))  # fmt: skip
     row_ids, row_changed = row_layout.to_model(ids), row_layout.to_model(changed)
     b_positions = slice(starts[1] + 1, None)

@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_gspo.cli.commands import SHIPPED, parse, resolve_shipped, resolve_trainer_class
+from trl_gspo.cli.commands import resolve_trainer_class
+from trl_gspo.cli.parser import parse
+from trl_gspo.cli.shipped import SHIPPED, resolve_shipped
 from trl_gspo.cli.rewards import resolve_reward
 
 RECIPES_DIR, ACCELERATE_DIR = SHIPPED["recipe"], SHIPPED["accelerate config"]  # top-level folders; the wheel ships them
@@ -127,7 +129,7 @@ def test_routing_replay_recipes_differ_from_the_moe_recipe_only_where_they_say(v
 
 
 def test_extends_uses_a_base_next_to_the_recipe_first_and_rejects_cycles(tmp_path, gpu_recipes_parse_on_cpu):
-    from trl_gspo.cli.commands import RecipeError
+    from trl_gspo.cli.recipe_inputs import RecipeError
 
     variant = tmp_path / "variant.yaml"
     variant.write_text((RECIPES_DIR / "qwen3_30b_a3b_moe_gspo_r3.yaml").read_text())

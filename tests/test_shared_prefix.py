@@ -20,11 +20,11 @@ from transformers import AutoModelForCausalLM
 from test_padding import LOSS_CASES, FixedRollouts, _varied_reward
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo.forward import fused_head
-from trl_gspo.forward import padding
+from trl_gspo.forward import layouts, padding
 from trl_gspo.forward import segment_attention
 from trl_gspo.forward import shared_prefix
 from trl_gspo.forward.pipeline import plan_forward
-from trl_gspo.forward.padding import row_spans
+from trl_gspo.forward.layouts import row_spans
 from trl_gspo.cli.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: no fused log-prob head")
@@ -112,7 +112,7 @@ def test_shared_layout_by_hand():
     lets each segment see the prefix and itself only."""
     s, pw = 8, 4
     spans = torch.tensor([[1, 7, 6], [1, 5, 4]])
-    layout = padding.segment_layout([[0, 1]], spans, (2, s), pw, one_row=False)
+    layout = layouts.segment_layout([[0, 1]], spans, (2, s), pw, one_row=False)
     assert layout.source.tolist() == [[1, 2, 3, 4, 5, 6, s + 3, s + 4]]
     assert layout.position_ids.tolist() == [[1, 2, 3, 4, 5, 6, 3, 4]]
     assert layout.aliases.tolist() == [[0, 1], [s + 1, s + 2]] and layout.shared_positions == 2
@@ -235,7 +235,7 @@ def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path):
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     ids_changed = torch.cat([changed["prompt_ids"], changed["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    layout = padding.segment_layout([[0, 2, 5]], row_spans(mask), tuple(ids.shape), 7, one_row=False)
+    layout = layouts.segment_layout([[0, 2, 5]], row_spans(mask), tuple(ids.shape), 7, one_row=False)
     with torch.no_grad():
         plain = [model(input_ids=layout.to_model(x), position_ids=layout.position_ids,
                        attention_mask=torch.ones_like(layout.source)).logits for x in (ids, ids_changed)]  # fmt: skip
@@ -371,7 +371,7 @@ def test_flash_varlen_path_matches_the_sdpa_blocks(monkeypatch):
     kernel, give the SDPA blocks' output on a one-row shared + packed layout. Not a GPU run."""
     monkeypatch.setattr(segment_attention, "flash_attn_varlen_func", _reference_varlen)
     spans = torch.tensor([[1, 9, 8], [1, 7, 6], [2, 8, 6], [0, 6, 6]])
-    layout = padding.segment_layout([[0, 1], [2], [3]], spans, (4, 10), 5, one_row=True)
+    layout = layouts.segment_layout([[0, 1], [2], [3]], spans, (4, 10), 5, one_row=True)
     w = layout.shape[1]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, w, 8, generator=g) for h in (4, 2, 2))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .rollout.async_rollouts import AsyncOptions
+from .rollout.async_options import AsyncOptions
 from .guards.checkpointing import CheckpointOptions
 from .guards.diagnostics import DiagnosticsOptions
 from .rollout.dynamic_sampling import DynamicSamplingOptions

@@ -44,6 +44,7 @@ from .guards.nonfinite import NonFiniteGuard
 from .forward.padding import PaddingRemoval
 from .guards.rewards_guard import GuardedRewards
 from .rollout.pipeline import RolloutPipeline
+from .rollout.sources import rollout_source
 from .moe.routing_replay import MoERouting
 from .rollout.sampler_logprobs import SamplerLogprobReuse
 
@@ -71,6 +72,8 @@ class GSPOTrainer(
     Drop-in for `trl.GRPOTrainer`: same constructor, `args` must be a [`GSPOConfig`] (its defaults are the
     paper's). To train GSPO-token with per-token advantages, subclass and override [`token_advantages`].
     """
+
+    make_rollout_source = staticmethod(rollout_source)  # the rollout path's source, picked from the config
 
     def __init__(self, model, reward_funcs=None, args: GSPOConfig | None = None, *positional, **kwargs):
         if args is None:

@@ -17,6 +17,10 @@ import time
 import warnings
 from importlib import metadata
 
+from . import parity
+from ..common import trl_compat
+from .tiny import build_tiny_model, build_tokenizer
+
 #: Distribution names whose versions change training behaviour (missing optional ones print as "not installed").
 PACKAGES = ("trl-gspo", "torch", "trl", "transformers", "accelerate", "peft", "datasets", "deepspeed", "vllm",
             "flash-attn", "liger-kernel")  # fmt: skip
@@ -38,9 +42,6 @@ def installed_versions() -> dict[str, str]:
 
 def run_parity(log=print) -> dict[str, list[str]]:
     """Every parity case -> its differences (empty list: equal to stock TRL)."""
-    from . import parity
-    from .tiny import build_tiny_model, build_tokenizer
-
     tokenizer = build_tokenizer()
     results = {}
     with tempfile.TemporaryDirectory(prefix="trl-gspo-check-") as workdir:
@@ -92,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trl-gspo check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.parse_args(argv)
-    from ..common import trl_compat
-
     start = time.perf_counter()
     print("Installed versions:")
     for name, version in installed_versions().items():

@@ -17,6 +17,9 @@ and values of the wrong type fail before anything is loaded. A recipe may start 
 variant lists only what differs.
 Paths in a recipe (data files, model folders, modules) are looked up next to the recipe first, then in the working
 directory; what a recipe points at is checked before any model loads (`recipe_inputs.py`).
+
+Here: the commands, `main` and the `accelerate launch` relaunch. Shipped files and `extends` are shipped.py; the
+parser, its argument classes and the mixed-precision decision are parser.py.
 """
 
 from __future__ import annotations
@@ -25,129 +28,21 @@ import difflib
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
+from .parser import GSPOScriptArguments, quiet_deepspeed_on_cpu, parse, precision_note, reconcile_mixed_precision
+from .shipped import SHIPPED, resolve_config_argument, resolve_shipped, shipped_names, take_option
 from . import recipe_inputs
 from ..common import trl_compat
-from ..config import GSPOConfig
+from .. import __version__
+from ..trainer import GSPOTrainer
+from ..common.imports import import_object
+from .check import main as check_main
+from .demo import DEMO_ARGS, run_demo
+from .rewards import missing_columns, needed_columns, resolve_reward
 from .recipe_inputs import RecipeError
-from .console import ConsoleArguments, quiet_library_deprecations, use_console
-
-
-@dataclass
-class GSPOScriptArguments(ScriptArguments, ConsoleArguments):
-    """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...), rewards and the
-    console (console.py).
-
-    `dataset_name` may be a Hub id, a local folder (a `save_to_disk` folder or data files), or a local
-    `.json`/`.jsonl`/`.parquet`/`.csv` file. The training split needs a `prompt` column.
-    """
-
-    reward_funcs: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Reward functions: accuracy_reward, reasoning_accuracy_reward, think_format_reward (TRL's), "
-            "math_accuracy_reward, demo_reward (ours), or a dotted import path such as my_pkg.rewards.my_reward."
-        },
-    )
-    reward_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Optional reward model (Hub id or local folder), used besides reward_funcs."}
-    )
-    eval_dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "Evaluation set, given like dataset_name (a .json/.jsonl/.parquet/.csv file, a folder or a Hub id); "
-            "its dataset_test_split is used, or its only split (a single file loads as 'train'). Without it, "
-            "evaluation uses dataset_name's dataset_test_split."
-        },
-    )
-    trainer_class: str | None = field(
-        default=None,
-        metadata={
-            "help": "Dotted import path of a GSPOTrainer subclass to train with, e.g. one overriding the "
-            "token_advantages hook for GSPO-token (see recipes/per_token_advantages.py). Modules next to the recipe "
-            "file and in the working directory are importable. Default: GSPOTrainer."
-        },
-    )
-
-
-@dataclass
-class DemoArguments(ConsoleArguments):
-    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code) and the console."""
-
-    num_train_prompts: int = field(default=2000, metadata={"help": "Training prompts drawn for the copy task."})
-    num_eval_prompts: int = field(default=200, metadata={"help": "Held-out prompts (digits never seen in training)."})
-    moe: bool = field(default=False, metadata={"help": "Use a tiny Qwen3-MoE (4 experts, top-2) instead of dense."})
-
-
-# ----------------------------------------------------------------------------------------- shipped files
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
-
-
-def _shipped_folder(name: str) -> Path:
-    """The repository's top-level `name/` folder is the one copy of the shipped files; the wheel installs it as
-    `trl_gspo/name/` (pyproject.toml's package-dir), so look inside the package first, then beside it."""
-    installed = PACKAGE_DIR / name
-    return installed if installed.is_dir() else PACKAGE_DIR.parent / name
-
-
-SHIPPED = {"recipe": _shipped_folder("recipes"), "accelerate config": _shipped_folder("accelerate_configs")}
-
-
-def shipped_names(kind: str) -> list[str]:
-    return sorted(path.stem for path in SHIPPED[kind].glob("*.yaml"))
-
-
-def resolve_shipped(value: str, kind: str) -> Path:
-    """`value` as an existing file, else the shipped `kind` ("recipe" / "accelerate config") of that name.
-
-    `zero2`, `zero2.yaml` and `accelerate_configs/zero2.yaml` all name the shipped ZeRO-2 config when no such file
-    exists here: the last form is what `trl-gspo recipes` copies out, so a command works before and after copying.
-    """
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.resolve()
-    folder = SHIPPED[kind]
-    if path.parent in (Path("."), Path(folder.name)):
-        candidate = folder / f"{path.stem if path.suffix in ('.yaml', '.yml') else path.name}.yaml"
-        if candidate.is_file():
-            return candidate
-    close = difflib.get_close_matches(path.stem, shipped_names(kind), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise RecipeError(
-        f"{kind} {value!r}: no such file, and no shipped {kind} of that name.{hint} Shipped: "
-        f"{', '.join(shipped_names(kind))} (`trl-gspo recipes --list`)."
-    )
-
-
-def _take_option(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
-    """Remove `--flag VALUE` / `--flag=VALUE` from argv; returns (VALUE or None, the rest)."""
-    rest, value, i = [], None, 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == flag:
-            if i + 1 >= len(argv):
-                raise RecipeError(f"{flag} needs a value.")
-            value, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-        i += 1
-    return value, rest
-
-
-def resolve_config_argument(argv: list[str]) -> tuple[list[str], Path | None]:
-    """Replace the value of `--config` by the recipe file it names; returns (argv, recipe path or None)."""
-    value, rest = _take_option(argv, "--config")
-    if value is None:
-        return argv, None
-    recipe = resolve_shipped(value, "recipe")
-    return ["--config", str(recipe), *rest], recipe
+from .console import quiet_library_deprecations, use_console
 
 
 #: `accelerate launch` options `--accelerate_config` runs accept besides the config (none is a recipe key).
@@ -158,13 +53,13 @@ LAUNCH_OPTIONS = ("--num_processes", "--num_machines", "--machine_rank", "--main
 def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
     """With `--accelerate_config NAME|PATH` in argv, rerun `trl-gspo COMMAND` under `accelerate launch` and return
     its exit code (like `trl grpo --accelerate_config zero2`); without it, None (run in this process)."""
-    config, argv = _take_option(argv, "--accelerate_config")
+    config, argv = take_option(argv, "--accelerate_config")
     if config is None:
         return None
     config_file = resolve_shipped(config, "accelerate config")
     launch, given = ["--config_file", str(config_file)], {}
     for option in LAUNCH_OPTIONS:
-        value, argv = _take_option(argv, option)
+        value, argv = take_option(argv, option)
         if value is not None:
             launch += [option, value]
             given[option] = value
@@ -180,160 +75,9 @@ def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
     return subprocess.call(cmd)
 
 
-def recipe_values(command: str, argv: list[str], keys: tuple[str, ...]) -> dict:
-    """Raw values of `keys` from the recipe (with its bases), the command's defaults and flags, before any config
-    class is built (building GSPOConfig already applies the mixed precision that `precision_note` decides on)."""
-    import yaml
-
-    parser = make_parser(command)
-    if command == "demo":
-        from .demo import DEMO_ARGS
-
-        parser.set_defaults_with_config(**DEMO_ARGS)
-    recipe, rest = _take_option(list(argv), "--config")
-    if recipe is not None:
-        with open(recipe) as f:
-            config = yaml.safe_load(f) or {}
-        if isinstance(config, dict):
-            config.pop("env", None)
-            parser.recipe_dir = Path(recipe).parent
-            parser.set_defaults_with_config(**config)
-    namespace, _ = parser.parse_known_args(rest)
-    return {key: getattr(namespace, key, None) for key in keys}
-
-
-def precision_note(command: str, argv: list[str], accelerate: str | None) -> str | None:
-    """`recipe_inputs.reconcile_precision` for this command line: None, or the fp32 note; raises on a GPU conflict."""
-    import torch
-
-    values = recipe_values(command, argv, ("bf16", "fp16", "use_cpu"))
-    return recipe_inputs.reconcile_precision(accelerate, cuda=torch.cuda.is_available(), **values)
-
-
-def reconcile_mixed_precision(command: str, argv: list[str]) -> list[str]:
-    """In the training process, before the config is built: run in fp32 where there is no GPU (accelerate's
-    `ACCELERATE_MIXED_PRECISION` set to "no", `--bf16 false --fp16 false` appended), saying so once (rank 0)."""
-    note = precision_note(command, argv, os.environ.get("ACCELERATE_MIXED_PRECISION"))
-    if note is None:
-        return argv
-    os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
-    if os.environ.get("RANK", "0") == "0":
-        print(f"trl-gspo {command}: {note}", file=sys.stderr, flush=True)
-    return [*argv, "--bf16", "false", "--fp16", "false"]
-
-
-#: Recipe key naming the recipe a variant starts from (see the module docstring).
-EXTENDS = "extends"
-
-
-def recipe_with_bases(config: dict, recipe_dir: Path | None, chain: tuple[str, ...] = ()) -> dict:
-    """`config` (one recipe's keys) on top of the keys of the recipe it `extends`, recursively. A base is looked up
-    next to the recipe that names it first (so copies made by `trl-gspo recipes` extend copies), then among the
-    shipped recipes. A base's `env:` is exported like TRL's parser exports a recipe's."""
-    import yaml
-
-    config = dict(config)
-    base = config.pop(EXTENDS, None)
-    if base is None:
-        return config
-    if not isinstance(base, str):
-        raise RecipeError(f"{EXTENDS}: expected a recipe name or path, got {base!r}.")
-    local = [recipe_dir / base, recipe_dir / f"{base}.yaml"] if recipe_dir is not None else []
-    path = next((c for c in local if c.is_file()), None) or resolve_shipped(base, "recipe")
-    if str(path.resolve()) in chain:
-        raise RecipeError(f"{EXTENDS}: recipes extend each other in a cycle ({' -> '.join(chain)} -> {path}).")
-    with open(path) as f:
-        loaded = yaml.safe_load(f) or {}
-    if not isinstance(loaded, dict):
-        raise RecipeError(f"{EXTENDS}: {path} is not a recipe (a YAML mapping of keys).")
-    for key, value in (loaded.pop("env", None) or {}).items():
-        os.environ[key] = str(value)
-    merged = recipe_with_bases(loaded, path.parent, (*chain, str(path.resolve())))
-    return {**merged, **config}
-
-
-class GSPOParser(TrlParser):
-    """`TrlParser` that rejects unknown recipe keys and checks value types before the dataclasses are built, and
-    follows a recipe's `extends`."""
-
-    recipe_dir: Path | None = None  # folder of the `--config` recipe: its `extends` base is looked up there first
-
-    def set_defaults_with_config(self, **config) -> list[str]:
-        config = recipe_with_bases(config, self.recipe_dir)
-        actions = {a.dest: a for a in self._actions if a.nargs != 0 and a.dest != "help"}  # nargs=0: --no_x twins
-        for key, value in config.items():
-            if key not in actions:
-                close = difflib.get_close_matches(key, list(actions), n=1, cutoff=0.6)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise RecipeError(f"unknown recipe key {key!r}.{hint} (`--help` lists every valid key.)")
-            _check_value(key, value, actions[key])
-        return super().set_defaults_with_config(**config)
-
-
-def _check_value(key, value, action) -> None:
-    """Fail fast on a YAML value argparse would pass through unchecked (it converts only string defaults)."""
-    if value is None:
-        return
-    items = value if isinstance(value, list) and action.nargs in ("+", "*") else [value]
-    kind = getattr(action.type, "__name__", "")
-    for item in items:
-        if action.choices is not None and item not in action.choices:
-            note = " (YAML reads unquoted no/yes/on/off as booleans: quote it)" if isinstance(item, bool) else ""
-            close = difflib.get_close_matches(str(item), [str(c) for c in action.choices], n=1)
-            hint = f" Did you mean {close[0]!r}?" if close and not note else ""
-            raise RecipeError(f"{key}: {item!r} is not allowed{note}.{hint} Choose one of {list(action.choices)}.")
-        if isinstance(item, str):
-            continue  # argparse converts string values itself and names the flag if that fails
-        ok = {
-            "int": isinstance(item, int) and not isinstance(item, bool),
-            "float": isinstance(item, (int, float)) and not isinstance(item, bool),
-            "string_to_bool": isinstance(item, bool),
-        }.get(kind, True)
-        if not ok:
-            wanted = {"int": "an integer", "float": "a number", "string_to_bool": "true or false"}[kind]
-            raise RecipeError(f"{key}: expected {wanted}, got {item!r} ({type(item).__name__}).")
-
-
-def make_parser(command: str) -> GSPOParser:
-    classes = (GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig)
-    if command == "demo":
-        classes = (DemoArguments, GSPOConfig, ModelConfig)
-    return GSPOParser(classes, prog=f"trl-gspo {command}", allow_abbrev=False)
-
-
-def parse(command: str, argv: list[str], defaults: dict | None = None):
-    """Parse `argv` (with `--config recipe.yaml`) into the command's dataclasses; errors become `RecipeError`."""
-    parser = make_parser(command)
-    recipe, _ = _take_option(list(argv), "--config")
-    parser.recipe_dir = Path(recipe).parent if recipe is not None else None
-    if defaults:
-        parser.set_defaults_with_config(**defaults)
-    try:
-        *parsed, extra = parser.parse_args_and_config(argv, return_remaining_strings=True)
-    except RecipeError:
-        raise
-    except (ValueError, TypeError) as err:  # dataclass __post_init__ validation (GSPOConfig._validate, TRL, HF)
-        raise RecipeError(str(err)) from err
-    if extra:
-        flags = [a.option_strings[0].lstrip("-") for a in parser._actions if a.option_strings]
-        close = difflib.get_close_matches(extra[0].lstrip("-"), flags, n=1)
-        hint = f" Did you mean --{close[0]}?" if close else ""
-        raise RecipeError(f"unknown argument(s) {' '.join(extra)}.{hint}")
-    return parsed
-
-
-def _quiet_deepspeed_on_cpu(args) -> None:
-    """A run that asked for the CPU tells DeepSpeed (when installed) so, before it is imported: otherwise DeepSpeed
-    warns that it could not find a GPU."""
-    if args.use_cpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
 # ----------------------------------------------------------------------------------------------------- demo
 def demo(argv: list[str]) -> int:
     from trl import get_peft_config
-
-    from .demo import DEMO_ARGS, run_demo
 
     launched = launch_with_accelerate("demo", argv)
     if launched is not None:
@@ -343,7 +87,7 @@ def demo(argv: list[str]) -> int:
     demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
-    _quiet_deepspeed_on_cpu(args)
+    quiet_deepspeed_on_cpu(args)
     result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
                       args=args, peft_config=get_peft_config(model_args), console=demo_args.console)  # fmt: skip
     trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does
@@ -370,8 +114,6 @@ def load_any_dataset(name: str, config: str | None = None, streaming: bool = Fal
 
 
 def resolve_rewards(script_args, search_dirs: tuple = ()) -> list:
-    from .rewards import resolve_reward
-
     funcs = [resolve_reward(name, search_dirs) for name in script_args.reward_funcs or []]
     if script_args.reward_model_name_or_path:
         funcs.append(script_args.reward_model_name_or_path)
@@ -384,8 +126,6 @@ def check_columns(dataset, reward_funcs, split: str, remove_unused_columns: bool
     """The prompt column and every column a reward function needs must exist, and survive `remove_unused_columns`,
     before a model is loaded."""
     from trl.data_utils import get_dataset_column_names
-
-    from .rewards import missing_columns, needed_columns
 
     columns = get_dataset_column_names(dataset)
     if "prompt" not in columns:
@@ -425,9 +165,6 @@ def load_eval_set(script_args, args, dataset):
 def resolve_trainer_class(path: str | None, search_dirs: tuple = ()):
     """`trainer_class` -> a GSPOTrainer subclass, imported by dotted path (never evaluated); modules in
     `search_dirs` (the recipe's folder) and in the working directory are importable."""
-    from .rewards import import_object
-    from ..trainer import GSPOTrainer
-
     if path is None:
         return GSPOTrainer
     try:
@@ -450,7 +187,7 @@ def train(argv: list[str]) -> int:
     search_dirs = (str(recipe_dir),) if recipe is not None else ()  # a recipe's own modules sit next to it
     argv = reconcile_mixed_precision("train", argv)
     script_args, args, model_args, mixture = parse("train", argv)
-    _quiet_deepspeed_on_cpu(args)
+    quiet_deepspeed_on_cpu(args)
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
     recipe_inputs.resolve_recipe_paths(script_args, model_args, mixture, recipe_dir)
@@ -530,8 +267,6 @@ def recipes(argv: list[str]) -> int:
 
 
 def check(argv: list[str]) -> int:
-    from .check import main as check_main
-
     return check_main(argv)
 
 
@@ -551,8 +286,6 @@ USAGE = """usage: trl-gspo {demo,train,check,recipes} [...]    (trl-gspo --versi
 def version_line() -> str:
     """`trl-gspo --version`: this package and the libraries that decide its behaviour, in one line."""
     from importlib import metadata
-
-    from .. import __version__
 
     others = ", ".join(f"{name} {metadata.version(name)}" for name in ("trl", "transformers", "torch"))
     return f"trl-gspo {__version__} ({others})"

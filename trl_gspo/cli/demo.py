@@ -21,6 +21,7 @@ import torch
 from datasets import Dataset
 
 from ..config import GSPOConfig
+from ..trainer import GSPOTrainer
 from .console import use_console
 from .tiny import build_tiny_model, build_tokenizer
 
@@ -145,8 +146,6 @@ def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, nu
     Returns the held-out reward before and after training and the wall time.
     """
     from trl.models.utils import unwrap_model_for_generation
-
-    from ..trainer import GSPOTrainer
 
     args = args if args is not None else demo_config(output_dir, **overrides)
     model, tokenizer = build_demo_model(seed=args.seed, moe=moe)

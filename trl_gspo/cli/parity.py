@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ..config import GSPOConfig
+from ..trainer import GSPOTrainer
+
 B, P, T = 6, 5, 7  # sequences, prompt length, completion length of the hand-made batch
 
 COMMON_SEQ = dict(epsilon=3e-3, epsilon_high=4e-3)  # narrow enough that some sequences clip, wide enough not all
@@ -166,8 +169,6 @@ def compare_with_stock(settings: dict, model, tokenizer, workdir, seed: int = 2)
     """Run one case through stock `GRPOTrainer` and `GSPOTrainer`; returns the differences (empty: parity)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from .. import GSPOConfig, GSPOTrainer
-
     inputs = make_inputs(model, seed=seed, beta=settings.get("beta", 0) > 0)
     stock = loss_and_grads(GRPOTrainer, GRPOConfig, model, settings, inputs, Path(workdir) / "stock", tokenizer)
     ours = loss_and_grads(GSPOTrainer, GSPOConfig, model, settings, inputs, Path(workdir) / "ours", tokenizer)
@@ -181,8 +182,6 @@ def compare_gspo_token(base: str, model, tokenizer, workdir, seed: int = 2) -> l
     """GSPO-token (`sequence_token`) against our GSPO (`sequence`) on the `base` case, with one advantage per
     sequence: equal loss and gradients (the paper's Eq. 13 reduces to Eq. 7 then). TRL's clip metrics count
     sequences for a `(B, 1)` ratio and tokens for a `(B, T)` one, so they differ by definition and are not compared."""
-    from .. import GSPOConfig, GSPOTrainer
-
     level, reference_level = GSPO_TOKEN_CASE
     inputs = make_inputs(model, seed=seed)
     settings = dict(CASES[base], importance_sampling_level=reference_level)

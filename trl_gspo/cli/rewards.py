@@ -8,13 +8,13 @@ path such as `my_pkg.rewards.my_reward` (imported with importlib, never evaluate
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
-import os
 import re
-import sys
 import threading
 from collections.abc import Callable
+
+from ..common.imports import import_object
+from .demo import demo_reward
 
 #: Arguments TRL passes to every reward function itself; any other parameter without a default is a dataset column.
 TRAINER_SUPPLIED = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "environments"}
@@ -63,9 +63,7 @@ math_accuracy_reward.needs_one_of = ("solution", "answer")
 
 
 def _registry() -> dict[str, Callable]:
-    from trl.rewards import accuracy_reward, reasoning_accuracy_reward, think_format_reward
-
-    from .demo import demo_reward
+    from trl.rewards import accuracy_reward, reasoning_accuracy_reward, think_format_reward  # on first use only
 
     return {
         "accuracy_reward": accuracy_reward,
@@ -74,25 +72,6 @@ def _registry() -> dict[str, Callable]:
         "math_accuracy_reward": math_accuracy_reward,
         "demo_reward": demo_reward,
     }
-
-
-def import_object(path: str, search_dirs: tuple = ()):
-    """`pkg.module.attr` -> the attribute, via importlib only. Modules in `search_dirs` (the CLI passes the recipe's
-    folder) and in the working directory (as with `trl grpo`) are importable, so a recipe can name a module that
-    sits next to it wherever it is launched from. Raises ValueError naming what is missing."""
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{path!r} is not a dotted import path (expected 'package.module.name').")
-    for folder in (*search_dirs, os.getcwd()):  # kept on sys.path: dataloader workers and pickling import it again
-        if folder not in sys.path:
-            sys.path.append(folder)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} (from {path!r}): {err}") from err
-    if not hasattr(module, attr):
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r}).")
-    return getattr(module, attr)
 
 
 def resolve_reward(name: str, search_dirs: tuple = ()) -> Callable:

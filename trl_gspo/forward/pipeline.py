@@ -20,7 +20,6 @@ completions of it in the chunk, segment attention). `trim_padding`, `sort_by_len
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 
@@ -28,7 +27,7 @@ import torch
 from trl.extras.profiling import profiling_decorator
 
 from . import fused_head, segment_attention, shared_prefix
-from .padding import (
+from .layouts import (
     ForwardLayout,
     layouts_to_batch,
     length_order,
@@ -74,7 +73,7 @@ def trimmed_cost(spans, rows, prompt_width, alpha) -> float:
 
 
 def unit_widths(spans, units, prompt_width) -> list[tuple[int, int, list[int]]]:
-    """(width, prefix, segment lengths) of each unit of a segment layout (see padding.segment_layout)."""
+    """(width, prefix, segment lengths) of each unit of a segment layout (see layouts.segment_layout)."""
     out = []
     for unit in units:
         if len(unit) == 1:

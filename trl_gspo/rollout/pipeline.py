@@ -30,7 +30,8 @@ A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousR
 behaviour: generate and score the dataloader's batch now. `DynamicSampling` (dynamic_sampling.py,
 `dynamic_sampling=True`) samples rounds of prompts until the batch is filled with groups that carry signal, then
 scores the kept ones. `AsyncRollouts` (async_rollouts.py, `async_generation=True`) generates later rollout batches
-on a generator thread while the trainer trains. `rollout_source` picks the source from the config. The pipeline also
+on a generator thread while the trainer trains. `rollout_source` (sources.py, the registry above the sources; this
+module never imports them) picks the source from the config and `GSPOTrainer` hands it to the pipeline. The pipeline also
 calls its `poll` on every training micro-step (background failures, per-step metrics) and its `pause` before
 evaluation generates. Its `state_dict` is saved with each checkpoint next to TRL's rollout buffer (checkpointing.py)
 and handed back on resume.
@@ -211,20 +212,6 @@ class SynchronousRollouts:
         """Called when `train()` returns or raises: release threads, clients, buffers."""
 
 
-def rollout_source(trainer):
-    """The `RolloutSource` the config asks for (asynchronous generation with dynamic sampling: `AsyncRollouts`, which
-    fills each batch through a `DynamicSampling` of its own)."""
-    if trainer.args.async_generation:
-        from .async_rollouts import AsyncRollouts
-
-        return AsyncRollouts(trainer)
-    if trainer.args.dynamic_sampling:
-        from .dynamic_sampling import DynamicSampling
-
-        return DynamicSampling(trainer)
-    return SynchronousRollouts(trainer)
-
-
 def split_rollout(batch: dict, steps_per_generation: int) -> list[dict]:
     """TRL's shuffle and split of a scored rollout batch into `steps_per_generation` micro-batches (its own helpers,
     making the same random draws, so the micro-batches are TRL's)."""
@@ -234,7 +221,13 @@ def split_rollout(batch: dict, steps_per_generation: int) -> list[dict]:
 
 class RolloutPipeline:
     """`GSPOTrainer` mixin owning TRL's rollout path (module docstring): one place decides how a rollout batch is
-    produced and what each feature does on the way."""
+    produced and what each feature does on the way.
+
+    The pipeline does not choose its source: `make_rollout_source(trainer)` does, set by the class that assembles the
+    trainer (`GSPOTrainer` sets `rollout.sources.rollout_source`, the registry above the sources). The default is
+    TRL's own behaviour, `SynchronousRollouts`."""
+
+    make_rollout_source = staticmethod(SynchronousRollouts)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -242,7 +235,7 @@ class RolloutPipeline:
         self._stop_after = None  # where the running TRL path stops: "generate" (`_sample`), "request", None (the end)
         self._injected = None  # the `Generation` that `_score` is scoring, or `Completions` answering the generation
         self._injected_rewards = None  # the reward matrix `_score` was given
-        self._rollouts = rollout_source(self)
+        self._rollouts = self.make_rollout_source(self)
 
     # ------------------------------------------------------------------------------------ the rollout buffer
     @profiling_decorator

@@ -1,0 +1,184 @@
+"""The `trl-gspo` parser on TRL's `TrlParser`: the script and demo arguments, unknown recipe keys and wrong value
+types refused before any dataclass is built, and the mixed-precision decision taken from the recipe and flags
+before the config exists (fp32 where there is no GPU).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+from .shipped import recipe_with_bases, take_option
+from . import recipe_inputs
+from ..config import GSPOConfig
+from .demo import DEMO_ARGS
+from .recipe_inputs import RecipeError
+from .console import ConsoleArguments
+
+
+@dataclass
+class GSPOScriptArguments(ScriptArguments, ConsoleArguments):
+    """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...), rewards and the
+    console (console.py).
+
+    `dataset_name` may be a Hub id, a local folder (a `save_to_disk` folder or data files), or a local
+    `.json`/`.jsonl`/`.parquet`/`.csv` file. The training split needs a `prompt` column.
+    """
+
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions: accuracy_reward, reasoning_accuracy_reward, think_format_reward (TRL's), "
+            "math_accuracy_reward, demo_reward (ours), or a dotted import path such as my_pkg.rewards.my_reward."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Optional reward model (Hub id or local folder), used besides reward_funcs."}
+    )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation set, given like dataset_name (a .json/.jsonl/.parquet/.csv file, a folder or a Hub id); "
+            "its dataset_test_split is used, or its only split (a single file loads as 'train'). Without it, "
+            "evaluation uses dataset_name's dataset_test_split."
+        },
+    )
+    trainer_class: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dotted import path of a GSPOTrainer subclass to train with, e.g. one overriding the "
+            "token_advantages hook for GSPO-token (see recipes/per_token_advantages.py). Modules next to the recipe "
+            "file and in the working directory are importable. Default: GSPOTrainer."
+        },
+    )
+
+
+@dataclass
+class DemoArguments(ConsoleArguments):
+    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code) and the console."""
+
+    num_train_prompts: int = field(default=2000, metadata={"help": "Training prompts drawn for the copy task."})
+    num_eval_prompts: int = field(default=200, metadata={"help": "Held-out prompts (digits never seen in training)."})
+    moe: bool = field(default=False, metadata={"help": "Use a tiny Qwen3-MoE (4 experts, top-2) instead of dense."})
+
+
+def recipe_values(command: str, argv: list[str], keys: tuple[str, ...]) -> dict:
+    """Raw values of `keys` from the recipe (with its bases), the command's defaults and flags, before any config
+    class is built (building GSPOConfig already applies the mixed precision that `precision_note` decides on)."""
+    import yaml
+
+    parser = make_parser(command)
+    if command == "demo":
+        parser.set_defaults_with_config(**DEMO_ARGS)
+    recipe, rest = take_option(list(argv), "--config")
+    if recipe is not None:
+        with open(recipe) as f:
+            config = yaml.safe_load(f) or {}
+        if isinstance(config, dict):
+            config.pop("env", None)
+            parser.recipe_dir = Path(recipe).parent
+            parser.set_defaults_with_config(**config)
+    namespace, _ = parser.parse_known_args(rest)
+    return {key: getattr(namespace, key, None) for key in keys}
+
+
+def precision_note(command: str, argv: list[str], accelerate: str | None) -> str | None:
+    """`recipe_inputs.reconcile_precision` for this command line: None, or the fp32 note; raises on a GPU conflict."""
+    import torch
+
+    values = recipe_values(command, argv, ("bf16", "fp16", "use_cpu"))
+    return recipe_inputs.reconcile_precision(accelerate, cuda=torch.cuda.is_available(), **values)
+
+
+def reconcile_mixed_precision(command: str, argv: list[str]) -> list[str]:
+    """In the training process, before the config is built: run in fp32 where there is no GPU (accelerate's
+    `ACCELERATE_MIXED_PRECISION` set to "no", `--bf16 false --fp16 false` appended), saying so once (rank 0)."""
+    note = precision_note(command, argv, os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    if note is None:
+        return argv
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+    if os.environ.get("RANK", "0") == "0":
+        print(f"trl-gspo {command}: {note}", file=sys.stderr, flush=True)
+    return [*argv, "--bf16", "false", "--fp16", "false"]
+
+
+class GSPOParser(TrlParser):
+    """`TrlParser` that rejects unknown recipe keys and checks value types before the dataclasses are built, and
+    follows a recipe's `extends`."""
+
+    recipe_dir: Path | None = None  # folder of the `--config` recipe: its `extends` base is looked up there first
+
+    def set_defaults_with_config(self, **config) -> list[str]:
+        config = recipe_with_bases(config, self.recipe_dir)
+        actions = {a.dest: a for a in self._actions if a.nargs != 0 and a.dest != "help"}  # nargs=0: --no_x twins
+        for key, value in config.items():
+            if key not in actions:
+                close = difflib.get_close_matches(key, list(actions), n=1, cutoff=0.6)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise RecipeError(f"unknown recipe key {key!r}.{hint} (`--help` lists every valid key.)")
+            _check_value(key, value, actions[key])
+        return super().set_defaults_with_config(**config)
+
+
+def _check_value(key, value, action) -> None:
+    """Fail fast on a YAML value argparse would pass through unchecked (it converts only string defaults)."""
+    if value is None:
+        return
+    items = value if isinstance(value, list) and action.nargs in ("+", "*") else [value]
+    kind = getattr(action.type, "__name__", "")
+    for item in items:
+        if action.choices is not None and item not in action.choices:
+            note = " (YAML reads unquoted no/yes/on/off as booleans: quote it)" if isinstance(item, bool) else ""
+            close = difflib.get_close_matches(str(item), [str(c) for c in action.choices], n=1)
+            hint = f" Did you mean {close[0]!r}?" if close and not note else ""
+            raise RecipeError(f"{key}: {item!r} is not allowed{note}.{hint} Choose one of {list(action.choices)}.")
+        if isinstance(item, str):
+            continue  # argparse converts string values itself and names the flag if that fails
+        ok = {
+            "int": isinstance(item, int) and not isinstance(item, bool),
+            "float": isinstance(item, (int, float)) and not isinstance(item, bool),
+            "string_to_bool": isinstance(item, bool),
+        }.get(kind, True)
+        if not ok:
+            wanted = {"int": "an integer", "float": "a number", "string_to_bool": "true or false"}[kind]
+            raise RecipeError(f"{key}: expected {wanted}, got {item!r} ({type(item).__name__}).")
+
+
+def make_parser(command: str) -> GSPOParser:
+    classes = (GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig)
+    if command == "demo":
+        classes = (DemoArguments, GSPOConfig, ModelConfig)
+    return GSPOParser(classes, prog=f"trl-gspo {command}", allow_abbrev=False)
+
+
+def parse(command: str, argv: list[str], defaults: dict | None = None):
+    """Parse `argv` (with `--config recipe.yaml`) into the command's dataclasses; errors become `RecipeError`."""
+    parser = make_parser(command)
+    recipe, _ = take_option(list(argv), "--config")
+    parser.recipe_dir = Path(recipe).parent if recipe is not None else None
+    if defaults:
+        parser.set_defaults_with_config(**defaults)
+    try:
+        *parsed, extra = parser.parse_args_and_config(argv, return_remaining_strings=True)
+    except RecipeError:
+        raise
+    except (ValueError, TypeError) as err:  # dataclass __post_init__ validation (GSPOConfig._validate, TRL, HF)
+        raise RecipeError(str(err)) from err
+    if extra:
+        flags = [a.option_strings[0].lstrip("-") for a in parser._actions if a.option_strings]
+        close = difflib.get_close_matches(extra[0].lstrip("-"), flags, n=1)
+        hint = f" Did you mean --{close[0]}?" if close else ""
+        raise RecipeError(f"unknown argument(s) {' '.join(extra)}.{hint}")
+    return parsed
+
+
+def quiet_deepspeed_on_cpu(args) -> None:
+    """A run that asked for the CPU tells DeepSpeed (when installed) so, before it is imported: otherwise DeepSpeed
+    warns that it could not find a GPU."""
+    if args.use_cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
