@@ -27,6 +27,8 @@ import statistics
 import time
 from collections import defaultdict
 
+from copy_task import CopyTask  # beside this file (compare.py, which runs this experiment, puts it on sys.path)
+
 #: The experiment, fixed before any result was looked at.
 EXPERIMENT = dict(
     arms={"GSPO": {}, "GSPO+DS": {"dynamic_sampling": True}},
@@ -45,8 +47,6 @@ def load_task(name: str, digits: int):
         import trl_gspo.cli.demo as demo  # the demo itself: its dataset, held-out split, reward and evaluation
 
         return demo
-    from compare import CopyTask
-
     return CopyTask(digits)
 
 

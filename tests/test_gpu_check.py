@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 from gpu_check import Part  # noqa: E402
+import gpu_parts  # noqa: E402
 
 CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
 
@@ -125,7 +126,7 @@ def test_benchmark_headline_reads_run_py_ratios_and_mfu():
 
 # -------------------------------------------------------------------------------- the parts' own checks, on CPU
 def test_bf16_parity_passes_on_cpu_and_fails_when_our_loss_drifts(monkeypatch):
-    result = gpu_check.parity_bf16(device="cpu")
+    result = gpu_parts.parity_bf16(device="cpu")
     assert result["status"] == "ok" and result["passed"] == len(result["cases"]) == 6, result["problems"]
     case = result["cases"]["sequence-grpo (GSPO)"]
     assert 0 < case["grad_error_stock"] < 0.05  # bf16 really ran: rounding error against fp32, and small
@@ -134,13 +135,13 @@ def test_bf16_parity_passes_on_cpu_and_fails_when_our_loss_drifts(monkeypatch):
 
     policy_loss = GSPOTrainer.policy_loss
     monkeypatch.setattr(GSPOTrainer, "policy_loss", lambda self, *a, **k: 1.1 * policy_loss(self, *a, **k))
-    drifted = gpu_check.parity_bf16(device="cpu")
+    drifted = gpu_parts.parity_bf16(device="cpu")
     assert drifted["status"] == "failed" and drifted["passed"] == 0
     assert "sequence-grpo (GSPO): loss error" in drifted["problems"][0]
 
 
 def test_colocate_smoke_on_cpu_and_it_notices_when_pi_old_is_recomputed(monkeypatch):
-    result = gpu_check.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
+    result = gpu_parts.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
     assert result["status"] == "ok", result["problems"]
     assert result["pi_old_passes"] == 0 and result["replay_coverage"] > 0.5
     assert result["sampler_logp_abs_diff"] < 1e-5  # same weights, same fp32 model: sampler == trainer
@@ -148,7 +149,7 @@ def test_colocate_smoke_on_cpu_and_it_notices_when_pi_old_is_recomputed(monkeypa
     from trl_gspo.rollout.sampler_logprobs import SamplerLogprobReuse
 
     monkeypatch.setattr(SamplerLogprobReuse, "_reuses_sampler_logps", lambda self: False)
-    broken = gpu_check.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
+    broken = gpu_parts.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
     assert broken["status"] == "failed" and broken["pi_old_passes"] == 1
     assert "TRL's pi_old pass ran 1 times (sampler log-probs not reused)" in broken["problems"]
 
@@ -158,13 +159,13 @@ def test_saved_demo_check_and_zero_command(tmp_path):
 
     out = tmp_path / "demo"
     run_demo(str(out), num_train_prompts=32, num_eval_prompts=8, max_steps=2, logging_steps=1, disable_tqdm=True)
-    assert gpu_check.check_saved_demo(str(out), steps=2) == []
-    assert gpu_check.check_saved_demo(str(out), steps=3) == ["metrics.csv ends at step 2, expected 3"]
+    assert gpu_parts.check_saved_demo(str(out), steps=2) == []
+    assert gpu_parts.check_saved_demo(str(out), steps=3) == ["metrics.csv ends at step 2, expected 3"]
     build_demo_model(seed=0)[0].save_pretrained(out)  # the initial weights, as if training had not happened
-    assert gpu_check.check_saved_demo(str(out), steps=2) == ["the saved weights look untrained"]
-    assert gpu_check.check_saved_demo(str(tmp_path / "nothing"), steps=2)[0].startswith("output unreadable")
+    assert gpu_parts.check_saved_demo(str(out), steps=2) == ["the saved weights look untrained"]
+    assert gpu_parts.check_saved_demo(str(tmp_path / "nothing"), steps=2)[0].startswith("output unreadable")
 
-    cmd = gpu_check.zero_command(3, "run")
+    cmd = gpu_parts.zero_command(3, "run")
     config = cmd[cmd.index("--config_file") + 1]
     assert Path(config).name == "zero3.yaml" and Path(config).is_file()
     assert cmd[cmd.index("--num_processes") + 1] == "2" and cmd[cmd.index("--bf16") + 1] == "true"
@@ -182,17 +183,17 @@ def test_zero_part_streams_its_launch_and_checks_what_it_saved(monkeypatch, caps
     # the 2-GPU launch replaced by the one-process CPU demo: the same outputs for the part to check
     def cpu_demo(stage, output_dir):
         return [sys.executable, "-m", "trl_gspo", "demo", "--output_dir", output_dir, "--max_steps",
-                str(gpu_check.ZERO_STEPS), "--logging_steps", "10", "--num_train_prompts", "64", "--num_eval_prompts",
+                str(gpu_parts.ZERO_STEPS), "--logging_steps", "10", "--num_train_prompts", "64", "--num_eval_prompts",
                 "8", "--disable_tqdm", "true"]  # fmt: skip
 
-    monkeypatch.setattr(gpu_check, "zero_command", cpu_demo)
+    monkeypatch.setattr(gpu_parts, "zero_command", cpu_demo)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    result = gpu_check.zero(2)
+    result = gpu_parts.zero(2)
     assert result["status"] == "ok" and result["exit_code"] == 0, result
     assert re.fullmatch(r"0\.\d{3} -> 0\.\d{3}", result["held_out"])
-    assert f"step {gpu_check.ZERO_STEPS}/{gpu_check.ZERO_STEPS} | reward" in capsys.readouterr().out  # streamed
+    assert f"step {gpu_parts.ZERO_STEPS}/{gpu_parts.ZERO_STEPS} | reward" in capsys.readouterr().out  # streamed
 
-    monkeypatch.setattr(gpu_check, "zero_command", lambda stage, out: [sys.executable, "-c", "import sys; sys.exit(7)"])
-    failed = gpu_check.zero(3)
+    monkeypatch.setattr(gpu_parts, "zero_command", lambda stage, out: [sys.executable, "-c", "import sys; sys.exit(7)"])
+    failed = gpu_parts.zero(3)
     assert failed["status"] == "failed" and failed["problems"][0] == "launcher exited 7"
     assert failed["problems"][1].startswith("output unreadable")
