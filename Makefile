@@ -6,11 +6,17 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test check gpu-check gpu-wheels
+.PHONY: demo lint test check gpu-check gpu-wheels
 demo: $(VENV)/.installed
 	$(BIN)/trl-gspo demo
 
-test: $(VENV)/.installed
+# `make lint`: ruff (pyflakes, import order; pyproject.toml [tool.ruff]), then the import contracts (import-linter;
+# pyproject.toml [tool.importlinter]: the layers of docs/design.md, imports run downward only). Part of `make test`.
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 check: $(VENV)/.installed

@@ -2,7 +2,8 @@
 # The wheel test: build trl-gspo with `pip install .` (not editable) into a clean venv in a temporary folder and use
 # it from there, where the repository is not importable: the offline demo, `trl-gspo check`, `trl-gspo recipes`, and
 # a shipped recipe (GSPO-token, whose trainer_class lives next to it; the wheel installs the top-level recipes/ inside the package) for one step on the tiny
-# model. Any failing command, missing output or a model card that does not name the variant fails the test.
+# model; and that every module of every subpackage of trl_gspo/ is in the wheel. Any failing command, missing output
+# or module, or a model card that does not name the variant fails the test.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
@@ -14,10 +15,19 @@ venv/bin/python -m pip install -q torch==2.13.0
 venv/bin/python -m pip install -q "$repo"
 export PATH="$work/venv/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-python - <<'PY'  # installed as a wheel: the package and its data come from site-packages, not the repository
+REPO="$repo" python - <<'PY'  # installed as a wheel: the package and its data come from site-packages, not the repository
+import importlib, os, pathlib
 import trl_gspo, trl_gspo.cli.shipped as shipped
 assert "site-packages" in trl_gspo.__file__, trl_gspo.__file__
 assert (shipped.SHIPPED["recipe"] / "per_token_advantages.py").is_file() and (shipped.SHIPPED["accelerate config"] / "zero2.yaml").is_file()
+# every module of every subpackage of the repository's trl_gspo/ is in the wheel, and every subpackage imports
+source, installed = pathlib.Path(os.environ["REPO"]) / "trl_gspo", pathlib.Path(trl_gspo.__file__).parent
+modules = {p.relative_to(source) for p in source.rglob("*.py")}
+missing = sorted(str(m) for m in modules if not (installed / m).is_file())
+assert not missing, f"not in the wheel: {missing}"
+for package in sorted({m.parent for m in modules if m.name == "__init__.py"}):
+    importlib.import_module(".".join(("trl_gspo", *package.parts)))
+print(f"wheel: {len(modules)} modules in {len({m.parent for m in modules})} packages, recipes and accelerate configs")
 PY
 
 trl-gspo demo --output_dir demo-out --max_steps 2 --num_train_prompts 32 --num_eval_prompts 16 --disable_tqdm true

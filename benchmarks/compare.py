@@ -50,7 +50,6 @@ import sys
 import time
 from collections import defaultdict
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import async_experiment  # noqa: E402  (beside this file: the asynchronous-generation experiment's arms and report)
 import dynamic_sampling_experiment  # noqa: E402  (beside this file)
@@ -68,7 +67,6 @@ from compare_report import (  # noqa: E402
     summarize,
 )
 from copy_task import CopyTask  # noqa: E402
-
 
 #: The routing-replay experiment's regime (see the module docstring). Fixed before looking at any reward or collapse.
 ROUTING_EXPERIMENT = dict(

@@ -12,7 +12,6 @@ import statistics
 import sys
 from collections import defaultdict
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import async_experiment  # noqa: E402  (beside this file: the asynchronous-generation experiment's arms and report)
 

@@ -5,7 +5,6 @@ demo's three digits are too short (`compare.py --task`, the routing-replay and d
 from __future__ import annotations
 
 
-
 class CopyTask:
     """The demo's copy task with `num_digits` digits per prompt (longer completions) and MoE config overrides, in the
     task interface `run` expects. Held-out prompts are digit strings whose digit sum is a multiple of 7; training

@@ -58,7 +58,6 @@ import platform
 import sys
 import time
 
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
@@ -172,8 +171,8 @@ def main(argv=None):
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    import trl
     import transformers
+    import trl
 
     report = {
         "device": args.device,

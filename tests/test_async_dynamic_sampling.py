@@ -12,8 +12,8 @@ thread generates sampling rounds ahead, the main thread fills each rollout batch
 
 import pytest
 import torch
+from test_dynamic_sampling import PROMPTS, G, _trainer, has_signal
 
-from test_dynamic_sampling import PROMPTS, G, _trainer, has_signal, known_reward
 from trl_gspo.rollout.async_rollouts import AsyncRollouts
 from trl_gspo.rollout.prompt_stream import PromptStream
 

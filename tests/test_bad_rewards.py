@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from fault_utils import make_trainer
 from torch import nn
 
-from fault_utils import make_trainer
 from trl_gspo.guards.rewards_guard import RewardFunctionError, check_reward_matrix, guard_reward_function
 
 PROMPTS = ["add 1 2 =", "add 3 4 =", "add 5 6 ="]

@@ -9,8 +9,7 @@ import warnings
 import pytest
 from trl import GRPOTrainer
 
-from trl_gspo.cli import check
-from trl_gspo.cli import parity
+from trl_gspo.cli import check, parity
 from trl_gspo.common import trl_compat
 
 

@@ -12,11 +12,11 @@ from datasets import DatasetDict
 from trl_gspo.cli import commands as cli
 from trl_gspo.cli import shipped
 from trl_gspo.cli.commands import main
+from trl_gspo.cli.demo import copy_score, demo_reward, make_demo_dataset
 from trl_gspo.cli.parser import parse
 from trl_gspo.cli.recipe_inputs import RecipeError
-from trl_gspo.cli.shipped import SHIPPED
-from trl_gspo.cli.demo import copy_score, demo_reward, make_demo_dataset
 from trl_gspo.cli.rewards import math_accuracy_reward, resolve_reward
+from trl_gspo.cli.shipped import SHIPPED
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--max_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"]

@@ -3,19 +3,18 @@ driver survives parts that crash, fail or overrun their budget, and the parts' o
 the GPU is only a device choice) and fail when the property they check is broken."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
-from gpu_check import Part  # noqa: E402
 import gpu_parts  # noqa: E402
+from gpu_check import Part  # noqa: E402
 
 CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from fault_utils import make_trainer
 from transformers import TrainerCallback
 
-from fault_utils import make_trainer
 from trl_gspo import GSPOTrainer
 from trl_gspo.guards import checkpointing
 from trl_gspo.guards.nonfinite import NonFiniteTrainingError

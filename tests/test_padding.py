@@ -15,10 +15,9 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.forward import fused_head
-from trl_gspo.forward import layouts, padding
-from trl_gspo.forward.layouts import ForwardLayout, layouts_to_batch, plan_layouts, row_spans
 from trl_gspo.cli.tiny import build_tiny_model
+from trl_gspo.forward import fused_head, layouts, padding
+from trl_gspo.forward.layouts import ForwardLayout, layouts_to_batch, plan_layouts, row_spans
 
 
 def _mask_from_spans(spans, s):

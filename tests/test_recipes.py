@@ -11,8 +11,8 @@ import torch
 
 from trl_gspo.cli.commands import resolve_trainer_class
 from trl_gspo.cli.parser import parse
-from trl_gspo.cli.shipped import SHIPPED, resolve_shipped
 from trl_gspo.cli.rewards import resolve_reward
+from trl_gspo.cli.shipped import SHIPPED, resolve_shipped
 
 RECIPES_DIR, ACCELERATE_DIR = SHIPPED["recipe"], SHIPPED["accelerate config"]  # top-level folders; the wheel ships them
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))

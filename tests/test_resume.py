@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from fault_utils import PROMPTS, make_trainer, straight_then_resumed
+
 from trl_gspo.guards import checkpointing
 
 N = 6  # optimizer steps; steps_per_generation=2 with one micro-batch per step: a rollout every 2 steps

@@ -13,19 +13,19 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .rollout.async_options import AsyncOptions
+from .common.validation import check_choice
+from .forward.fused_head import FusedHeadOptions
+from .forward.padding import PaddingOptions
+from .forward.shared_prefix import SharedPrefixOptions
 from .guards.checkpointing import CheckpointOptions
 from .guards.diagnostics import DiagnosticsOptions
-from .rollout.dynamic_sampling import DynamicSamplingOptions
-from .forward.fused_head import FusedHeadOptions
-from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
 from .guards.nonfinite import NonFiniteOptions
-from .forward.padding import PaddingOptions
 from .guards.rewards_guard import RewardGuardOptions
+from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
 from .moe.routing_replay import RoutingReplayOptions
+from .rollout.async_options import AsyncOptions
+from .rollout.dynamic_sampling import DynamicSamplingOptions
 from .rollout.sampler_logprobs import SamplerLogprobOptions
-from .forward.shared_prefix import SharedPrefixOptions
-from .common.validation import check_choice
 
 logger = logging.getLogger(__name__)
 

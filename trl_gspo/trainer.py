@@ -32,21 +32,21 @@ import shutil
 import torch
 from trl import GRPOTrainer
 
-from .guards import checkpointing
 from . import losses
 from .common import model_card
-from .rollout.async_rollouts import decoupled_behaviour_weight
-from .guards.checkpointing import ResumableTraining
 from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
-from .guards.diagnostics import TrainingDiagnostics
-from .forward.pipeline import LogprobForward
-from .guards.nonfinite import NonFiniteGuard
 from .forward.padding import PaddingRemoval
+from .forward.pipeline import LogprobForward
+from .guards import checkpointing
+from .guards.checkpointing import ResumableTraining
+from .guards.diagnostics import TrainingDiagnostics
+from .guards.nonfinite import NonFiniteGuard
 from .guards.rewards_guard import GuardedRewards
-from .rollout.pipeline import RolloutPipeline
-from .rollout.sources import rollout_source
 from .moe.routing_replay import MoERouting
+from .rollout.async_rollouts import decoupled_behaviour_weight
+from .rollout.pipeline import RolloutPipeline
 from .rollout.sampler_logprobs import SamplerLogprobReuse
+from .rollout.sources import rollout_source
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
 _FORWARD_KEYS = (

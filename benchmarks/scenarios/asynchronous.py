@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+from scenarios.driver import median_of, ratio_of, run_worker
 from scenarios.workload import (
     ASYNC_VARIANTS,
     LOSS_SETTINGS,
@@ -17,7 +18,7 @@ from scenarios.workload import (
     make_model,
     make_tokenizer,
 )
-from scenarios.driver import median_of, ratio_of, run_worker
+
 
 def run_async(variant: str, shape: dict, device: str, out_dir: str) -> dict:
     """One run of the `async` scenario: ours with `ASYNC_VARIANTS[variant]`; wall-clock seconds per optimizer step over

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from scenarios.driver import median_of, ratio_of, run_worker
 from scenarios.workload import (
     LOSS_SETTINGS,
     QWEN3_VOCAB,
@@ -16,7 +17,6 @@ from scenarios.workload import (
     make_tokenizer,
     zero_reward,
 )
-from scenarios.driver import median_of, ratio_of, run_worker
 
 MEMORY_CHUNK = 4096
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 
+from scenarios.driver import median_of, ratio_of, run_worker
 from scenarios.workload import (
     LOSS_SETTINGS,
     QWEN3_VOCAB,
@@ -21,7 +22,7 @@ from scenarios.workload import (
     make_tokenizer,
     param_flops_per_token,
 )
-from scenarios.driver import median_of, ratio_of, run_worker
+
 
 def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str, gradient_checkpointing: bool = True,
                  settings: dict | None = None, long_tail: bool = False) -> dict:  # fmt: skip

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 
-
 QWEN3_VOCAB = 151_936
 
 
@@ -98,7 +97,7 @@ class PeakMemory:
 
 # ------------------------------------------------------------------------------------------------ workload
 def make_tokenizer(vocab_size: int | None = None):
-    from trl_gspo.cli.tiny import WORDS, SPECIAL_TOKENS, build_tokenizer
+    from trl_gspo.cli.tiny import SPECIAL_TOKENS, WORDS, build_tokenizer
 
     extra = None
     if vocab_size is not None:  # pad the word-level vocabulary to the model's, so every sampled id decodes

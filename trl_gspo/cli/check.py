@@ -17,8 +17,8 @@ import time
 import warnings
 from importlib import metadata
 
-from . import parity
 from ..common import trl_compat
+from . import parity
 from .tiny import build_tiny_model, build_tokenizer
 
 #: Distribution names whose versions change training behaviour (missing optional ones print as "not installed").

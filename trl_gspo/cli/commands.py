@@ -30,20 +30,18 @@ import shutil
 import sys
 from pathlib import Path
 
-
-from .parser import GSPOScriptArguments, quiet_deepspeed_on_cpu, parse, precision_note, reconcile_mixed_precision
-from .shipped import SHIPPED, resolve_config_argument, resolve_shipped, shipped_names, take_option
-from . import recipe_inputs
-from ..common import trl_compat
 from .. import __version__
-from ..trainer import GSPOTrainer
+from ..common import trl_compat
 from ..common.imports import import_object
+from ..trainer import GSPOTrainer
+from . import recipe_inputs
 from .check import main as check_main
-from .demo import DEMO_ARGS, run_demo
-from .rewards import missing_columns, needed_columns, resolve_reward
-from .recipe_inputs import RecipeError
 from .console import quiet_library_deprecations, use_console
-
+from .demo import DEMO_ARGS, run_demo
+from .parser import GSPOScriptArguments, parse, precision_note, quiet_deepspeed_on_cpu, reconcile_mixed_precision
+from .recipe_inputs import RecipeError
+from .rewards import missing_columns, needed_columns, resolve_reward
+from .shipped import SHIPPED, resolve_config_argument, resolve_shipped, shipped_names, take_option
 
 #: `accelerate launch` options `--accelerate_config` runs accept besides the config (none is a recipe key).
 LAUNCH_OPTIONS = ("--num_processes", "--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port",

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
-from .shipped import recipe_with_bases, take_option
-from . import recipe_inputs
 from ..config import GSPOConfig
+from . import recipe_inputs
+from .console import ConsoleArguments
 from .demo import DEMO_ARGS
 from .recipe_inputs import RecipeError
-from .console import ConsoleArguments
+from .shipped import recipe_with_bases, take_option
 
 
 @dataclass

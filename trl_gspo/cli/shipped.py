@@ -8,9 +8,7 @@ import difflib
 import os
 from pathlib import Path
 
-
 from .recipe_inputs import RecipeError
-
 
 # ----------------------------------------------------------------------------------------- shipped files
 PACKAGE_DIR = Path(__file__).resolve().parent.parent

@@ -31,11 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fused_head, segment_attention
-from . import shared_prefix
 from ..common import trl_compat
 from ..common.validation import check_bool, check_choice
-
+from . import fused_head, segment_attention, shared_prefix
 
 logger = logging.getLogger(__name__)
 

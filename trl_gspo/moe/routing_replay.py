@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..common import metrics, trl_compat
+from ..common.validation import check_choice
 from .route_sources import place_routes, routes_from_engine, routes_from_generate
 from .routing import RouterHooks, RouterPass, RouteTable
-from ..common.validation import check_choice
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,10 @@ from concurrent.futures import Future
 import torch
 
 from ..common import trl_compat
+from ..moe.route_sources import routes_from_generate
+from ..moe.routing import RouterHooks
 from .pipeline import Completions, GenerationRequest
 from .sampler_logprobs import SamplerLogprobRecorder
-from ..moe.routing import RouterHooks
-from ..moe.route_sources import routes_from_generate
-
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +158,13 @@ def seeded_sampling(config):
     """`(greedy_config, warpers)`: `generate` with `greedy_config` and the logits processors `[*warpers,
     _GumbelMaxSampling(g)]` samples exactly as `config` does (same processors, same order: transformers applies custom
     processors after its own, and its sampling warpers only in sampling mode), but from `g` instead of the global RNG."""
-    from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     def cutoff(value):
         return value is not None and 0.0 < value < 1.0

@@ -12,7 +12,6 @@ import torch
 
 from ..common.validation import check_bool, check_int
 
-
 logger = logging.getLogger(__name__)
 
 

@@ -65,9 +65,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import losses
-from .prompt_stream import PromptStream
 from .async_backends import GenerationWorker, GeneratorThreadError, generation_backend
 from .dynamic_sampling import DynamicSampling
+from .prompt_stream import PromptStream
 
 logger = logging.getLogger(__name__)
 

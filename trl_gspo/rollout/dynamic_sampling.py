@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
+from ..common.validation import check_bool, check_choice, check_int
 from .group_filling import (
     REWARD_STD,
     UNDERFILL_POLICIES,
@@ -81,8 +82,6 @@ from .group_filling import (
 )
 from .pipeline import Generation, gather_rows
 from .prompt_stream import PromptStream
-from ..common.validation import check_bool, check_choice, check_int
-
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import torch
 
 from ..common.imports import import_object
 
-
 #: What to do when `max_sampling_rounds` is reached before the batch is full.
 UNDERFILL_POLICIES = ("shrink", "pad")
 #: The built-in group filter: drop groups whose rewards are all equal.

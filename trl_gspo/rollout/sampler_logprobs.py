@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..common import trl_compat
-from ..losses import SEQUENCE_LEVELS, masked_sequence_mean
 from ..common.validation import check_choice
+from ..losses import SEQUENCE_LEVELS, masked_sequence_mean
 
 logger = logging.getLogger(__name__)
 
