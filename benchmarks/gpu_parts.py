@@ -118,7 +118,7 @@ def demo_cuda() -> dict:
 @contextlib.contextmanager
 def _count_no_grad_forwards():
     """Counts the log-prob forwards that run the model without gradient (beta = 0: TRL's pi_old pass, nothing else):
-    the forward pipeline's model-running step (forward.py, after sampler reuse had its chance to answer) and TRL's
+    the forward pipeline's model-running step (forward/pipeline.py, after sampler reuse had its chance to answer) and TRL's
     own padded loop, which the pipeline falls back to for multimodal inputs."""
     import torch
     from trl import GRPOTrainer

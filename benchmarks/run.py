@@ -24,7 +24,7 @@ Scenarios, each reported as ratios ours/stock of medians over repetitions (runs 
   ours, rotated ABC/CBA in fresh processes: `defaults` (every layout chosen by cost), `trim_sort` (no packing, no
   sharing: the previous defaults), `packed` (`padding_free=True`), `no_sharing` (`shared_prefix=False`).
   Generation costs nothing there, so the step time is the training phase. `ratio_positions` is what the token count
-  alone predicts (positions the model ran on / positions stock runs, from padding.py's counters).
+  alone predicts (positions the model ran on / positions stock runs, from forward/padding.py's counters).
 - `long_prompt`: the same on prompts of 896-1152 tokens (one per group of G = 8), completions lognormal with median
   128 (~10% truncated at 384), 8 rows x 2 micro-batches per optimizer step: `shared` (defaults,
   `shared_prefix="auto"`), `group_minibatches` (whole groups per optimizer step, so the loss forward shares too),
@@ -234,7 +234,7 @@ def main(argv=None):
         if name not in wanted:
             continue
         if not fused_head.available():  # padding removal needs TRL's fused head (>= 1.15)
-            log(f"{name} skipped: this TRL has no fused log-prob head, so padding removal is off (padding.py)")
+            log(f"{name} skipped: this TRL has no fused log-prob head, so padding removal is off (forward/padding.py)")
             continue
         report["scenarios"][name] = {}
         for key in LAYOUT_SHAPES[name]:

@@ -1,4 +1,4 @@
-"""Asynchronous generation (async_rollouts.py) and the decoupled objective.
+"""Asynchronous generation (rollout/async_rollouts.py) and the decoupled objective.
 
 - The behaviour weight and the decoupled loss (value and every parameter gradient) against a naive reference with its
   own forward, for `token`, `sequence` and `sequence_token`, truncated and masked: the configured level is the one

@@ -1,4 +1,4 @@
-"""Asynchronous generation and dynamic sampling together (async_rollouts.py `_next_filled_batch`): the generator
+"""Asynchronous generation and dynamic sampling together (rollout/async_rollouts.py `_next_filled_batch`): the generator
 thread generates sampling rounds ahead, the main thread fills each rollout batch from them.
 
 - `max_staleness=0` ends at the weights of synchronous dynamic sampling, bit for bit.

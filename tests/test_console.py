@@ -1,4 +1,4 @@
-"""The compact console (trl_gspo/console.py): one line per logging step with the watched numbers, while loggers,
+"""The compact console (trl_gspo/cli/console.py): one line per logging step with the watched numbers, while loggers,
 `log_history` and the demo's `metrics.csv` still get every metric; `--console stock` restores transformers' dicts."""
 
 import csv

@@ -1,4 +1,4 @@
-"""Dynamic sampling (trl_gspo/dynamic_sampling.py): rollout batches filled with groups whose rewards differ.
+"""Dynamic sampling (trl_gspo/rollout/dynamic_sampling.py): rollout batches filled with groups whose rewards differ.
 
 - The policy alone: which groups pass (built-in rule, a user predicate), how a batch is filled, shrunk or padded,
   and how kept groups are dealt to processes.

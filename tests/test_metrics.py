@@ -1,4 +1,4 @@
-"""Diagnostics (trl_gspo/metrics.py, routing.py): each metric against a hand-computed value on a crafted batch,
+"""Diagnostics (trl_gspo/common/metrics.py, moe/routing.py): each metric against a hand-computed value on a crafted batch,
 the logging window's pooling, and the metrics reaching the trainer's logs for every variant (MoE ones only for MoE).
 """
 

@@ -57,12 +57,12 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
      # max_grad_norm other than 1.0: DeepSpeed's gradient_clipping is left to it (a fixed value fails at start-up)
      ("zero2.yaml", ("DEEPSPEED",), ("--max_grad_norm", "0.5")), ("zero3.yaml", ("DEEPSPEED",), ()),
      ("multi_gpu.yaml", ("MULTI_CPU",), ("--moe", "true", "--routing_replay", "R2")),
-     # packed forwards (padding.py): each rank packs its own rows, ZeRO-3 ranks still make the same model calls
+     # packed forwards (forward/padding.py): each rank packs its own rows, ZeRO-3 ranks still make the same model calls
      # (longer completions, so rows end at different lengths and the ranks' packed widths differ)
      ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12")),
      # shared-prefix forwards with whole-group mini-batches: every pass (pi_old and loss) runs each prompt once
      ("zero3.yaml", ("DEEPSPEED",), ("--shared_prefix", "true", "--group_minibatches", "true")),
-     # asynchronous generation (async_rollouts.py): a generator copy per rank, weights pushed (ZeRO-3: gathered) on
+     # asynchronous generation (rollout/async_rollouts.py): a generator copy per rank, weights pushed (ZeRO-3: gathered) on
      # every rank's main thread at the same sync points
      # (one step per rollout batch, so the second step trains on a batch sent after the first push)
      ("multi_gpu.yaml", ("MULTI_CPU",), ("--async_generation", "true", "--steps_per_generation", "1")),

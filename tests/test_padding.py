@@ -1,4 +1,4 @@
-"""Padding removal (trl_gspo/padding.py): trimmed, length-sorted and packed forwards give TRL's numbers.
+"""Padding removal (trl_gspo/forward/padding.py): trimmed, length-sorted and packed forwards give TRL's numbers.
 
 Each claim is checked against an independent computation: layouts against loops over positions, trimmed and
 packed forwards against the full padded forward (log-probs, entropies and every parameter gradient), the loss,
@@ -594,7 +594,7 @@ def test_trimmed_sorted_and_packed_training_ends_with_the_same_weights(tokenizer
 
 
 # --------------------------------------------------------------------- MoE routes through the layouts
-# Routing replay (routing_replay.py) meets padding removal in the same model calls: MoERouting._call_model tells the
+# Routing replay (moe/routing_replay.py) meets padding removal in the same model calls: MoERouting._call_model tells the
 # open router pass where each position of a trimmed / sorted / packed call came from.
 @needs_fused_head
 def test_recorded_routes_follow_trimmed_sorted_and_packed_rows(tokenizer, tmp_path):

@@ -1,6 +1,6 @@
 """Upstream parity: GSPOTrainer's rebuilt loss equals stock trl.GRPOTrainer's, value and gradient.
 
-The cases live in `trl_gspo/parity.py` (what `trl-gspo check` runs after a TRL upgrade): for the levels TRL has
+The cases live in `trl_gspo/cli/parity.py` (what `trl-gspo check` runs after a TRL upgrade): for the levels TRL has
 (`token`, `sequence`), every loss type and every loss feature our `_compute_loss` re-routes, both trainers see the
 same weights and the same batch. A mismatch means our pipeline changed something besides the two hooks, or that TRL
 changed underneath. `sequence_token` has no stock counterpart: with sequence advantages it must equal `sequence`.

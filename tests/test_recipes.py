@@ -120,7 +120,7 @@ def test_routing_replay_recipes_differ_from_the_moe_recipe_only_where_they_say(v
     output folder (and what is derived from them: TRL's logging_dir, our correction's default per level)."""
     base, got = _fields("qwen3_30b_a3b_moe_zero3"), _fields(variant)
     changed = {k.split(".", 1)[1] for k in base if base[k] != got[k]}
-    # derived: the length-normalised vLLM correction is the default for sequence levels only (sampler_logprobs.py)
+    # derived: the length-normalised vLLM correction is the default for sequence levels only (rollout/sampler_logprobs.py)
     derived = {"vllm_importance_sampling_length_normalized"} if "importance_sampling_level" in differs else set()
     assert changed - {"output_dir", "logging_dir"} - derived == set(differs)
     for key, value in differs.items():

@@ -1,4 +1,4 @@
-"""The rollout pipeline (rollout.py): sampling apart from scoring gives exactly the one-call rollout batch.
+"""The rollout pipeline (rollout/pipeline.py): sampling apart from scoring gives exactly the one-call rollout batch.
 
 - `_score(inputs, _sample(inputs))` returns the same tensors as `_generate_and_score_completions(inputs)` from the
   same random state: dense with sampler log-prob reuse (pi_old from the sampler), and a Qwen3-MoE under R3 (the

@@ -1,4 +1,4 @@
-"""MoE routing replay (trl_gspo/routing.py, route_sources.py, routing_replay.py).
+"""MoE routing replay (trl_gspo/moe/routing.py, moe/route_sources.py, moe/routing_replay.py).
 
 Model level: on a tiny model of each supported architecture, replaying a router's own routes is bit-identical, and a
 replayed forward after an optimizer step equals a naive MoE forward written here with the experts forced by hand
@@ -239,7 +239,7 @@ def test_routes_are_stored_compactly():
 
 
 def test_the_load_balancing_loss_stays_on_the_routers_own_picks():
-    """Decision (routing_replay.py): under replay transformers' aux loss sees the router logits, i.e. the router's own
+    """Decision (moe/routing_replay.py): under replay transformers' aux loss sees the router logits, i.e. the router's own
     top-k, not the replayed experts. Checked against the Switch-style formula written here for both choices."""
     model = moe_model("qwen3_moe")
     hooks = RouterHooks.for_model(model)
@@ -310,7 +310,7 @@ class UsedRoutes:
 @pytest.mark.parametrize("padding", ["padded", "trimmed+sorted"])
 def test_r2_replays_recorded_routes_in_the_loss_forward(padding, tokenizer, tmp_path):
     """Padded (TRL's layout): the routes used at every position of every loss forward are the recorded ones. With
-    padding.py's defaults (trimmed, length-sorted): every real token has a recorded route, and all are replayed
+    forward/padding.py's defaults (trimmed, length-sorted): every real token has a recorded route, and all are replayed
     (tests/test_padding.py checks replay through those layouts position by position)."""
     settings = dict(trim_padding=False, sort_by_length="never") if padding == "padded" else {}
     trainer = make_trainer(tokenizer, tmp_path, routing_replay="R2", **settings)
@@ -415,7 +415,7 @@ def test_replay_fails_loudly_when_a_kernel_bypasses_a_router(tokenizer, tmp_path
         return block.experts(flat, experts, weights / weights.sum(-1, keepdim=True)).view_as(hidden_states)
 
     block.forward = fused
-    # TRL >= 1.15: padding.py's model calls (one explicit layout each); older TRL: TRL's own row chunks
+    # TRL >= 1.15: forward/padding.py's model calls (one explicit layout each); older TRL: TRL's own row chunks
     bypass = (r"routing_replay='R2': (MoE layers \[1\] fired \[0\] times for \d+ model calls|the routers of MoE "
               r"layers \[1\] saw \[0\] tokens for a \d+x\d+ batch) \(a fused MoE kernel")
     with pytest.raises(RuntimeError, match=bypass):

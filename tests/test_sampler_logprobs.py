@@ -95,7 +95,7 @@ def test_recorder_rejects_bad_temperature_and_unused_state(tokenizer):
 # ------------------------------------------------------------------------------------------ end to end
 def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_path, monkeypatch):
     calls = []
-    # Where the forward pipeline (forward.py) runs the model: every log-prob pass that calls it goes through here.
+    # Where the forward pipeline (forward/pipeline.py) runs the model: every log-prob pass that calls it goes through here.
     original = LogprobForward._planned_forward
 
     def counting(self, *args, **kwargs):
@@ -136,7 +136,7 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
 
 def test_reuse_off_rollout_batch_is_bit_for_bit_stock(tokenizer, tmp_path):
     stock = _first_rollout(_trainer(tokenizer, tmp_path / "stock", cls=GRPOTrainer, config_cls=GRPOConfig))
-    # Trimming and sorting off (padding.py): its forward must then be TRL's bit for bit; with them on, rows are
+    # Trimming and sorting off (forward/padding.py): its forward must then be TRL's bit for bit; with them on, rows are
     # reordered within optimizer steps and log-probs differ by float rounding (tests/test_padding.py).
     ours = _first_rollout(_trainer(tokenizer, tmp_path / "ours", old_logprobs_source="recompute", trim_padding=False,
                                    sort_by_length="never"))  # fmt: skip
@@ -283,7 +283,7 @@ class _FakeVLLMTrainer(GSPOTrainer):
     """Takes TRL's vLLM branches (`use_vllm=True` set after init) but samples with transformers `generate` and
     returns per-token log-probs shifted by SAMPLER_GAP, as an engine with slightly different numerics would."""
 
-    def _generate_single_turn(self, *args, **kwargs):  # TRL's arguments vary across releases (trl_compat.py)
+    def _generate_single_turn(self, *args, **kwargs):  # TRL's arguments vary across releases (common/trl_compat.py)
         self.use_vllm = False  # just for the stock generate path
         try:
             with sl.SamplerLogprobRecorder(self.model, self.temperature) as rec:

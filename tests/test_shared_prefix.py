@@ -1,4 +1,4 @@
-"""Shared-prefix forwards (shared_prefix.py, segment_attention.py, forward.py): each prompt runs once for all of its
+"""Shared-prefix forwards (forward/shared_prefix.py, forward/segment_attention.py, forward/pipeline.py): each prompt runs once for all of its
 completions in a model call, and every number is the unshared forward's.
 
 Checked against independent computations: the shared forward against the trimmed padded one and a naive per-row

@@ -1,8 +1,8 @@
 """`GSPOConfig`: `trl.GRPOConfig` with the GSPO paper's defaults, the `sequence_token` level, and validation.
 
 The fields of each feature live next to the feature, in a small options dataclass that also validates them
-(`PaddingOptions` in padding.py, `RoutingReplayOptions` in routing_replay.py, ...; errors in the style of
-validation.py). `GSPOConfig` inherits them all and holds what is GSPO itself: the level, the clip range, the loss
+(`PaddingOptions` in forward/padding.py, `RoutingReplayOptions` in moe/routing_replay.py, ...; errors in the style of
+common/validation.py). `GSPOConfig` inherits them all and holds what is GSPO itself: the level, the clip range, the loss
 aggregation and the log-ratio clamp, with the paper's defaults.
 """
 
@@ -220,7 +220,7 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
                 f"loss_type='vespo' computes its own sequence-level weights and ignores importance_sampling_level; set "
                 f"importance_sampling_level='token' (got {level!r})."
             )
-        for options in FEATURE_OPTIONS:  # each feature checks its own fields (its module, validation.py's style)
+        for options in FEATURE_OPTIONS:  # each feature checks its own fields (its module, common/validation.py's style)
             options._validate_options(self)
         on_policy = self.num_iterations == 1 and self.steps_per_generation <= self.gradient_accumulation_steps
         if on_policy and level != "token":

@@ -8,20 +8,20 @@ TRL's own helpers for the forward pass and masks, and three hooks for what GSPO 
     importance_log_weights(logps, old_logps, mask)   # token / sequence / sequence_token (losses.py)
     policy_loss(ratio, advantages, logps)            # clipped surrogate (or CISPO)
     behaviour_weight(inputs, old_logps, mask)        # weight for the sampling policy: decoupled pi_prox / mu when
-                                                     # generation runs ahead (async_rollouts.py), else TRL's vLLM one
+                                                     # generation runs ahead (rollout/async_rollouts.py), else TRL's vLLM one
 
 plus `token_advantages(inputs)`, the place to supply per-token advantages for GSPO-token. Everything between
 (KL term, entropy mask and bonus, off-policy mask, aggregation and
 gradient-accumulation normalisation, MoE aux loss, metrics) follows TRL's semantics; `tests/test_parity.py`
 checks loss and gradients against stock `GRPOTrainer` so drift is caught when the TRL pin moves.
 
-Features around the loss are mixins, one per module: `ResumableTraining` (checkpointing.py), `RolloutPipeline`
-(rollout.py: owns TRL's rollout path, `_prepare_inputs` -> `_generate_and_score_completions` -> `_generate`, and
-calls each feature's step there explicitly; its rollout source may generate ahead of time, async_rollouts.py), `GuardedRewards` (rewards_guard.py), `MoERouting` (routing_replay.py:
-MoE routing metrics and routing replay), `SamplerLogprobReuse` (sampler_logprobs.py), `TrainingDiagnostics`
-(diagnostics.py) and `PaddingRemoval` (padding.py: sorted micro-batches, throughput counts). Every log-prob forward
-is one explicit pipeline, `LogprobForward` (forward.py), whose named steps call into sampler_logprobs,
-routing_replay, padding and shared_prefix. The non-finite guard is a callback (nonfinite.py) plus one line at the
+Features around the loss are mixins, one per module: `ResumableTraining` (guards/checkpointing.py), `RolloutPipeline`
+(rollout/pipeline.py: owns TRL's rollout path, `_prepare_inputs` -> `_generate_and_score_completions` -> `_generate`, and
+calls each feature's step there explicitly; its rollout source may generate ahead of time, rollout/async_rollouts.py), `GuardedRewards` (guards/rewards_guard.py), `MoERouting` (moe/routing_replay.py:
+MoE routing metrics and routing replay), `SamplerLogprobReuse` (rollout/sampler_logprobs.py), `TrainingDiagnostics`
+(guards/diagnostics.py) and `PaddingRemoval` (forward/padding.py: sorted micro-batches, throughput counts). Every log-prob forward
+is one explicit pipeline, `LogprobForward` (forward/pipeline.py), whose named steps call into sampler_logprobs,
+routing_replay, padding and shared_prefix. The non-finite guard is a callback (guards/nonfinite.py) plus one line at the
 end of the loss.
 """
 from __future__ import annotations
@@ -111,14 +111,14 @@ class GSPOTrainer(
             shutil.copyfile(card, os.path.join(output_dir, "README.md"))
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's card, naming a base model loaded from a local folder by the folder's name (`model_card.py`)."""
+        """TRL's card, naming a base model loaded from a local folder by the folder's name (`common/model_card.py`)."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if self.is_world_process_zero():
             base = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", None)
             model_card.name_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        """HF's pre-clip gradient norm, kept for the non-finite guard's optimizer-step check (nonfinite.py)."""
+        """HF's pre-clip gradient norm, kept for the non-finite guard's optimizer-step check (guards/nonfinite.py)."""
         self.last_grad_norm = super()._get_grad_norm(model, grad_norm)
         return self.last_grad_norm
 
@@ -150,7 +150,7 @@ class GSPOTrainer(
     def behaviour_weight(self, inputs: dict, proximal_logps, mask) -> torch.Tensor | None:
         """Hook 3: detached weight, `(B, 1)` or `(B, T)`, for the policy that sampled the batch (multiplies the loss),
         or None. Asynchronous generation: the decoupled objective's `pi_prox / mu`, `pi_prox` being the pi_old the
-        ratio is anchored on (async_rollouts.py). Synchronous vLLM: TRL's sampler correction, computed at scoring."""
+        ratio is anchored on (rollout/async_rollouts.py). Synchronous vLLM: TRL's sampler correction, computed at scoring."""
         if self.args.async_generation and self.model.training:
             return decoupled_behaviour_weight(self, inputs, proximal_logps, mask)
         if self.use_vllm and self.vllm_importance_sampling_correction:
@@ -160,7 +160,7 @@ class GSPOTrainer(
     # --------------------------------------------------------------------------------------------- the loss
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        if self.loss_type in TRL_NATIVE_LOSS_TYPES:  # VESPO has no ratio to hook: TRL's code, guarded (nonfinite.py)
+        if self.loss_type in TRL_NATIVE_LOSS_TYPES:  # VESPO has no ratio to hook: TRL's code, guarded (guards/nonfinite.py)
             return self._nonfinite.guard_loss(super()._compute_loss(model, inputs), mode)
         completion_ids = inputs["completion_ids"]
         mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
@@ -214,7 +214,7 @@ class GSPOTrainer(
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         low, high = self._clip_indicators(ratio, advantages)
-        self._record_diagnostics(mode, inputs, logps, old_logps, low, high, advantages, mask)  # diagnostics.py
+        self._record_diagnostics(mode, inputs, logps, old_logps, low, high, advantages, mask)  # guards/diagnostics.py
         self._log_loss_metrics(mode, low, high, mask, entropies, per_token_kl)
         return self._nonfinite.guard_loss(loss, mode, ratio, logps)  # NaN/inf: the micro-batch counts for nothing
 

@@ -116,7 +116,7 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
     }
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
     trainers = {}
-    # ours_untrimmed: padding.py's forward with trimming off, the same work as stock (its overhead alone)
+    # ours_untrimmed: forward/padding.py's forward with trimming off, the same work as stock (its overhead alone)
     variants = (("stock", GRPOTrainer, GRPOConfig, {}), ("ours", GSPOTrainer, GSPOConfig, {}),
                 ("ours_no_diagnostics", GSPOTrainer, GSPOConfig, {"diagnostics": False}),
                 ("ours_untrimmed", GSPOTrainer, GSPOConfig, dict(trim_padding=False, sort_by_length="never")))  # fmt: skip

@@ -168,7 +168,7 @@ def param_flops_per_token(model) -> float:
 
 
 def forward_positions(trainer):
-    """padding.py's running counts (real tokens, positions run, positions TRL would run), or None for stock."""
+    """forward/padding.py's running counts (real tokens, positions run, positions TRL would run), or None for stock."""
     counts = getattr(trainer, "_throughput", None)
     return None if counts is None else counts.tolist()
 

@@ -1,6 +1,6 @@
 """`trl-gspo check`: run after installing or upgrading TRL (or anything around it).
 
-It prints the installed versions that decide how training behaves, then runs the parity cases of `parity.py`
+It prints the installed versions that decide how training behaves, then runs the parity cases of `cli/parity.py`
 against the installed stock `trl.GRPOTrainer` on a tiny model built in code (offline, CPU, well under a minute): for
 each level and loss type, our loss, every parameter gradient and TRL's metrics must equal stock TRL's. It exits 0
 when all agree and 1 when any differs, naming the case and the quantity (loss, the gradient of a named parameter, a

@@ -16,7 +16,7 @@ and values of the wrong type fail before anything is loaded. A recipe may start 
 `extends: NAME|PATH` (a file next to it first, then a shipped recipe): the base's keys apply, then its own, so a
 variant lists only what differs.
 Paths in a recipe (data files, model folders, modules) are looked up next to the recipe first, then in the working
-directory; what a recipe points at is checked before any model loads (`recipe_inputs.py`).
+directory; what a recipe points at is checked before any model loads (`cli/recipe_inputs.py`).
 
 Here: the commands, `main` and the `accelerate launch` relaunch. Shipped files and `extends` are shipped.py; the
 parser, its argument classes and the mixed-precision decision are parser.py.

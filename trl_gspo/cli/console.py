@@ -26,7 +26,7 @@ CONSOLE_MODES = ("compact", "stock")
 
 #: The line's groups, in order: (label, ((part label, log key, format), ...)). A part whose key is absent from a log
 #: is left out, and so is a group with no part present (e.g. `kl` only appears with `beta > 0`). Of several groups
-#: with one label the first present is shown: GSPO's clip fractions (diagnostics.py, per sequence and per token at
+#: with one label the first present is shown: GSPO's clip fractions (guards/diagnostics.py, per sequence and per token at
 #: every level), else TRL's `clip_ratio/region_mean` (diagnostics off).
 GROUPS = (
     ("reward", (("", "reward", "{:.3f}"), ("±", "reward_std", "{:.3f}"))),

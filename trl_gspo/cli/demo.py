@@ -142,7 +142,7 @@ def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, nu
     """Train the demo end to end; writes the model, `metrics.csv` and `reward_curve.png` to `output_dir`.
 
     `args` replaces the whole config (the CLI passes its parsed one); otherwise `overrides` go to `demo_config`.
-    `console`: "compact" (one line per logging step) or "stock" (transformers' log dicts), see console.py.
+    `console`: "compact" (one line per logging step) or "stock" (transformers' log dicts), see cli/console.py.
     Returns the held-out reward before and after training and the wall time.
     """
     from trl.models.utils import unwrap_model_for_generation

@@ -24,7 +24,7 @@ from .shipped import recipe_with_bases, take_option
 @dataclass
 class GSPOScriptArguments(ScriptArguments, ConsoleArguments):
     """Script arguments of `trl-gspo train`: TRL's `ScriptArguments` (dataset_name, splits, ...), rewards and the
-    console (console.py).
+    console (cli/console.py).
 
     `dataset_name` may be a Hub id, a local folder (a `save_to_disk` folder or data files), or a local
     `.json`/`.jsonl`/`.parquet`/`.csv` file. The training split needs a `prompt` column.

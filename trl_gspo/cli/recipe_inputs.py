@@ -1,4 +1,4 @@
-"""What a recipe points at, resolved and checked before any model loads (the CLI calls these; `cli.py` has the parser).
+"""What a recipe points at, resolved and checked before any model loads (the CLI calls these; `cli/commands.py` has the parser).
 
 - Paths: `model_name_or_path`, `dataset_name`, `eval_dataset_name`, `reward_model_name_or_path` and a `datasets:`
   entry's `path` / `data_files`, like `trainer_class` and dotted reward modules, are looked up next to the recipe

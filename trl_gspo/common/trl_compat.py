@@ -172,7 +172,7 @@ def single_turn_request(trainer, args: tuple, kwargs: dict) -> tuple:
 
 def vllm_server_sampling_params(generation, num_generations: int) -> dict:
     """The keyword arguments TRL's `VLLMGeneration.generate` passes to `VLLMClient.generate` in server mode (1.16),
-    for sending the same request ahead of time (async_rollouts.py). If they ever differ from what TRL then sends, the
+    for sending the same request ahead of time (rollout/async_rollouts.py). If they ever differ from what TRL then sends, the
     source notices (it compares the request bodies) and raises, so a drift here cannot go unseen."""
     min_p = getattr(generation, "min_p", 0.0)
     return {

@@ -1,7 +1,7 @@
 """The one error style of `GSPOConfig` validation: every message names the field, the value and what is allowed.
 
 Each feature module declares its own `GSPOConfig` fields in a small options dataclass next to the code that uses
-them (`PaddingOptions` in padding.py, `RoutingReplayOptions` in routing_replay.py, ...) and validates them there;
+them (`PaddingOptions` in forward/padding.py, `RoutingReplayOptions` in moe/routing_replay.py, ...) and validates them there;
 `GSPOConfig` (config.py) inherits the options classes and calls each one's `_validate_*` method. The checks that
 recur across features are these three functions, so a bad value reads the same whichever feature it belongs to.
 """

@@ -1,6 +1,6 @@
 """Where each position of a model call comes from: `ForwardLayout` and the plans that build one per call (trimmed,
 length-sorted, packed, shared-prefix segments), for the forward pipeline (pipeline.py) and the options of
-padding.py and shared_prefix.py.
+forward/padding.py and forward/shared_prefix.py.
 
 **`ForwardLayout`** says where each position `[row, col]` of a call's input `[rows, width]` came from:
 `layout.source[row, col]` is the flat index `b * S + s` into the `[B, S]` `input_ids` given to
@@ -26,7 +26,7 @@ class ForwardLayout:
     `source[row, col]`: flat index `b * S + s` into the original `[B, S]` input (`batch_shape`), -1 for filler.
     `position_ids`: what the model is told (`None`: its default `0..width-1`). A trimmed call carries `rows` and
     `columns = (lead, end)`: its input is `x[rows, lead:end]`, which `to_model` slices instead of gathering.
-    `packed`: a segment layout, several sequences per row (segment_attention.py), with `segments` its attention
+    `packed`: a segment layout, several sequences per row (forward/segment_attention.py), with `segments` its attention
     plan, `segment_lengths` the lengths of the units and filler runs laid end to end, row by row, and `aliases`
     (`[2, n]`: model flat position, batch flat position) the rows a shared prompt prefix also stands for.
     """
@@ -166,7 +166,7 @@ def packed_layout(rows: torch.Tensor, spans, batch_shape, one_row: bool, multipl
 
 
 def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack: bool = True, multiple_of=None):
-    """Layout of one call whose rows hold units laid end to end (segment_attention.py): `units` lists batch rows,
+    """Layout of one call whose rows hold units laid end to end (forward/segment_attention.py): `units` lists batch rows,
     each unit's rows sharing one prompt. A unit of one row is the row's real tokens, one sequence. A unit of several
     rows (`prompt_width` given) is their common prefix (prompt but its last token, taken from the unit's first row)
     followed by one segment per row (its last prompt token and its completion): the prompt runs once.
@@ -232,7 +232,7 @@ def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack:
 def plan_layouts(spans, batch_shape, prompt_width, chunk_rows, *, sort, trim, pack, one_row=False, multiple_of=None):
     """The model calls for one `_get_per_token_logps_and_entropies` call: one layout per chunk of `chunk_rows` rows
     (TRL's chunking, so ZeRO-3 ranks make the same number of calls), rows sorted by length first if `sort`. The
-    trainer's forward (forward.py) chooses among layouts by cost; this is the fixed plan of the given settings."""
+    trainer's forward (forward/pipeline.py) chooses among layouts by cost; this is the fixed plan of the given settings."""
     b = batch_shape[0]
     order = length_order(spans) if sort else torch.arange(b)
     layouts = []

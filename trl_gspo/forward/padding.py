@@ -13,8 +13,8 @@ long-tailed completion lengths most of those positions are padding. Three exact 
    step. The no-grad passes sort the whole batch and unsort their outputs.
 3. **Pack** (`GSPOConfig.padding_free`, `"auto"` by default): the real tokens of a call's sequences are laid end to
    end in rows (`segment_layout`), each at its padded-batch position, kept apart by the segment attention
-   (segment_attention.py), never by transformers' packed-sequence detection. The same layout runs a prompt once
-   for several completions (shared_prefix.py).
+   (forward/segment_attention.py), never by transformers' packed-sequence detection. The same layout runs a prompt once
+   for several completions (forward/shared_prefix.py).
 
 pipeline.py plans every forward with these layouts (the cheapest per model call) and makes the model calls.
 The layouts themselves (`ForwardLayout`, the plans) are layouts.py.
@@ -61,7 +61,7 @@ class PaddingOptions:
             can read differently with sorting on, since micro-batches hold other rows.
         padding_free (`str` or `bool`, *optional*, defaults to `"auto"`):
             Pack the real tokens of a forward's sequences end to end, each token at its padded-batch position, kept
-            apart by the segment attention (segment_attention.py), so no padding is computed. `"auto"`: per model
+            apart by the segment attention (forward/segment_attention.py), so no padding is computed. `"auto"`: per model
             call, where the token counts say it costs less than trimming (e.g. one micro-batch per optimizer step,
             where sorting cannot narrow it), and not in a forward with the MoE load-balancing loss; `True`: every
             call (with an MoE aux loss, the filler at the end of packed rows is counted by the load-balancing loss:
@@ -103,7 +103,7 @@ class PaddingOptions:
                 "padding_free=True removes all padding, but trim_padding=False asks to keep it; set trim_padding=True "
                 "(the default) or padding_free=False."
             )
-#: Attention implementations the segment attention (segment_attention.py) wraps for packed and shared calls, besides
+#: Attention implementations the segment attention (forward/segment_attention.py) wraps for packed and shared calls, besides
 #: flash-attention: calls without a segment plan run them unchanged.
 SEGMENT_ATTENTION_WRAPS = ("sdpa", "eager", "flex_attention")
 
@@ -181,8 +181,8 @@ def optimizer_step_groups(first_step: int, steps_per_generation: int, num_iterat
 # ------------------------------------------------------------------------------------------------- mixin
 class PaddingRemoval:
     """`GSPOTrainer` mixin: length-sorted (and, with `group_minibatches`, whole-group) micro-batches of each fresh
-    rollout buffer (`_arrange_micro_batches`, called by rollout.py after TRL's shuffle and split), the settings the
-    forward pipeline (forward.py) plans with, and `throughput/*` at each `log`."""
+    rollout buffer (`_arrange_micro_batches`, called by rollout/pipeline.py after TRL's shuffle and split), the settings the
+    forward pipeline (forward/pipeline.py) plans with, and `throughput/*` at each `log`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -222,7 +222,7 @@ class PaddingRemoval:
 
     # ------------------------------------------------------------------------------ sorted micro-batches
     def _arrange_micro_batches(self, micro_batches: list[dict], first_step: int) -> list[dict]:
-        """A fresh rollout buffer arranged for the forwards (`arrange_micro_batches`; called by rollout.py after TRL's
+        """A fresh rollout buffer arranged for the forwards (`arrange_micro_batches`; called by rollout/pipeline.py after TRL's
         shuffle and split; `first_step` is the micro-step that will use entry 0 first)."""
         grouped = self.args.group_minibatches
         if not (self._sort_micro_batches or grouped):

@@ -4,11 +4,11 @@ TRL calls `_get_per_token_logps_and_entropies` for the loss forward (one call pe
 no-grad pi_old pass over the rollout batch, and the reference pass. This module owns that method; each feature is a
 named step in it, in this order:
 
-    1. pi_old from the sampler         sampler_logprobs.py   (`old_logprobs_source="sampler"`: no model call)
-    2. the router pass                 routing_replay.py     (MoE: record / replay routes for pi_old and loss)
-    3. the plan                        `plan_forward` here   (padding.py layouts, shared_prefix.py groups)
+    1. pi_old from the sampler         rollout/sampler_logprobs.py   (`old_logprobs_source="sampler"`: no model call)
+    2. the router pass                 moe/routing_replay.py     (MoE: record / replay routes for pi_old and loss)
+    3. the plan                        `plan_forward` here   (forward/padding.py layouts, forward/shared_prefix.py groups)
     4. the model calls                 `_call_model` here    (routes follow each layout; segment attention armed)
-    5. back to the batch               padding.py            (`layouts_to_batch`), throughput counts, routes kept
+    5. back to the batch               forward/padding.py            (`layouts_to_batch`), throughput counts, routes kept
 
 The plan cuts the batch into TRL's chunks (the same number of model calls on every ZeRO-3 rank) and gives each chunk
 the cheapest exact layout by a token-count cost model (`layout_cost`): trimmed (the model's own attention on the
@@ -225,8 +225,8 @@ class LogprobForward:
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **multimodal,
     ):  # fmt: skip
-        role = self._take_route_role()  # 2. which observed forward this is (routing_replay.py), one shot
-        old = self._sampler_pi_old(input_ids.size(0), logits_to_keep, input_ids.device)  # 1. sampler_logprobs.py
+        role = self._take_route_role()  # 2. which observed forward this is (moe/routing_replay.py), one shot
+        old = self._sampler_pi_old(input_ids.size(0), logits_to_keep, input_ids.device)  # 1. rollout/sampler_logprobs.py
         if old is not None:
             return old, None, None
         b, s = input_ids.shape
@@ -334,7 +334,7 @@ class LogprobForward:
     # ------------------------------------------------------------------------------------- 4. the model call
     def _call_model(self, model, layout: ForwardLayout, **model_inputs):
         """The one model call of the planned forward. A segment layout (packed / shared) runs under the segment
-        attention (segment_attention.py), armed here and disarmed when the step is over."""
+        attention (forward/segment_attention.py), armed here and disarmed when the step is over."""
         if not layout.packed:
             return model(**model_inputs)
         if model_inputs.get("attention_mask") is not None:

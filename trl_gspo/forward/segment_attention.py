@@ -1,6 +1,6 @@
 """Attention for packed and shared-prefix model calls, through transformers' attention registry.
 
-A *segment layout* (padding.py: `packed_layout`, `shared_layout`) lays several sequences end to end in each model
+A *segment layout* (forward/padding.py: `packed_layout`, `shared_layout`) lays several sequences end to end in each model
 row. Its unit is a prompt group: the prompt's tokens but the last (the shared *prefix*), then one *segment* per
 completion of that prompt (the prompt's last token followed by the completion). A plain packed sequence is a unit
 with one segment. Every query attends to at most two key ranges of its row:

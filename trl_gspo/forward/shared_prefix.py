@@ -3,13 +3,13 @@
 GSPO samples G completions per prompt; TRL lays each out as its own row `[prompt | completion]`, so every forward
 runs the prompt G times. A shared-prefix call runs it once: the prompt (but its last token) followed by one segment
 per completion, each segment attending to the prompt and causally to itself, never to a sibling, every token at the
-position TRL's padded forward gives it (padding.py `segment_layout`, attention in segment_attention.py). Log-probs,
+position TRL's padded forward gives it (forward/padding.py `segment_layout`, attention in forward/segment_attention.py). Log-probs,
 entropies and gradients are the unshared forward's up to float rounding.
 
 Where it applies: the no-grad passes (pi_old, reference) see the whole rollout batch, so they share every group.
 The loss forward shares what its micro-batch holds; TRL shuffles rows before cutting micro-batches, so siblings
 rarely meet there unless `group_minibatches=True` keeps each group in one optimizer step (and its rows in the same
-micro-batches), as verl's mini-batches do. forward.py decides per model call, from token counts, whether sharing
+micro-batches), as verl's mini-batches do. forward/pipeline.py decides per model call, from token counts, whether sharing
 (and packing) costs less than the trimmed padded call (`shared_prefix="auto"`).
 
 This module holds the pure parts: `SharedPrefixOptions` (the `GSPOConfig` fields), `prompt_groups` (rows with the

@@ -316,7 +316,7 @@ class ResumableTraining:
 
     def _resume_state(self) -> dict:
         """This process's training state that neither HF's checkpoint nor TRL's holds: TRL's micro-step counter, its
-        buffered rollout batch and the rollout source's state (rollout.py)."""
+        buffered rollout batch and the rollout source's state (rollout/pipeline.py)."""
         return {"step": self._step, "buffered_inputs": self._buffered_inputs, "source": self._rollouts.state_dict()}
 
     def _restore_resume_state(self, state: dict, checkpoint: str) -> None:

@@ -1,11 +1,11 @@
-"""`TrainingDiagnostics`: the trainer side of `metrics.py`, as a mixin placed before `trl.GRPOTrainer`.
+"""`TrainingDiagnostics`: the trainer side of `common/metrics.py`, as a mixin placed before `trl.GRPOTrainer`.
 
     class GSPOTrainer(TrainingDiagnostics, GRPOTrainer): ...
 
 The loss calls :meth:`TrainingDiagnostics._record_diagnostics` once per micro-batch. That only adds device tensors
 to a per-mode :class:`metrics.MetricWindow`; ``log`` reduces the window across processes once per logging step and
 hands the floats to TRL's ``_metrics``, so they reach every logger TRL feeds. Other mixins add their own
-per-micro-batch statistics to the same window through :meth:`_diagnostics_window` (MoE routing: `routing_replay.py`),
+per-micro-batch statistics to the same window through :meth:`_diagnostics_window` (MoE routing: `moe/routing_replay.py`),
 so everything is reduced in the same collectives. Every override here calls ``super()``.
 """
 

@@ -178,7 +178,7 @@ class RouterPass:
         in this pass's batch, or -1 for filler that belongs to no row (e.g. padding between packed sequences).
         ``aliases`` (``[2, n]``: model-input position, batch position): batch positions a model position also stands
         for (a prompt prefix shared by several rows): the route recorded there is recorded for them too, and a
-        replayed route is the one of the position in ``positions`` (its rows' routes agree, see shared_prefix.py)."""
+        replayed route is the one of the position in ``positions`` (its rows' routes agree, see forward/shared_prefix.py)."""
         number = 1 if self.call is None else self.call[0] + 1
         self.call = (number, positions.reshape(-1))
         self.aliases = aliases

@@ -17,7 +17,7 @@ inside `compute_loss`. The routes pi_old's forward used ride along in the rollou
 
 R3's sampler routes come from transformers `generate` (recorded during prefill and decoding), from vLLM
 (`enable_return_routed_experts`, colocate and server mode) or from a `rollout_func` that returns `routed_experts`
-(`route_sources.py`). Positions without a route (padding, the last sampled token, prefix-cache hits) route natively.
+(`moe/route_sources.py`). Positions without a route (padding, the last sampled token, prefix-cache hits) route natively.
 
 Replayed forwards keep their replay armed through the backward, so gradient checkpointing recomputes each layer on the
 same routes; `training_step` / `prediction_step` disarm it when they return, so `generate()` always routes natively.
@@ -138,7 +138,7 @@ class MoERouting:
         self._router_hooks = RouterHooks.for_model(self.model) if observe else None
         self._moe_role = None  # "old" or "loss" while one of the two observed forwards is next; None otherwise
         self._moe_inputs = None  # the micro-batch of the running loss forward
-        self._sampler_routes = None  # R3: per-completion routes of the rollout being scored (route_sources.py)
+        self._sampler_routes = None  # R3: per-completion routes of the rollout being scored (moe/route_sources.py)
         self._rollout_routes = None  # RouteTable of pi_old's routes for the rollout being scored
         self._check_routing_replay()
         if self._replay == "R3" and self.use_vllm:
@@ -162,7 +162,7 @@ class MoERouting:
                 "(tools / environment_factory) interleave tool output the sampler never routed. Use routing_replay='R2'."
             )
 
-    # ------------------------------------------------------------ sampler routes (R3), called by rollout.py
+    # ------------------------------------------------------------ sampler routes (R3), called by rollout/pipeline.py
     def _recording_sampler_routes(self):
         """Context for one generation call of TRL's `generate` path: under R3, a log of the router calls (else None)."""
         record = self._replay == "R3" and not self.use_vllm and not self.use_transformers_continuous_batching
@@ -178,7 +178,7 @@ class MoERouting:
             self._sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "vLLM")
 
     def _keep_generated_routes(self, prompt_ids, completion_ids, routes):
-        """R3 routes recorded by another copy of the model (async_rollouts.py's generator): one tensor per completion,
+        """R3 routes recorded by another copy of the model (rollout/async_rollouts.py's generator): one tensor per completion,
         as `routes_from_generate` returns them."""
         if self._replay == "R3":
             if routes is None or len(routes) != len(completion_ids):
@@ -217,7 +217,7 @@ class MoERouting:
         ]
         return routes, [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
 
-    # ---------------------------------------------------------------- rollout batch, called by rollout.py
+    # ---------------------------------------------------------------- rollout batch, called by rollout/pipeline.py
     def _begin_route_recording(self):
         """Before TRL scores a rollout batch: observe its pi_old pass (when TRL runs one), nothing else."""
         self._release_routes()
@@ -264,7 +264,7 @@ class MoERouting:
         if self._router_hooks is not None:
             self._router_hooks.release()
 
-    # Steps of the forward pipeline (forward.py): which forward this is, the router pass around it, what it recorded.
+    # Steps of the forward pipeline (forward/pipeline.py): which forward this is, the router pass around it, what it recorded.
     def _take_route_role(self) -> str | None:
         """"old" (TRL's pi_old pass), "loss" (the loss forward) or None: one observed forward per role."""
         role, self._moe_role = self._moe_role, None
@@ -299,7 +299,7 @@ class MoERouting:
             self._old_pass_logps = out[0]
             if self._replay == "R3":  # its pi_old routes are the sampler's, replayed here, not recorded
                 return
-            valid = observed.recorded_positions()  # padding.py may have skipped all-padding columns
+            valid = observed.recorded_positions()  # forward/padding.py may have skipped all-padding columns
             if self._replay == "none":  # metrics only need the completion part
                 native, valid = native[:, -logits_to_keep:], valid[:, -logits_to_keep:]
             self._rollout_routes = RouteTable(native.cpu(), valid.cpu())

@@ -3,7 +3,7 @@ runs, one per generation path: `TransformersGenerator` (a separate copy of the p
 `generate`, seeded per rollout), `VLLMServerGenerator` (TRL's server path, split at its HTTP call) and
 `RolloutFuncGenerator` (a thread-safe `rollout_func`). `generation_backend` picks one for a trainer.
 
-The source that drives them, and what happens on the main thread, is async_rollouts.py (its docstring describes the
+The source that drives them, and what happens on the main thread, is rollout/async_rollouts.py (its docstring describes the
 whole feature).
 """
 

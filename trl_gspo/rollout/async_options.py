@@ -1,6 +1,6 @@
 """`GSPOConfig` fields of asynchronous generation (`AsyncOptions`) and their checks.
 
-The feature itself is async_rollouts.py (the source) and async_backends.py (the generator side).
+The feature itself is rollout/async_rollouts.py (the source) and async_backends.py (the generator side).
 """
 
 from __future__ import annotations

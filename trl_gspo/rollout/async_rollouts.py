@@ -28,7 +28,7 @@ Only the blocking call runs in the generator thread. Collectives (the vLLM serve
 broadcast, the weight sync and ZeRO-3 gathers, reward gathers) stay on the main thread in the same order on every
 process. Backends (the generator side, async_backends.py):
 - `TransformersGenerator`: a separate copy of the policy (`generation_device`, default the trainer's device) that
-  runs transformers `generate` with a forward hook recording the sampler's log-probs (sampler_logprobs.py) and, under
+  runs transformers `generate` with a forward hook recording the sampler's log-probs (rollout/sampler_logprobs.py) and, under
   R3, its routes. Pushing weights copies the trainable parameters into it (all of them the first time; LoRA: only the
   adapters), gathered under ZeRO-3; when the generator is busy (`max_staleness >= 2`) a snapshot is queued and loaded
   between requests.

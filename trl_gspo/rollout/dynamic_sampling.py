@@ -7,7 +7,7 @@ until the batch is full. `GSPOConfig(dynamic_sampling=True)` does that as the ro
 (pipeline.py), `DynamicSampling`:
 
     fill():  round r = 0, 1, ... until the batch is full or r = max_sampling_rounds:
-        inputs     = the next generation batch of the training data, in the sampler's order (prompt_stream.py)
+        inputs     = the next generation batch of the training data, in the sampler's order (rollout/prompt_stream.py)
         generation = trainer._sample(inputs)                    TRL's prompt preparation and generation
         rewards    = trainer._calculate_rewards(...)            TRL's reward functions, gathered over processes
         keep       = the groups that pass the filter, decided on the gathered rewards (so every process agrees)
@@ -49,7 +49,7 @@ before filtering (TRL's own formulas on all rounds' rewards), so they read as wi
 `completions/*` cover every round.
 
 Asynchronous generation (`async_generation=True` too). `fill(sample)` takes the function that generates a round;
-`AsyncRollouts` (async_rollouts.py) keeps a `DynamicSampling` and answers it with rounds its generator thread
+`AsyncRollouts` (rollout/async_rollouts.py) keeps a `DynamicSampling` and answers it with rounds its generator thread
 generated ahead of time, within the staleness bound. `GroupFilling` (group_filling.py, with the filter) is the policy alone
 (which groups make the batch; no generation, no communication), `sample_round` one collective round, `assemble` the cross-process dealing. `fill`
 runs on the main thread of every process in the same order (TRL's prompt preparation, the vLLM gathers and the
@@ -358,7 +358,7 @@ class DynamicSampling:
     def fill(self, sample=None) -> Filled:
         """Draw rounds until the batch is full or the cap is reached, and assemble this process's share.
         `sample(position, inputs) -> Generation` generates round `position` of the stream (default: now, through
-        `trainer._sample`; async_rollouts.py answers it with completions generated ahead of time)."""
+        `trainer._sample`; rollout/async_rollouts.py answers it with completions generated ahead of time)."""
         trainer, args, stream = self.trainer, self.trainer.args, self.stream
         if self.cursor is None:
             self.cursor = self._starting_cursor()

@@ -1,5 +1,5 @@
 """Which groups make a dynamic-sampling batch: the filter and the filling policy, with no generation and no
-communication (dynamic_sampling.py runs the rounds and deals the groups to processes).
+communication (rollout/dynamic_sampling.py runs the rounds and deals the groups to processes).
 
 The filter (`keep_groups`): a group passes when its weighted rewards are not all equal (TRL's zero-std test), or
 when the user's `dynamic_sampling_filter` function says so. The policy (`GroupFilling`): the first passing groups in

@@ -12,12 +12,12 @@ instead of one mixin per feature intercepting them through `super()`:
       a new rollout batch is due (TRL's schedule):
         batch = self._rollouts.next_batch(generation_batch)   RolloutSource: how a scored batch is obtained
         micro_batches = split_rollout(batch, steps_per_generation)         TRL's shuffle and split
-        micro_batches = self._arrange_micro_batches(micro_batches, step)   padding.py: length sort per optimizer step
+        micro_batches = self._arrange_micro_batches(micro_batches, step)   forward/padding.py: length sort per optimizer step
       self._rollouts.poll()
       return micro_batches[step % steps_per_generation]
 
     _generate_and_score_completions(inputs)        one scored rollout batch from these prompts, now
-      _begin_sampler_reuse, _begin_route_recording    sampler_logprobs.py, routing_replay.py
+      _begin_sampler_reuse, _begin_route_recording    rollout/sampler_logprobs.py, moe/routing_replay.py
       TRL: generation (below), rewards, advantages, pi_old and reference passes
       _attach_routes, _finish_sampler_correction      routes into the batch, length-normalised vLLM correction
       stamp: the optimizer step whose weights sampled this batch (`_rollout_sampled_at`)
@@ -27,13 +27,13 @@ instead of one mixin per feature intercepting them through `super()`:
                                               _recording_sampler_routes, then _keep_sampler_routes
 
 A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousRollouts` (the default) is TRL's
-behaviour: generate and score the dataloader's batch now. `DynamicSampling` (dynamic_sampling.py,
+behaviour: generate and score the dataloader's batch now. `DynamicSampling` (rollout/dynamic_sampling.py,
 `dynamic_sampling=True`) samples rounds of prompts until the batch is filled with groups that carry signal, then
-scores the kept ones. `AsyncRollouts` (async_rollouts.py, `async_generation=True`) generates later rollout batches
+scores the kept ones. `AsyncRollouts` (rollout/async_rollouts.py, `async_generation=True`) generates later rollout batches
 on a generator thread while the trainer trains. `rollout_source` (sources.py, the registry above the sources; this
 module never imports them) picks the source from the config and `GSPOTrainer` hands it to the pipeline. The pipeline also
 calls its `poll` on every training micro-step (background failures, per-step metrics) and its `pause` before
-evaluation generates. Its `state_dict` is saved with each checkpoint next to TRL's rollout buffer (checkpointing.py)
+evaluation generates. Its `state_dict` is saved with each checkpoint next to TRL's rollout buffer (guards/checkpointing.py)
 and handed back on resume.
 
 Sampling apart from scoring. A source that generates at another time than it scores (ahead of time, or in rounds
@@ -54,7 +54,7 @@ prepared by TRL's own code; `_score` runs it again with the generation handed in
 (TRL's vLLM paths make collectives inside `_generate`). TRL's prompt preparation runs in both steps, so a batch whose
 preparation has side effects (an `environment_factory`'s `reset`) cannot be split this way.
 
-Generating elsewhere (async_rollouts.py: a generator thread works on later rollout batches while the trainer trains).
+Generating elsewhere (rollout/async_rollouts.py: a generator thread works on later rollout batches while the trainer trains).
 Only the blocking generation call can leave the main thread, so the path is cut one level deeper:
 
     request = self._generation_request(inputs)       TRL's prompt preparation, stopped at its generation call: the
@@ -91,7 +91,7 @@ class Generation:
     """What sampling one batch of prompts produced: everything scoring needs besides the prompts themselves."""
 
     outputs: tuple  # TRL's `_generate` 8-tuple (prompt ids, completion ids, tool mask, completions, sampler log-probs, ...)
-    sampler_routes: tuple | None  # R3: the sampler's routes of these completions (routing_replay.py), else None
+    sampler_routes: tuple | None  # R3: the sampler's routes of these completions (moe/routing_replay.py), else None
     sampled_at: int  # optimizer step whose weights sampled them
     prompts: list | None = None  # the prompts TRL handed `_generate` (prepared: what reward functions receive)
     # per completion, when rows sampled by different weights were merged (async dynamic sampling); then `sampled_at`
@@ -157,7 +157,7 @@ class GenerationRequest:
 
 @dataclass
 class Completions:
-    """Completions generated elsewhere for a `GenerationRequest` (async_rollouts.py), for TRL's generation call to
+    """Completions generated elsewhere for a `GenerationRequest` (rollout/async_rollouts.py), for TRL's generation call to
     return: single-turn ids with the sampler's log-probs and R3 routes, or a `rollout_func`'s output dict. With neither
     (`completion_ids` and `rollout_output` None) TRL's call runs and its engine client answers (vLLM server)."""
 
@@ -165,7 +165,7 @@ class Completions:
     prompt_ids: list | None = None  # the request's prompts, checked against the ones TRL prepares now
     completion_ids: list | None = None
     logprobs: list | None = None  # the sampler's log_softmax(logits / T) of each sampled token
-    routes: list | None = None  # R3: one [prompt + completion, L, k] tensor per completion (route_sources.py)
+    routes: list | None = None  # R3: one [prompt + completion, L, k] tensor per completion (moe/route_sources.py)
     rollout_output: dict | None = None  # what the rollout_func returned
 
 
@@ -343,7 +343,7 @@ class RolloutPipeline:
             return injected.completion_ids, injected.logprobs
         with self._recording_sampler_logprobs() as recorder, self._recording_sampler_routes() as route_log:
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-        if recorder is not None:  # raw log_softmax(logits / T) of each sampled token (sampler_logprobs.py)
+        if recorder is not None:  # raw log_softmax(logits / T) of each sampled token (rollout/sampler_logprobs.py)
             logprobs = recorder.completion_logprobs(completion_ids)
         self._keep_sampler_routes(prompt_ids, completion_ids, route_log)
         return completion_ids, logprobs

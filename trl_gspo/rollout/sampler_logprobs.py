@@ -54,7 +54,7 @@ class SamplerLogprobOptions:
             With vLLM, `old_logprobs_source="recompute"` and a `sequence_*` `vllm_importance_sampling_mode`, use
             `exp(mean_t(log pi_old - log pi_vllm))` as the sampler-trainer correction instead of TRL's
             `exp(sum_t ...)`, which grows with length and masks or truncates long completions (with asynchronous
-            generation: the behaviour weight of sequence levels, async_rollouts.py). `None` resolves to `True` for the
+            generation: the behaviour weight of sequence levels, rollout/async_rollouts.py). `None` resolves to `True` for the
             `sequence` and `sequence_token` levels with a `sequence_*` mode, and to `False` otherwise (TRL's own
             correction, e.g. for GRPO); set `False` to keep TRL's `exp(sum)`.
     """
@@ -265,7 +265,7 @@ def length_normalized_is_ratio(old_logps, sampling_logps, mask, mode: str, clip_
 class SamplerLogprobReuse:
     """`GSPOTrainer` mixin: pi_old from the sampler when `old_logprobs_source="sampler"`, the sampler-trainer gap
     metrics, the length-normalised vLLM correction, and the fused log-prob tile size. The rollout pipeline
-    (rollout.py) calls the steps below around TRL's generation and scoring; with reuse off they do nothing."""
+    (rollout/pipeline.py) calls the steps below around TRL's generation and scoring; with reuse off they do nothing."""
 
     def _init_sampler_logprob_reuse(self):
         self._reuse_armed = False  # True between generation and TRL's old-policy forward, when that is replaced
@@ -275,7 +275,7 @@ class SamplerLogprobReuse:
     def _reuses_sampler_logps(self) -> bool:
         return self.args.old_logprobs_source == "sampler" and trl_compat.old_logprob_pass_needed(self)
 
-    # ------------------------------------------------------------------------- steps called by rollout.py
+    # ------------------------------------------------------------------------- steps called by rollout/pipeline.py
     def _recording_sampler_logprobs(self):
         """Context for one generation call of TRL's `generate` path: a `SamplerLogprobRecorder` on the module that
         generates when pi_old will come from the sampler (else None). vLLM returns the log-probs itself."""
@@ -304,7 +304,7 @@ class SamplerLogprobReuse:
             self._length_normalize_is_ratio(output)
 
     def _sampler_pi_old(self, batch_size, width, device):
-        """Step 1 of the forward pipeline (forward.py): the sampler's log-probs when this forward is TRL's pi_old pass
+        """Step 1 of the forward pipeline (forward/pipeline.py): the sampler's log-probs when this forward is TRL's pi_old pass
         and reuse is on, else None (the model runs)."""
         if not self._reuse_armed:
             return None
