@@ -234,14 +234,18 @@ def split_rollout(batch: dict, steps_per_generation: int) -> list[dict]:
 
 class RolloutPipeline:
     """`GSPOTrainer` mixin owning TRL's rollout path (module docstring): one place decides how a rollout batch is
-    produced and what each feature does on the way."""
+    produced and what each feature does on the way.
+
+    The state the overridden TRL methods read has class-level defaults (nothing injected, nothing stopped early), so
+    those methods also run on a trainer whose `__init__` did not set it, as TRL's own unit tests build one."""
+
+    _rollout_sampled_at = None  # optimizer step whose weights sampled the rollout batch being trained on
+    _stop_after = None  # where the running TRL path stops: "generate" (`_sample`), "request", None (the end)
+    _injected = None  # the `Generation` that `_score` is scoring, or `Completions` answering the generation
+    _injected_rewards = None  # the reward matrix `_score` was given
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._rollout_sampled_at = None  # optimizer step whose weights sampled the rollout batch being trained on
-        self._stop_after = None  # where the running TRL path stops: "generate" (`_sample`), "request", None (the end)
-        self._injected = None  # the `Generation` that `_score` is scoring, or `Completions` answering the generation
-        self._injected_rewards = None  # the reward matrix `_score` was given
         self._rollouts = rollout_source(self)
 
     # ------------------------------------------------------------------------------------ the rollout buffer

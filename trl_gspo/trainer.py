@@ -91,7 +91,6 @@ class GSPOTrainer(
         self._signal_checkpoint = checkpointing.SignalCheckpoint(self) if args.checkpoint_on_signal else None
         if self._signal_checkpoint is not None:
             self.add_callback(self._signal_checkpoint)
-        self._init_sampler_logprob_reuse()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """`Trainer.save_model`, plus TRL's model card (naming the variant, its paper and tags) next to the weights;
