@@ -291,13 +291,13 @@ class LogprobForward:
                 try:
                     out = self._planned_forward(model, support, input_ids, attention_mask, logits_to_keep,
                                                 batch_size or b, compute_entropy, compute_aux_loss, observed, replay)
-                except segment_attention.NotServed as error:
+                except segment_attention.NotServed:
                     # Passed the checks made before the call, yet its attention bypassed the registry. Under "auto",
                     # run this forward again trimmed (no router pass: it has recorded the discarded call's routes).
                     if observed is not None or True in (self.args.padding_free, self.args.shared_prefix):
                         raise
                     support.problem = ("its attention never reached the segment attention in a packed call (it "
-                                       f"bypasses transformers' AttentionInterface): {error}")
+                                       "bypasses transformers' AttentionInterface)")
                     self._segment_layouts_off(support, "a model the forward runs")
                     out = self._planned_forward(model, support, input_ids, attention_mask, logits_to_keep,
                                                 batch_size or b, compute_entropy, compute_aux_loss, observed, replay)
