@@ -287,3 +287,26 @@ def test_rollout_dispatch_on_a_trainer_built_without_init():
     trainer.rollout_func = MagicMock(return_value={"prompt_ids": [[5]], "completion_ids": [[7]]})
     with pytest.raises(ValueError, match="rollout_func must return keys"):  # TRL's own error, not an AttributeError
         trainer._generate(["a prompt"])
+
+
+# ---------------------------------------------------------------------------------- a policy built in code
+def test_beta_with_a_policy_built_in_code_is_refused_naming_the_field(tokenizer, tmp_path):
+    """TRL loads the reference model from the policy's path; a model built from a config has none, and TRL would fail
+    deep in the Hub client on an empty repo id."""
+    from trl_gspo.tiny import build_tiny_model
+
+    args = GSPOConfig(**_settings(tmp_path))
+    with pytest.raises(ValueError, match=r"beta=0.1 needs a KL reference model.*built in code"):
+        GSPOTrainer(build_tiny_model(tokenizer), _varied_reward, args=args, processing_class=tokenizer,
+                    train_dataset=Dataset.from_dict({"prompt": ["a b"] * 8}))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_demo_with_beta_saves_its_initial_model_for_the_reference(tmp_path):
+    from trl_gspo.demo import run_demo
+
+    result = run_demo(str(tmp_path), num_train_prompts=32, num_eval_prompts=4, beta=0.04, max_steps=2, logging_steps=1)
+    trainer = result["trainer"]
+    initial = AutoModelForCausalLM.from_pretrained(tmp_path / "initial-model")
+    assert all(torch.equal(p, initial.get_parameter(n)) for n, p in trainer.ref_model.named_parameters())
+    assert any(row.get("kl", 0) > 0 for row in trainer.state.log_history)

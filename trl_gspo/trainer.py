@@ -60,6 +60,20 @@ _FORWARD_KEYS = (
 )
 
 
+def _check_reference_source(model, args: GSPOConfig, peft_config) -> None:
+    """`beta > 0` without PEFT: TRL loads the KL reference model from the policy's path (`config._name_or_path`). A
+    policy built in code has none, and TRL would fail deep in the Hub client on an empty repo id: say so here."""
+    if args.beta == 0.0 or isinstance(model, str) or peft_config is not None or hasattr(model, "peft_config"):
+        return
+    if not getattr(getattr(model, "config", None), "_name_or_path", None):
+        raise ValueError(
+            f"beta={args.beta} needs a KL reference model, which TRL loads from the policy's path "
+            "(model.config._name_or_path), but this model was built in code and has none. Save it with "
+            "save_pretrained and pass the folder (or set beta=0.0, or train a PEFT adapter: the reference is then the "
+            "model with the adapter disabled)."
+        )
+
+
 class GSPOTrainer(
     ResumableTraining, RolloutPipeline, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics,
     PaddingRemoval, LogprobForward, GRPOTrainer,
@@ -79,6 +93,7 @@ class GSPOTrainer(
                 f"GSPOTrainer needs args=GSPOConfig(...), got {type(args).__name__}. A plain GRPOConfig carries "
                 "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
             )
+        _check_reference_source(model, args, kwargs.get("peft_config"))
         # Model card (name, paper, tags) of the variant trained; set before TRL's __init__ tags the model with them.
         self._name, self._paper, self._tag_names = model_card.card_fields(
             args.importance_sampling_level, args.loss_type, GRPOTrainer._paper
