@@ -74,6 +74,27 @@ def _check_reference_source(model, args: GSPOConfig, peft_config) -> None:
         )
 
 
+def _check_vllm_colocate(args: GSPOConfig) -> None:
+    """vLLM's CPU build cannot take weight updates in colocate mode: after loading, it repacks each linear layer's
+    weight for its CPU kernels (oneDNN / sgl-kernel) and drops the parameter TRL's weight sync writes to, so the first
+    sync fails deep inside vLLM (`'Parameter' object has no attribute 'weight_loader'`). Said before the engine starts."""
+    if not (args.use_vllm and args.vllm_mode == "colocate"):
+        return
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return  # TRL reports a missing vLLM itself
+    if current_platform.is_cpu():
+        import vllm
+
+        raise ValueError(
+            f"use_vllm=True with vllm_mode='colocate' on vLLM's CPU build ({vllm.__version__}): that build repacks "
+            "each linear layer's weights for its CPU kernels after loading, so TRL's weight sync cannot update the "
+            "engine and generation would never see the trained weights. Use vLLM on a CUDA GPU, or use_vllm=False "
+            "(transformers generation) on CPU."
+        )
+
+
 class GSPOTrainer(
     ResumableTraining, RolloutPipeline, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics,
     PaddingRemoval, LogprobForward, GRPOTrainer,
@@ -94,6 +115,7 @@ class GSPOTrainer(
                 "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
             )
         _check_reference_source(model, args, kwargs.get("peft_config"))
+        _check_vllm_colocate(args)
         # Model card (name, paper, tags) of the variant trained; set before TRL's __init__ tags the model with them.
         self._name, self._paper, self._tag_names = model_card.card_fields(
             args.importance_sampling_level, args.loss_type, GRPOTrainer._paper
