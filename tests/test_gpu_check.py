@@ -49,16 +49,16 @@ def test_dry_run_lists_every_part_with_its_skip_reason_on_cpu(tmp_path):
 
 def test_every_reason_is_listed_when_several_things_are_missing():
     env = gpu_check.environment()
-    assert env["supported"]["transformers"] == ">=5.18.0,<6"  # read from pyproject.toml
+    assert env["supported"]["transformers"] == ">=5.17.0,<6"  # read from pyproject.toml
     env.update(gpus=["GPU"], modules={"vllm": False, "flash_attn": False, "deepspeed": False})
     reasons = {part.name: part.missing(env) for part in gpu_check.PARTS}
     assert reasons["parity_bf16"] == [] and reasons["packing"] == []
     assert reasons["vllm_colocate"] == ["vllm not installed"]
     assert reasons["zero3"] == ["needs 2 GPUs, 1 visible", "deepspeed not installed"]
     # an image with an older transformers and no TRL: every part says so
-    env.update(gpus=[], versions={**env["versions"], "trl": None, "transformers": "5.17.0", "datasets": None})
+    env.update(gpus=[], versions={**env["versions"], "trl": None, "transformers": "5.16.0", "datasets": None})
     assert gpu_check.PARTS[0].missing(env) == ["no CUDA GPU visible", "trl not installed",
-                                               "transformers 5.17.0 outside the supported >=5.18.0,<6",
+                                               "transformers 5.16.0 outside the supported >=5.17.0,<6",
                                                "datasets not installed"]  # fmt: skip
 
 

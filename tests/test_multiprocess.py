@@ -69,9 +69,11 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
      ("zero3.yaml", ("DEEPSPEED",), ("--async_generation", "true", "--max_staleness", "2", "--steps_per_generation", "1")),
      # both: the generator generates sampling rounds ahead, the ranks fill each batch on the gathered rewards
      ("multi_gpu.yaml", ("MULTI_CPU",), ("--async_generation", "true", "--dynamic_sampling", "true",
-                                         "--steps_per_generation", "1"))],
+                                         "--steps_per_generation", "1")),
+     # the KL reference model under the default layouts, inside DeepSpeed's ZeRO-3 engine (TRL prepares it there)
+     ("zero3.yaml", ("DEEPSPEED",), ("--beta", "0.04", "--max_completion_length", "12"))],
     ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed", "zero3-shared-prefix", "ddp-async", "zero3-async",
-         "ddp-async-dynamic-sampling"],
+         "ddp-async-dynamic-sampling", "zero3-beta"],
 )  # fmt: skip
 def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type, extra):
     from transformers import AutoModelForCausalLM
@@ -108,6 +110,11 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
         assert torch.isfinite(tensor).all(), name
         changed += not torch.equal(tensor, initial_state[name])
     assert changed > len(saved_state) // 2, "the saved weights look untrained"
+    if "--beta" in extra:  # the folder TRL loaded the reference model from: whole tensors, not ZeRO-3 shards
+        reference = AutoModelForCausalLM.from_pretrained(out / "initial-model").state_dict()
+        assert {n: t.shape for n, t in reference.items()} == {n: t.shape for n, t in initial_state.items()}
+        assert all(t.abs().sum() > 0 for n, t in reference.items() if n.endswith("proj.weight"))
+        assert any(not torch.equal(reference[n], t) for n, t in saved_state.items())  # the policy moved away from it
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [int(r["step"]) for r in rows] == [1, 2]
     if "R2" in extra:  # both steps replayed every completion token's route, pooled over the two ranks

@@ -63,6 +63,41 @@ _FORWARD_KEYS = (
 )
 
 
+def _check_reference_source(model, args: GSPOConfig, peft_config) -> None:
+    """`beta > 0` without PEFT: TRL loads the KL reference model from the policy's path (`config._name_or_path`). A
+    policy built in code has none, and TRL would fail deep in the Hub client on an empty repo id: say so here."""
+    if args.beta == 0.0 or isinstance(model, str) or peft_config is not None or hasattr(model, "peft_config"):
+        return
+    if not getattr(getattr(model, "config", None), "_name_or_path", None):
+        raise ValueError(
+            f"beta={args.beta} needs a KL reference model, which TRL loads from the policy's path "
+            "(model.config._name_or_path), but this model was built in code and has none. Save it with "
+            "save_pretrained and pass the folder (or set beta=0.0, or train a PEFT adapter: the reference is then the "
+            "model with the adapter disabled)."
+        )
+
+
+def _check_vllm_colocate(args: GSPOConfig) -> None:
+    """vLLM's CPU build cannot take weight updates in colocate mode: after loading, it repacks each linear layer's
+    weight for its CPU kernels (oneDNN / sgl-kernel) and drops the parameter TRL's weight sync writes to, so the first
+    sync fails deep inside vLLM (`'Parameter' object has no attribute 'weight_loader'`). Said before the engine starts."""
+    if not (args.use_vllm and args.vllm_mode == "colocate"):
+        return
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return  # TRL reports a missing vLLM itself
+    if current_platform.is_cpu():
+        import vllm
+
+        raise ValueError(
+            f"use_vllm=True with vllm_mode='colocate' on vLLM's CPU build ({vllm.__version__}): that build repacks "
+            "each linear layer's weights for its CPU kernels after loading, so TRL's weight sync cannot update the "
+            "engine and generation would never see the trained weights. Use vLLM on a CUDA GPU, or use_vllm=False "
+            "(transformers generation) on CPU."
+        )
+
+
 class GSPOTrainer(
     ResumableTraining, RolloutPipeline, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics,
     PaddingRemoval, LogprobForward, GRPOTrainer,
@@ -84,6 +119,8 @@ class GSPOTrainer(
                 f"GSPOTrainer needs args=GSPOConfig(...), got {type(args).__name__}. A plain GRPOConfig carries "
                 "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
             )
+        _check_reference_source(model, args, kwargs.get("peft_config"))
+        _check_vllm_colocate(args)
         # Model card (name, paper, tags) of the variant trained; set before TRL's __init__ tags the model with them.
         self._name, self._paper, self._tag_names = model_card.card_fields(
             args.importance_sampling_level, args.loss_type, GRPOTrainer._paper
@@ -96,7 +133,6 @@ class GSPOTrainer(
         self._signal_checkpoint = checkpointing.SignalCheckpoint(self) if args.checkpoint_on_signal else None
         if self._signal_checkpoint is not None:
             self.add_callback(self._signal_checkpoint)
-        self._init_sampler_logprob_reuse()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """`Trainer.save_model`, plus TRL's model card (naming the variant, its paper and tags) next to the weights;

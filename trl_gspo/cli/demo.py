@@ -12,6 +12,7 @@ held-out prompts (digit strings never seen in training) means the policy learned
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import random
@@ -136,6 +137,24 @@ def write_metrics(log_history: list[dict], csv_path: str, png_path: str, held_ou
     plt.close(fig)
 
 
+def save_initial_model(model, folder: str) -> None:
+    """With `beta > 0` (and no adapter) TRL loads the KL reference model from the policy's path, and the demo's model
+    is built in code: the main process saves it (whole, also when ZeRO-3 has partitioned it) and the model's path
+    becomes that folder, on every process."""
+    from accelerate import PartialState
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    gathered = contextlib.nullcontext()
+    if is_deepspeed_zero3_enabled():
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with gathered:
+        model.save_pretrained(folder)  # writes on the main process only
+    PartialState().wait_for_everyone()
+    model.config._name_or_path = folder
+
+
 def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, num_eval_prompts: int = 200,
              moe: bool = False, args: GSPOConfig | None = None, peft_config=None, console: str = "compact",
              **overrides) -> dict:  # fmt: skip
@@ -152,6 +171,8 @@ def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, nu
     train_set = make_demo_dataset(num_train_prompts, seed=args.seed)
     eval_set = make_demo_dataset(num_eval_prompts, seed=args.seed, split="test")
 
+    if args.beta != 0.0 and peft_config is None:
+        save_initial_model(model, os.path.join(args.output_dir, "initial-model"))
     trainer = GSPOTrainer(
         model, demo_reward, args=args, train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config
     )

@@ -33,7 +33,7 @@ import torch
 
 from ..common import trl_compat
 from ..common.validation import check_bool, check_choice
-from . import fused_head, segment_attention, shared_prefix
+from . import fused_head, shared_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,6 @@ class PaddingOptions:
                 "padding_free=True removes all padding, but trim_padding=False asks to keep it; set trim_padding=True "
                 "(the default) or padding_free=False."
             )
-#: Attention implementations the segment attention (forward/segment_attention.py) wraps for packed and shared calls, besides
-#: flash-attention: calls without a segment plan run them unchanged.
-SEGMENT_ATTENTION_WRAPS = ("sdpa", "eager", "flex_attention")
 
 
 # ---------------------------------------------------------------------------------------- sorted micro-batches
@@ -210,11 +207,6 @@ class PaddingRemoval:
                 "(sorting would change it); set sort_by_length='always' to sort anyway.", " and ".join(reasons)
             )
         self._sort_no_grad = self._padding_path and config.sort_by_length != "never"
-        problem = packing_problem(self.model)
-        if config.padding_free is True and problem:
-            raise ValueError(f"padding_free=True {problem}")
-        self._packing_supported = problem is None
-        self._flash = _is_flash(self.model)
         # real tokens, positions run, positions TRL would run, prompt positions a shared prefix did not run again
         self._throughput = torch.zeros(4, dtype=torch.float64)
         self._throughput_step = 0
@@ -229,7 +221,7 @@ class PaddingRemoval:
             return micro_batches
         # Sorting may also keep each prompt's rows together inside an optimizer step, so the loss forward shares the
         # prompt: the forward's cost model picks between the two orders (rows still never leave their step).
-        sharing = self.args.shared_prefix is not False and not self._shared_prefix_off_reason
+        sharing = self.args.shared_prefix is not False and not self._segment_support(self.model).problem
         buffer = arrange_micro_batches(
             list(micro_batches), first_step, self.args.steps_per_generation, self.num_iterations,
             self.args.gradient_accumulation_steps, sort=self._sort_micro_batches, group_minibatches=grouped,
@@ -324,35 +316,3 @@ def sort_changes_statistics(trainer) -> list[str]:
     if getattr(trainer, "aux_loss_enabled", False):
         reasons.append("the MoE router aux loss")
     return reasons
-
-
-def _attention_implementation(model) -> str:
-    """The model's attention implementation, looking through DDP / DeepSpeed wrappers (`.module`) without
-    `accelerator.unwrap_model`, which costs milliseconds per call (it reads package metadata)."""
-    while getattr(model, "config", None) is None and hasattr(model, "module"):
-        model = model.module
-    return str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager")
-
-
-def _is_flash(model) -> bool:
-    return "flash" in _attention_implementation(model)
-
-
-def packing_problem(model) -> str | None:
-    """Why packed / shared-prefix calls cannot run on `model` (None if they can): an attention implementation the
-    segment attention cannot wrap, or a prompt-learning adapter (its virtual tokens come with an attention mask or a
-    cache that a packed row cannot have). Completes "padding_free=True ..." in errors."""
-    implementation = _attention_implementation(model).removeprefix(segment_attention.PREFIX)
-    if "flash" not in implementation and implementation not in SEGMENT_ATTENTION_WRAPS:
-        return (
-            f"with attn_implementation={implementation!r}: packed sequences are kept apart by trl-gspo's segment "
-            f"attention, which wraps {', '.join(SEGMENT_ATTENTION_WRAPS)} and flash-attention. Load the model with one "
-            "of those, or set padding_free=False."
-        )
-    peft_config = getattr(model, "active_peft_config", None)
-    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-        return (
-            "with a prompt-learning PEFT adapter: its virtual tokens come with an attention mask or a cache, which a "
-            "packed row cannot have. Use padding_free=False (trimming works)."
-        )
-    return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from trl.extras.profiling import profiling_decorator
@@ -206,18 +207,60 @@ def _choose(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alp
 
 
 # ------------------------------------------------------------------------------------------------- the mixin
+@dataclass
+class SegmentSupport:
+    """What the forward pipeline knows of one model it runs (the policy, the reference model, ...)."""
+
+    model: torch.nn.Module  # inside DDP / DeepSpeed wrappers (segment_attention.base_model)
+    configs: list  # the configs its attention reads the implementation from: armed for its segment calls
+    problem: str | None  # why it cannot take packed / shared-prefix layouts (None: it can)
+    flash: bool  # loaded with flash-attention: segment calls hold one packed row (varlen)
+
+
 class LogprobForward:
     """`GSPOTrainer` mixin that owns TRL's `_get_per_token_logps_and_entropies` (the steps in the module docstring),
     and ends each training / evaluation step by disarming what its forwards armed (replayed routes kept for the
-    backward's recompute, the segment attention)."""
+    backward's recompute, the segment attention).
+
+    Layouts are chosen per model: every model a forward runs (the policy, TRL's reference model, a reference made by
+    disabling a PEFT adapter, which is the policy, each inside its DDP / DeepSpeed wrapper) is looked at once
+    (`_segment_support`). One that cannot take a segment layout (segment_attention.unsupported) runs trimmed and
+    sorted layouts under `"auto"`, said once in the log; `padding_free=True` / `shared_prefix=True` refuse it, for
+    the policy and the reference model before the first step."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._segment_configs = segment_attention.attention_configs(self.model)
         self._pair_cost = pair_cost(self.model.config)
-        self._shared_prefix_off_reason = shared_prefix_unsupported(self)
-        if self.args.shared_prefix is True and self._shared_prefix_off_reason:
-            raise ValueError(f"shared_prefix=True: {self._shared_prefix_off_reason}. Set shared_prefix='auto' or False.")
+        self._segment_models: dict[int, SegmentSupport] = {}
+        self._armed: dict[int, object] = {}  # configs switched to the segment attention during this step
+        if self.args.shared_prefix is True and not fused_head.available():
+            raise ValueError(f"shared_prefix=True: TRL {__import__('trl').__version__} has no fused log-prob head "
+                             "(TRL >= 1.15). Set shared_prefix='auto' or False.")  # fmt: skip
+        for role, model in (("the policy", self.model), ("the reference model", getattr(self, "ref_model", None))):
+            if model is not None:
+                self._segment_support(model, role)
+
+    def _segment_support(self, model, role: str | None = None) -> SegmentSupport:
+        """The forward pipeline's record of `model` (see the class docstring), made on first sight."""
+        base = segment_attention.base_model(model)
+        support = self._segment_models.get(id(base))
+        if support is None:
+            support = SegmentSupport(base, segment_attention.attention_configs(base), segment_attention.unsupported(base),
+                                     "flash" in segment_attention.attention_implementation(base))  # fmt: skip
+            self._segment_models[id(base)] = support
+            if support.problem:
+                self._segment_layouts_off(support, role or "a model the forward runs")
+        return support
+
+    def _segment_layouts_off(self, support: SegmentSupport, who: str) -> None:
+        """`support.model` takes no segment layout: an explicit True setting raises, "auto" says so once."""
+        what = f"{who} ({type(support.model).__name__}) cannot take packed or shared-prefix layouts: {support.problem}"
+        forced = [name for name in ("padding_free", "shared_prefix") if getattr(self.args, name) is True]
+        if forced:
+            raise ValueError(f"{' and '.join(f'{name}=True' for name in forced)}: {what}. Set {forced[0]}='auto' (its "
+                             "forwards then run trimmed and length-sorted) or False.")  # fmt: skip
+        if "auto" in (self.args.padding_free, self.args.shared_prefix):
+            logger.warning("padding_free / shared_prefix 'auto': %s. Its forwards run trimmed and length-sorted.", what)
 
     # ------------------------------------------------------------------------------------------ the pipeline
     @profiling_decorator
@@ -244,20 +287,33 @@ class LogprobForward:
                     **multimodal,
                 )  # fmt: skip
             else:
-                out = self._planned_forward(model, input_ids, attention_mask, logits_to_keep, batch_size or b,
-                                            compute_entropy, compute_aux_loss, observed, replay)  # fmt: skip
+                support = self._segment_support(model)
+                try:
+                    out = self._planned_forward(model, support, input_ids, attention_mask, logits_to_keep,
+                                                batch_size or b, compute_entropy, compute_aux_loss, observed, replay)
+                except segment_attention.NotServed:
+                    # Passed the checks made before the call, yet its attention bypassed the registry. Under "auto",
+                    # run this forward again trimmed (no router pass: it has recorded the discarded call's routes).
+                    if observed is not None or True in (self.args.padding_free, self.args.shared_prefix):
+                        raise
+                    support.problem = ("its attention never reached the segment attention in a packed call (it "
+                                       "bypasses transformers' AttentionInterface)")
+                    self._segment_layouts_off(support, "a model the forward runs")
+                    out = self._planned_forward(model, support, input_ids, attention_mask, logits_to_keep,
+                                                batch_size or b, compute_entropy, compute_aux_loss, observed, replay)
         if role is not None:
             self._after_route_pass(role, replay, observed, out, logits_to_keep)  # 5. routes kept / metrics
         if not torch.is_grad_enabled():
             self._release_forward()  # no backward follows a no-grad pass
         return out
 
-    def _planned_forward(self, model, input_ids, attention_mask, logits_to_keep, chunk_rows, compute_entropy,
+    def _planned_forward(self, model, support, input_ids, attention_mask, logits_to_keep, chunk_rows, compute_entropy,
                          compute_aux_loss, observed, replay):  # fmt: skip
         b, s = input_ids.shape
         prompt_width = s - logits_to_keep
         spans = row_spans(attention_mask)
-        layouts = self._plan(spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay)
+        layouts = self._plan(spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay,
+                             support)  # fmt: skip
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :prompt_width] = -100  # only completion tokens are scored
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
@@ -291,22 +347,23 @@ class LogprobForward:
         return logps, entropies, aux_loss
 
     # -------------------------------------------------------------------------------------------- 3. the plan
-    def _layout_settings(self, compute_aux_loss: bool):
-        """(pack, share) for a forward: each "auto", True or False after what the forward rules out."""
+    def _layout_settings(self, compute_aux_loss: bool, support: SegmentSupport):
+        """(pack, share) for a forward of `support.model`: each "auto", True or False after what the forward and the
+        model rule out."""
         args = self.args
         pack, share = args.padding_free, args.shared_prefix
+        if support.problem:
+            return False, False  # refused before the first step if either was True (`_segment_layouts_off`)
         if not args.trim_padding:
             pack = False  # `padding_free=True` with trimming off is refused by the config
         if compute_aux_loss and pack == "auto":
             pack = False  # packing would add its filler to the load-balancing loss (explicit True accepts that)
-        if compute_aux_loss or self._shared_prefix_off_reason or not args.trim_padding:
+        if compute_aux_loss or not args.trim_padding:
             share = False  # sharing would count each prompt once in the load-balancing loss
-        if pack is not False and not self._packing_supported:
-            pack = False
         return pack, share
 
-    def _plan(self, spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay):
-        pack, share = self._layout_settings(compute_aux_loss)
+    def _plan(self, spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay, support):
+        pack, share = self._layout_settings(compute_aux_loss, support)
         groups = []
         if share is not False:
             groups = shared_prefix.prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
@@ -315,28 +372,30 @@ class LogprobForward:
         return plan_forward(
             spans, tuple(input_ids.shape), prompt_width, chunk_rows, groups=groups,
             sort=self._sort_no_grad and not torch.is_grad_enabled(),  # no-grad passes: sort the batch, unsort outputs
-            trim=self.args.trim_padding, pack=pack, share=share, one_row=self._flash, alpha=self._pair_cost,
+            trim=self.args.trim_padding, pack=pack, share=share, one_row=support.flash, alpha=self._pair_cost,
             multiple_of=self.args.pad_to_multiple_of,
         )  # fmt: skip
 
     def _loss_forward_cost(self, batch: dict) -> float:
         """Estimated cost of the loss forward on a rollout micro-batch (the cheapest layout `plan_forward` would
         pick), so `_prepare_inputs` can compare arrangements of an optimizer step's rows."""
-        pack, share = self._layout_settings(self.aux_loss_enabled)
+        support = self._segment_support(self.model)
+        pack, share = self._layout_settings(self.aux_loss_enabled, support)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         spans, prompt_width = row_spans(mask), batch["prompt_mask"].size(1)
         groups = shared_prefix.prompt_groups(batch["prompt_ids"], batch["prompt_mask"]) if share is not False else []
         group_of = {r: tuple(rows) for rows in groups for r in rows}
         rows = list(range(mask.size(0)))
-        return _choose(spans, rows, prompt_width, group_of, self.args.trim_padding, pack, share, self._flash,
+        return _choose(spans, rows, prompt_width, group_of, self.args.trim_padding, pack, share, support.flash,
                        self._pair_cost)[1]  # fmt: skip
 
     # ------------------------------------------------------------------------------------- 4. the model call
     def _call_model(self, model, layout: ForwardLayout, **model_inputs):
         """The one model call of the planned forward. A segment layout (packed / shared) runs under the segment
-        attention (forward/segment_attention.py), armed here and disarmed when the step is over."""
+        attention (forward/segment_attention.py), armed here for the model called and disarmed when the step is over."""
         if not layout.packed:
             return model(**model_inputs)
+        support = self._segment_support(model)
         if model_inputs.get("attention_mask") is not None:
             raise RuntimeError(
                 "A packed forward got an attention_mask: its sequences are kept apart by the segment attention's plan, "
@@ -345,17 +404,19 @@ class LogprobForward:
             )
         plan = layout.segments
         if plan.blocks is None and plan.varlen is None:
-            plan.build_varlen() if self._flash and _flash_available() else plan.build_blocks()
+            plan.build_varlen() if support.flash and _flash_available() else plan.build_blocks()
             plan = plan.to(model_inputs["input_ids"].device)
-        segment_attention.arm(self._segment_configs)
+        segment_attention.arm(support.configs)
+        self._armed.update((id(config), config) for config in support.configs)
         with segment_attention.segment_call():
             out = model(**model_inputs, segment_plan=plan)
-        segment_attention.check_served(plan, type(self.model).__name__)
+        segment_attention.check_served(plan, type(support.model).__name__)
         return out
 
     def _release_forward(self):
         """The step's forwards and backward are done: disarm the segment attention and any replayed routes."""
-        segment_attention.disarm(self._segment_configs)
+        segment_attention.disarm(list(self._armed.values()))
+        self._armed.clear()
         self._release_routes()
 
     def training_step(self, *args, **kwargs):
@@ -377,19 +438,3 @@ def _flash_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def shared_prefix_unsupported(trainer) -> str | None:
-    """Why shared-prefix calls cannot run on this trainer's model (None if they can): layers that are not full
-    attention (sliding windows, linear attention), or TRL without the fused log-prob head."""
-    if not fused_head.available():
-        return f"TRL {__import__('trl').__version__} has no fused log-prob head (TRL >= 1.15)"
-    config = trainer.model.config
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        return f"the model has {other} layers, whose attention a shared prefix would change"
-    if getattr(config, "use_sliding_window", False):
-        return "the model uses sliding-window attention"
-    return None

@@ -287,10 +287,67 @@ def segment_call():
         _SEGMENT_CALL.reset(token)
 
 
+class NotServed(RuntimeError):
+    """A segment-layout call whose model never ran the segment attention (its sequences could see each other)."""
+
+
 def check_served(plan: SegmentPlan, model_name: str) -> None:
     if plan.calls == 0:
-        raise RuntimeError(
+        raise NotServed(
             f"A packed / shared-prefix call to {model_name} never reached the segment attention (its attention does "
             "not go through transformers' AttentionInterface), so its sequences could see each other. Set "
             "shared_prefix=False and padding_free=False for this model."
         )
+
+
+# ------------------------------------------------------------------------------------- which models it serves
+#: Attention implementations the segment attention wraps, besides flash-attention: calls without a segment plan run
+#: them unchanged.
+WRAPS = ("sdpa", "eager", "flex_attention")
+
+
+def base_model(model):
+    """The model inside DDP / DeepSpeed wrappers (their `.module`); a PEFT model is kept as it is. Cheaper than
+    `accelerator.unwrap_model`, which reads package metadata (milliseconds per call)."""
+    from transformers import PreTrainedModel
+
+    while isinstance(getattr(model, "module", None), torch.nn.Module) and not isinstance(model, PreTrainedModel):
+        model = model.module
+    return model
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_implementation(model) -> str:
+    """The attention implementation `model` was loaded with (the original one while the segment attention is armed)."""
+    return _original_name(getattr(base_model(model).config, "_attn_implementation", None))
+
+
+def unsupported(model) -> str | None:
+    """Why packed and shared-prefix calls cannot run on `model` (None if they can), as a clause that completes
+    "<model> cannot take packed or shared-prefix layouts: ...". Decided from the model alone, before any call."""
+    from transformers import PreTrainedModel
+
+    model = base_model(model)
+    implementation = attention_implementation(model)
+    if "flash" not in implementation and implementation not in WRAPS:
+        return (f"its attn_implementation={implementation!r} is not one the segment attention wraps "
+                f"({', '.join(WRAPS)}, flash-attention)")  # fmt: skip
+    pretrained = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if pretrained is not None and not getattr(type(pretrained), "_supports_attention_backend", False):
+        return (f"{type(pretrained).__name__} computes attention in its own code, not through transformers' "
+                "AttentionInterface, where the segment attention is registered")  # fmt: skip
+    config = _text_config(model)
+    other = sorted({t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"})
+    if other:
+        return f"it has {other} layers, whose attention the segment attention does not reproduce"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "it uses sliding-window attention, which the segment attention does not reproduce"
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        return ("a prompt-learning PEFT adapter is active: its virtual tokens come with an attention mask or a cache, "
+                "which a packed row cannot have")  # fmt: skip
+    return None

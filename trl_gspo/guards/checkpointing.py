@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import RepeatSampler
 
@@ -349,6 +350,20 @@ class ResumableTraining:
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             mark_complete(path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """HF's, except in a plain multi-process run on CPU (no DeepSpeed, no FSDP): there transformers < 5.18 loads
+        the optimizer state onto the device the run names, the indexed `cpu:0`, which torch's `map_location` cannot
+        restore, so the resume fails. Loaded on `"cpu"` instead, as transformers >= 5.18 does."""
+        device = self.args.device
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        files = [os.path.join(checkpoint or "", name) for name in (OPTIMIZER_NAME, SCHEDULER_NAME)]
+        if not (plain and self.args.world_size > 1 and device.type == "cpu" and device.index is not None
+                and all(os.path.isfile(f) for f in files)):  # fmt: skip
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer_state, scheduler_state = (torch.load(f, map_location="cpu", weights_only=True) for f in files)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.lr_scheduler.load_state_dict(scheduler_state)
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """`Trainer.train`, resuming only from complete checkpoints and restoring TRL's rollout buffer."""

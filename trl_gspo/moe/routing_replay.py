@@ -126,20 +126,26 @@ class RoutingReplayOptions:
 
 
 class MoERouting:
-    """`GSPOTrainer` mixin: MoE routing metrics, and routing replay (R2 / R3) when `routing_replay` asks for it."""
+    """`GSPOTrainer` mixin: MoE routing metrics, and routing replay (R2 / R3) when `routing_replay` asks for it.
+
+    The state read on the rollout path has class-level defaults (no replay, no routes), so TRL's generation methods
+    that rollout.py overrides also run on a trainer whose `__init__` did not set it (as TRL's own unit tests build
+    one)."""
+
+    _replay = "none"  # `routing_replay`, read from the config by `__init__`
+    _router_hooks = None  # None for dense models, and with diagnostics=False and no replay (no hook installed)
+    _moe_role = None  # "old" or "loss" while one of the two observed forwards is next; None otherwise
+    _moe_inputs = None  # the micro-batch of the running loss forward
+    _sampler_routes = None  # R3: per-completion routes of the rollout being scored (moe/route_sources.py)
+    _rollout_routes = None  # RouteTable of pi_old's routes for the rollout being scored
 
     def __init__(self, *args, **kwargs):
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         with _vllm_returns_routes(getattr(config, "routing_replay", "none") == "R3" and getattr(config, "use_vllm", False)):
             super().__init__(*args, **kwargs)
         self._replay = self.args.routing_replay
-        # None for dense models, and with diagnostics=False and no replay (then no router hook is ever installed)
         observe = self.args.diagnostics or self._replay != "none"
         self._router_hooks = RouterHooks.for_model(self.model) if observe else None
-        self._moe_role = None  # "old" or "loss" while one of the two observed forwards is next; None otherwise
-        self._moe_inputs = None  # the micro-batch of the running loss forward
-        self._sampler_routes = None  # R3: per-completion routes of the rollout being scored (moe/route_sources.py)
-        self._rollout_routes = None  # RouteTable of pi_old's routes for the rollout being scored
         self._check_routing_replay()
         if self._replay == "R3" and self.use_vllm:
             _capture_vllm_routes(self)

@@ -74,6 +74,7 @@ Two attributes steer the runs of TRL's `_generate_and_score_completions` above: 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -219,22 +220,46 @@ def split_rollout(batch: dict, steps_per_generation: int) -> list[dict]:
     return [unsplit_pixel_values_by_grid(part) for part in split_tensor_dict(batch, steps_per_generation)]
 
 
+class VLLMServerError(RuntimeError):
+    """The vLLM server a run generates with stopped answering."""
+
+
+@contextlib.contextmanager
+def vllm_server_errors(trainer):
+    """Around TRL's generation call: in vLLM server mode, a request the server no longer answers (its weight push, its
+    prefix-cache reset, its generation) fails with one error naming the server, instead of the HTTP library's."""
+    try:
+        yield
+    except OSError as error:  # requests' ConnectionError and Timeout are OSErrors
+        if not (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_mode", None) == "server"):
+            raise
+        url = trainer.args.vllm_server_base_url or f"http://{trainer.args.vllm_server_host}:{trainer.args.vllm_server_port}"
+        raise VLLMServerError(
+            f"The vLLM server at {url} stopped answering during rollout generation at optimizer step "
+            f"{trainer.state.global_step} ({type(error).__name__}). Checkpoints saved so far are complete; restart the "
+            "server and resume with resume_from_checkpoint=True."
+        ) from error
+
+
 class RolloutPipeline:
     """`GSPOTrainer` mixin owning TRL's rollout path (module docstring): one place decides how a rollout batch is
     produced and what each feature does on the way.
 
     The pipeline does not choose its source: `make_rollout_source(trainer)` does, set by the class that assembles the
     trainer (`GSPOTrainer` sets `rollout.sources.rollout_source`, the registry above the sources). The default is
-    TRL's own behaviour, `SynchronousRollouts`."""
+    TRL's own behaviour, `SynchronousRollouts`.
+
+    The state the overridden TRL methods read has class-level defaults (nothing injected, nothing stopped early), so
+    those methods also run on a trainer whose `__init__` did not set it, as TRL's own unit tests build one."""
 
     make_rollout_source = staticmethod(SynchronousRollouts)
+    _rollout_sampled_at = None  # optimizer step whose weights sampled the rollout batch being trained on
+    _stop_after = None  # where the running TRL path stops: "generate" (`_sample`), "request", None (the end)
+    _injected = None  # the `Generation` that `_score` is scoring, or `Completions` answering the generation
+    _injected_rewards = None  # the reward matrix `_score` was given
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._rollout_sampled_at = None  # optimizer step whose weights sampled the rollout batch being trained on
-        self._stop_after = None  # where the running TRL path stops: "generate" (`_sample`), "request", None (the end)
-        self._injected = None  # the `Generation` that `_score` is scoring, or `Completions` answering the generation
-        self._injected_rewards = None  # the reward matrix `_score` was given
         self._rollouts = self.make_rollout_source(self)
 
     # ------------------------------------------------------------------------------------ the rollout buffer
@@ -324,7 +349,8 @@ class RolloutPipeline:
             finally:
                 self.rollout_func = rollout_func
         else:
-            outputs = super()._generate(prompts)
+            with vllm_server_errors(self):
+                outputs = super()._generate(prompts)
         self._keep_sampler_logps(outputs)
         self._keep_rollout_func_routes(outputs)
         if self._stop_after == "generate":

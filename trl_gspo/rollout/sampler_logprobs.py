@@ -267,10 +267,11 @@ class SamplerLogprobReuse:
     metrics, the length-normalised vLLM correction, and the fused log-prob tile size. The rollout pipeline
     (rollout/pipeline.py) calls the steps below around TRL's generation and scoring; with reuse off they do nothing."""
 
-    def _init_sampler_logprob_reuse(self):
-        self._reuse_armed = False  # True between generation and TRL's old-policy forward, when that is replaced
-        self._sampler_logps = None  # per-completion sampler log-probs of the rollout being scored
-        self._warned_no_sampler_logps = False
+    # Class-level defaults (nothing recorded, reuse off): TRL's generation methods that rollout.py overrides call
+    # into this mixin, also on a trainer whose `__init__` did not run (as TRL's own unit tests build one).
+    _reuse_armed = False  # True between generation and TRL's old-policy forward, when that is replaced
+    _sampler_logps = None  # per-completion sampler log-probs of the rollout being scored
+    _warned_no_sampler_logps = False
 
     def _reuses_sampler_logps(self) -> bool:
         return self.args.old_logprobs_source == "sampler" and trl_compat.old_logprob_pass_needed(self)

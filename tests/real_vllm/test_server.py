@@ -1,0 +1,167 @@
+"""GSPO against a real `trl vllm-serve` process (vLLM's CPU build), over HTTP with TRL's own client.
+
+The one part replaced here: TRL's weight transfer to the server (`VLLMClient.init_communicator` /
+`update_named_params`) runs on vLLM's NCCL engine and raises `NotImplementedError` off CUDA. `no_weight_transfer`
+makes both no-ops for these tests (test-only: the server keeps serving its initial weights, so every comparison
+below is made before the first optimizer step, where those are the trainer's weights). Prompts, generation,
+log-probs, batching and the server itself are real.
+"""
+
+import math
+import os
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from trl_gspo import GSPOConfig, GSPOTrainer
+
+from .conftest import free_port, start_server, stop, wait_ready
+
+#: Largest |vLLM log-prob - trainer log-prob| seen per token, fp32 server vs fp32 trainer, same weights: 1.2e-6
+#: (326 completion tokens, 8 completions ended by EOS and 24 cut; 2026-11-25). The bound leaves ~80x room; the same
+#: numbers shifted by one position differ by ~1 nat.
+LOGPROB_TOLERANCE = 1e-4
+
+PROMPTS = ["add 1 2 =", "copy a b c :", "what is 4 + 5 ?", "count 1 2 3 4 5 6 7 :", "a", "repeat the sum of 2 and 3 :"]
+
+
+@pytest.fixture
+def no_weight_transfer(monkeypatch):
+    """Test-only: TRL's NCCL weight transfer needs CUDA (see the module docstring)."""
+    from trl.generation.vllm_client import VLLMClient
+
+    pushes = []
+    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, *a, **k: None)
+    monkeypatch.setattr(VLLMClient, "update_named_params", lambda self, *a, **k: pushes.append(1))
+    return pushes
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c.split()) % 4) for c in completions]
+
+
+def _trainer(model_dir, url, tmp_path, **overrides):
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
+                    per_device_train_batch_size=8, num_generations=4, max_completion_length=12, learning_rate=1e-2,
+                    max_steps=2, logging_steps=1, disable_tqdm=True, use_vllm=True, vllm_mode="server",
+                    vllm_server_base_url=url, vllm_server_timeout=60)  # fmt: skip
+    args = GSPOConfig(**{**settings, **overrides})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return GSPOTrainer(model_dir, _reward, args=args, processing_class=tokenizer,
+                       train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}))  # fmt: skip
+
+
+def _recomputed(trainer, batch):
+    """The trainer's own log-probs of the batch's completions (its forward pipeline, no grad)."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].size(1))
+    return logps
+
+
+def test_server_mode_trains_gspo_over_http(vllm_model_dir, vllm_server, tmp_path, no_weight_transfer):
+    trainer = _trainer(vllm_model_dir, vllm_server, tmp_path / "run")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(logs) == 2 and all(math.isfinite(row["loss"]) for row in logs)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+    assert logs[0]["completions/mean_length"] > 0  # completions came back from the server
+
+
+def test_sampler_logprobs_line_up_with_the_trainer_per_position(vllm_model_dir, vllm_server, tmp_path,
+                                                                 no_weight_transfer):  # fmt: skip
+    """old_logprobs_source="sampler": pi_old is vLLM's per-token log-prob. At the first rollout (the server's weights
+    are the trainer's) it must equal the trainer's recomputation at every completion position, for completions that
+    end in EOS and for truncated ones, with left-padded prompts of different lengths."""
+    trainer = _trainer(vllm_model_dir, vllm_server, tmp_path / "run", old_logprobs_source="sampler")
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    mask = batch["completion_mask"].bool()
+    ended = (batch["completion_ids"] == trainer.processing_class.eos_token_id).any(1)
+    prompt_lengths = batch["prompt_mask"].sum(1)
+    assert ended.any() and (~ended).any(), "the batch needs completions that end and completions that are cut"
+    assert len(set(prompt_lengths.tolist())) > 1 and (batch["prompt_mask"][:, 0] == 0).any()  # left padding
+    sampler = batch["old_per_token_logps"]
+    recomputed = _recomputed(trainer, batch)
+    gap = (sampler - recomputed).abs()[mask]
+    assert gap.max() < LOGPROB_TOLERANCE, f"max |vLLM - trainer| = {gap.max():.3g}"
+    # A one-position shift would not pass: the same numbers shifted by one differ by far more than the tolerance.
+    shifted = (sampler[:, 1:] - recomputed[:, :-1]).abs()[mask[:, 1:] & mask[:, :-1]]
+    assert shifted.max() > 100 * LOGPROB_TOLERANCE
+
+
+def test_length_normalised_correction_equals_a_naive_recomputation(vllm_model_dir, vllm_server, tmp_path,
+                                                                     no_weight_transfer):  # fmt: skip
+    """TRL's vLLM correction with `vllm_importance_sampling_length_normalized` (on for the sequence levels): per
+    sequence, exp of the mean over its completion tokens of (trainer pi_old - vLLM log-prob), truncated to TRL's
+    range; recomputed here with a loop from the same numbers the batch carries."""
+    trainer = _trainer(vllm_model_dir, vllm_server, tmp_path / "run", vllm_importance_sampling_mode="sequence_truncate")
+    assert trainer.args.vllm_importance_sampling_length_normalized
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    old, sampling, mask = batch["old_per_token_logps"], batch["sampling_per_token_logps"], batch["completion_mask"]
+    low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
+    for i in range(old.size(0)):
+        diffs = [float(old[i, t] - sampling[i, t]) for t in range(old.size(1)) if mask[i, t]]
+        expected = math.exp(sum(diffs) / len(diffs)) if diffs else 1.0
+        expected = min(max(expected, low if low is not None else -math.inf), high if high is not None else math.inf)
+        assert float(batch["importance_sampling_ratio"][i].squeeze()) == pytest.approx(expected, rel=1e-5), i
+    assert (old - sampling).abs()[mask.bool()].max() < LOGPROB_TOLERANCE  # pi_old and vLLM agree at this step
+
+
+# ------------------------------------------------------------------------------------------------ faults
+def test_a_server_that_never_becomes_ready_gives_a_clear_error_at_its_timeout(vllm_model_dir, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(OSError, match=rf"can't be reached at {url} after 5 seconds"):  # TRL's client says so
+        _trainer(vllm_model_dir, url, tmp_path / "run", vllm_server_timeout=5)
+    assert time.monotonic() - start < 60
+
+
+def test_a_server_killed_mid_run_stops_the_trainer_naming_the_server(vllm_model_dir, tmp_path, no_weight_transfer):
+    """The server dies after the first rollout: the next one fails within 30 s with an error naming its URL, and the
+    checkpoint saved before is complete."""
+    from trl_gspo.guards.checkpointing import checkpoint_problem
+    from trl_gspo.rollout.pipeline import VLLMServerError
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(vllm_model_dir, port)
+    try:
+        wait_ready(proc, url, 300)
+        trainer = _trainer(vllm_model_dir, url, tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4,
+                           steps_per_generation=4, gradient_accumulation_steps=1)  # fmt: skip
+        original = trainer._save_checkpoint
+
+        def save_then_kill(*args, **kwargs):
+            original(*args, **kwargs)
+            stop(proc)  # the server goes away right after the checkpoint of step 4
+
+        trainer._save_checkpoint = save_then_kill
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match=rf"vLLM server at {url} stopped answering") as failure:
+            trainer.train()
+        elapsed = time.monotonic() - start
+    finally:
+        stop(proc)
+    assert trainer.state.global_step == 4, failure.value
+    assert elapsed < 30 + 60, elapsed  # the steps before the kill, then at most 30 s to fail
+    assert checkpoint_problem(str(tmp_path / "run" / "checkpoint-4")) is None
+
+
+# ------------------------------------------------------------------------------------------------ colocate
+def test_colocate_on_the_cpu_build_is_refused_before_the_engine_starts(vllm_model_dir, tmp_path):
+    """vLLM's CPU build repacks its linear weights after loading and drops the parameters TRL's colocate weight sync
+    writes to (checked against vLLM 0.31.0: the first sync raised `AttributeError: 'Parameter' object has no attribute
+    'weight_loader'`; the engine's `reload_weights` left its log-probs 1.4-2.1 nats from the trainer's after an
+    update). GSPOTrainer refuses the combination up front instead of failing at the first sync."""
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"vllm_mode='colocate' on vLLM's CPU build \("):
+        _trainer(vllm_model_dir, None, tmp_path / "run", vllm_mode="colocate", vllm_server_base_url=None)
+    assert time.monotonic() - start < 30  # no engine was started
