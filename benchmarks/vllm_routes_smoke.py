@@ -5,7 +5,7 @@
 
 It builds a colocated `vllm.LLM(..., enable_return_routed_experts=True)` on an MoE model (default: a tiny Qwen3-MoE
 built from config and saved to a temporary folder; `--model` for a real one), generates a few completions, reads
-their routes through the same code the trainer uses (`routing_replay.vllm_routes_from_outputs`,
+their routes through the same code the trainer uses (`route_sources.vllm_routes_from_outputs`,
 `route_sources.routes_from_engine`), and re-scores every prompt + completion with the transformers model under
 trl-gspo's router hooks. It reports the layout vLLM returned (type, dtype, rows vs prompt + completion tokens, layers)
 and the sampler/trainer route mismatch: the share of (token, MoE layer) pairs, and of tokens in any layer, where the
@@ -74,9 +74,8 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_gspo.cli.tiny import save_tiny_model
-    from trl_gspo.moe.route_sources import routes_from_engine
+    from trl_gspo.moe.route_sources import routes_from_engine, vllm_routes_from_outputs
     from trl_gspo.moe.routing import RouterHooks
-    from trl_gspo.moe.routing_replay import vllm_routes_from_outputs
 
     model_dir = args.model or save_tiny_model(tempfile.mkdtemp(prefix="tiny-moe-"), moe=True)
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"

@@ -617,6 +617,35 @@ def test_vllm_server_routes_reach_the_rollout_batch(tokenizer, tmp_path):
 
 
 @pytest.mark.skipif(not SERVER_ROUTES, reason=OLD_CLIENT)
+def test_vllm_server_started_without_routes_is_refused_at_set_up(tokenizer, tmp_path):
+    """`trl vllm-serve` serves vLLM's `/server_info`: a server whose `aux_output_config` says it returns no routes is
+    refused when the trainer is built, naming the flag, not at the first rollout. Real-engine counterpart:
+    tests/real_vllm/test_routes.py."""
+    trainer, server = _server_trainer(tokenizer, tmp_path)
+    off = {"aux_output_config": {"enable_return_routed_experts": False, "max_bytes": None}}
+    with pytest.raises(ValueError, match=r"server at http://stand-in:8000 was started without --enable-return-routed"):
+        vllm_stand_in.server_generation(trainer, server, server_info=off)
+    on = {"aux_output_config": {"enable_return_routed_experts": True}}
+    vllm_stand_in.server_generation(trainer, server, server_info=on)  # accepted
+
+
+@pytest.mark.parametrize("info, expected", [({"aux_output_config": {"enable_return_routed_experts": True}}, True),
+                                            ({"aux_output_config": {"enable_return_routed_experts": False}}, False),
+                                            ({"model_config": {"enable_return_routed_experts": True}}, True),
+                                            ({"model_config": {}}, None), (RuntimeError("no dev endpoints"), None)])  # fmt: skip
+def test_server_returns_routes_reads_the_server_info(info, expected):
+    from trl_gspo.moe.route_sources import server_returns_routes
+
+    class Client:
+        def get_server_info(self):
+            if isinstance(info, Exception):
+                raise info
+            return info
+
+    assert server_returns_routes(Client()) is expected
+
+
+@pytest.mark.skipif(not SERVER_ROUTES, reason=OLD_CLIENT)
 def test_vllm_server_per_prompt_requests_are_put_back_in_prompt_order(tokenizer, tmp_path):
     """With images TRL sends one request per prompt from a thread pool; the stand-in answers them in reverse order.
     Each completion must still get its own prompt's routes (before: each reply overwrote the last)."""

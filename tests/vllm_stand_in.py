@@ -8,6 +8,10 @@ choices each, prompt-major) and `/inference/v1/generate` (one request per prompt
 prompts carry images; answered in reverse order here, so replies arrive out of order). Each choice carries
 `routed_experts` as vLLM's OpenAI server sends them (base64 `.npy`, one row per token but the last), computed from the
 prompt and completion ids alone, so any process can recompute what the server sent for its own rows.
+
+Why a stand-in: vLLM's CPU build refuses to return routed experts (`--enable-return-routed-experts` needs Model Runner
+V2, which needs Triton; pinned in tests/real_vllm/test_routes.py), so R3 with vLLM's routes can run for real only on a
+CUDA build (`make gpu-check`). Everything else of server mode runs against the real engine in tests/real_vllm/.
 """
 
 from __future__ import annotations
@@ -73,9 +77,10 @@ class StandInServer:
         raise AssertionError(f"stand-in server: unexpected request {url}")
 
 
-def server_generation(trainer, server):
+def server_generation(trainer, server, server_info=None):
     """TRL's `VLLMGeneration` in server mode on `trainer`, its client (TRL's `VLLMClient`, talking to `server`) on the
-    main process only, as TRL builds it; then `_capture_vllm_routes` as `GSPOTrainer` runs it for R3 + vLLM."""
+    main process only, as TRL builds it; then `_capture_vllm_routes` as `GSPOTrainer` runs it for R3 + vLLM.
+    `server_info`: what the client's `get_server_info` returns (by default it fails, as without vLLM's dev endpoints)."""
     from trl.generation import vllm_client, vllm_generation
 
     from trl_gspo.moe.routing_replay import _capture_vllm_routes
@@ -85,6 +90,8 @@ def server_generation(trainer, server):
             client = vllm_client.VLLMClient.__new__(vllm_client.VLLMClient)
             client.base_url, client.model, client._post = "http://stand-in:8000", "stand-in", server.post
             client.image_features = lambda images: [{"mm_placeholders": {"image": []}} for _ in images]
+            if server_info is not None:
+                client.get_server_info = lambda: server_info
             self.vllm_client = client
 
     original = vllm_generation.VLLMGeneration._init_vllm

@@ -46,6 +46,7 @@ from .moe.routing_replay import MoERouting
 from .rollout.async_rollouts import decoupled_behaviour_weight
 from .rollout.pipeline import RolloutPipeline
 from .rollout.sampler_logprobs import SamplerLogprobReuse
+from .rollout.served_model import check_served_model
 from .rollout.sources import rollout_source
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
@@ -126,6 +127,7 @@ class GSPOTrainer(
             args.importance_sampling_level, args.loss_type, GRPOTrainer._paper
         )
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        check_served_model(self)  # vLLM server mode: the server serves this model (before any step)
         self._guard_reward_funcs()
         self._nonfinite = NonFiniteGuard(self, args.max_consecutive_nonfinite)
         self.add_callback(self._nonfinite)

@@ -131,9 +131,11 @@ def build_tiny_model(tokenizer, moe: bool = False, seed: int = 0, **config_overr
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def save_tiny_model(path: str | os.PathLike, moe: bool = False, seed: int = 0, **config_overrides) -> str:
-    """Build and save a tiny model + tokenizer to `path`; loadable with `from_pretrained(path)`."""
-    tokenizer = build_tokenizer()
+def save_tiny_model(path: str | os.PathLike, moe: bool = False, seed: int = 0, extra_words: list[str] | None = None,
+                    **config_overrides) -> str:  # fmt: skip
+    """Build and save a tiny model + tokenizer (with `extra_words` appended to its vocabulary) to `path`; loadable with
+    `from_pretrained(path)`."""
+    tokenizer = build_tokenizer(extra_words)
     model = build_tiny_model(tokenizer, moe=moe, seed=seed, **config_overrides)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -10,7 +10,9 @@ Sources:
 - transformers ``generate``: :func:`routes_from_generate` reads a :class:`routing.CallLog` of the prefill call and one
   call per decoding step (only its newest position counts: with a KV cache the step sees one token per row).
 - vLLM (``enable_return_routed_experts``) and ``rollout_func`` outputs: :func:`routes_from_engine` accepts the layouts
-  seen across vLLM releases, listed in its docstring, and fails loudly on anything else.
+  seen across vLLM releases, listed in its docstring, and fails loudly on anything else. The raw routes are read from
+  the engine's outputs (colocate, :func:`vllm_routes_from_outputs`) or from the server's replies (:class:`ServerResponses`),
+  and :func:`server_returns_routes` asks a server whether it returns them at all.
 """
 
 from __future__ import annotations
@@ -155,3 +157,70 @@ def place_routes(routes: list[torch.Tensor], prompt_lens: list[int], completion_
         ids[i, span] = row.clamp(min=0).to(dtype)
         valid[i, span] = (row >= 0).all(-1).all(-1)
     return RouteTable(ids, valid)
+
+
+# ---------------------------------------------------------------------------------------- vLLM
+def vllm_routes_from_outputs(request_outputs) -> list:
+    """Raw routes of every completion in vLLM `RequestOutput`s (colocate): `CompletionOutput.routed_experts`, with the
+    prompt's part prepended when the release returns it separately (`RequestOutput.prompt_routed_experts`)."""
+    raw = []
+    for request in request_outputs:
+        prompt_part = getattr(request, "prompt_routed_experts", None)
+        for completion in request.outputs:
+            routes = getattr(completion, "routed_experts", None)
+            raw.append(routes if prompt_part is None or routes is None else (prompt_part, routes))
+    return raw
+
+
+def vllm_routes_from_choices(choices: list[dict]) -> list:
+    """Raw routes of every completion in a vLLM OpenAI-server response (server mode): `choices[i]["routed_experts"]`."""
+    return [choice.get("routed_experts") for choice in choices]
+
+
+class ServerResponses:
+    """The routes in the responses TRL's vLLM client receives during one `client.generate` call (server mode, main
+    process only), in the order of TRL's completions. TRL 1.16 sends either one `/v1/completions` request for every
+    prompt (its choices are prompt-major: the n completions of prompt 0, then of prompt 1, ...) or, with images, one
+    request per prompt from a thread pool, whose replies arrive in any order; those are put back in prompt order by
+    the prompt each request carried (the same list object TRL passed to `generate`, or failing that equal ids)."""
+
+    def __init__(self):
+        self.prompts, self.batch, self.per_prompt = None, None, {}
+
+    def start(self, prompts):
+        self.prompts, self.batch, self.per_prompt = list(prompts or []), None, {}
+
+    def keep(self, url, payload, response):
+        if not isinstance(response, dict) or "choices" not in response:
+            return
+        token_ids = payload.get("token_ids") if isinstance(payload, dict) else None
+        if token_ids is None:  # one request for the whole batch
+            self.batch = vllm_routes_from_choices(response["choices"])
+            return
+        index = next((i for i, p in enumerate(self.prompts) if p is token_ids), None)
+        if index is None:  # the client copied the ids: the first prompt with these ids not yet answered
+            index = next((i for i, p in enumerate(self.prompts) if list(p) == list(token_ids) and i not in
+                          self.per_prompt), None)  # fmt: skip
+        if index is not None:
+            self.per_prompt[index] = vllm_routes_from_choices(response["choices"])
+
+    def routes(self) -> list | None:
+        if self.per_prompt:
+            if sorted(self.per_prompt) != list(range(len(self.prompts))):
+                return None  # some prompt got no reply with routes: reported as missing routes below
+            return [routes for i in range(len(self.prompts)) for routes in self.per_prompt[i]]
+        return self.batch
+
+
+def server_returns_routes(client) -> bool | None:
+    """Whether the vLLM server behind TRL's `client` returns routed experts, from its `/server_info` (served by
+    `trl vllm-serve`, which turns on vLLM's development endpoints): None where that cannot be told (an older client or
+    vLLM, a server without those endpoints); the first generation then checks the replies themselves."""
+    try:
+        info = client.get_server_info()
+    except Exception:  # noqa: BLE001 - TRL's client raises a bare Exception for an unexpected status
+        return None
+    flags = [section.get("enable_return_routed_experts") for section in (info.get("aux_output_config"),
+             info.get("model_config")) if isinstance(section, dict)]  # fmt: skip
+    flags = [flag for flag in flags if isinstance(flag, bool)]
+    return any(flags) if flags else None

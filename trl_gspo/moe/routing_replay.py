@@ -44,7 +44,14 @@ import torch
 
 from ..common import metrics, trl_compat
 from ..common.validation import check_choice
-from .route_sources import place_routes, routes_from_engine, routes_from_generate
+from .route_sources import (
+    ServerResponses,
+    place_routes,
+    routes_from_engine,
+    routes_from_generate,
+    server_returns_routes,
+    vllm_routes_from_outputs,
+)
 from .routing import RouterHooks, RouterPass, RouteTable
 
 logger = logging.getLogger(__name__)
@@ -58,7 +65,8 @@ VLLM_ROUTES_PRECONDITIONS = (
     "vLLM returns routes only with Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1 where it is not the default), prefix "
     "caching on (--enable-prefix-caching), no pipeline or context parallelism (pipeline_parallel_size, "
     "decode_context_parallel_size and prefill_context_parallel_size all 1), no KV connector, and a generating MoE "
-    "model; check the vLLM server's or engine's start-up log."
+    "model; check the vLLM server's or engine's start-up log. Model Runner V2 needs Triton: vLLM's CPU build refuses "
+    "--enable-return-routed-experts (0.31: 'Model Runner V2 requires Triton'), so R3 with vLLM needs a CUDA build."
 )
 
 
@@ -381,58 +389,6 @@ def _vllm_returns_routes(enabled: bool):
         module.LLM = llm
 
 
-def vllm_routes_from_outputs(request_outputs) -> list:
-    """Raw routes of every completion in vLLM `RequestOutput`s (colocate): `CompletionOutput.routed_experts`, with the
-    prompt's part prepended when the release returns it separately (`RequestOutput.prompt_routed_experts`)."""
-    raw = []
-    for request in request_outputs:
-        prompt_part = getattr(request, "prompt_routed_experts", None)
-        for completion in request.outputs:
-            routes = getattr(completion, "routed_experts", None)
-            raw.append(routes if prompt_part is None or routes is None else (prompt_part, routes))
-    return raw
-
-
-def vllm_routes_from_choices(choices: list[dict]) -> list:
-    """Raw routes of every completion in a vLLM OpenAI-server response (server mode): `choices[i]["routed_experts"]`."""
-    return [choice.get("routed_experts") for choice in choices]
-
-
-class ServerResponses:
-    """The routes in the responses TRL's vLLM client receives during one `client.generate` call (server mode, main
-    process only), in the order of TRL's completions. TRL 1.16 sends either one `/v1/completions` request for every
-    prompt (its choices are prompt-major: the n completions of prompt 0, then of prompt 1, ...) or, with images, one
-    request per prompt from a thread pool, whose replies arrive in any order; those are put back in prompt order by
-    the prompt each request carried (the same list object TRL passed to `generate`, or failing that equal ids)."""
-
-    def __init__(self):
-        self.prompts, self.batch, self.per_prompt = None, None, {}
-
-    def start(self, prompts):
-        self.prompts, self.batch, self.per_prompt = list(prompts or []), None, {}
-
-    def keep(self, url, payload, response):
-        if not isinstance(response, dict) or "choices" not in response:
-            return
-        token_ids = payload.get("token_ids") if isinstance(payload, dict) else None
-        if token_ids is None:  # one request for the whole batch
-            self.batch = vllm_routes_from_choices(response["choices"])
-            return
-        index = next((i for i, p in enumerate(self.prompts) if p is token_ids), None)
-        if index is None:  # the client copied the ids: the first prompt with these ids not yet answered
-            index = next((i for i, p in enumerate(self.prompts) if list(p) == list(token_ids) and i not in
-                          self.per_prompt), None)  # fmt: skip
-        if index is not None:
-            self.per_prompt[index] = vllm_routes_from_choices(response["choices"])
-
-    def routes(self) -> list | None:
-        if self.per_prompt:
-            if sorted(self.per_prompt) != list(range(len(self.prompts))):
-                return None  # some prompt got no reply with routes: reported as missing routes below
-            return [routes for i in range(len(self.prompts)) for routes in self.per_prompt[i]]
-        return self.batch
-
-
 def _capture_vllm_routes(trainer):
     """Keep the routes vLLM returns with each `VLLMGeneration.generate` call in `vllm_generation.last_routed_experts`
     (this process's completions, in TRL's order), by wrapping the engine / client calls TRL makes on this instance.
@@ -459,6 +415,12 @@ def _capture_vllm_routes(trainer):
         )
     elif getattr(generation, "vllm_client", None) is not None:  # TRL creates the client on the main process only
         client, responses = generation.vllm_client, ServerResponses()
+        if server_returns_routes(client) is False:  # said now, not at the first rollout
+            raise ValueError(
+                f"routing_replay='R3' with vllm_mode='server': the vLLM server at {client.base_url} was started "
+                "without --enable-return-routed-experts, so its replies carry no expert routes. Restart it with the "
+                f"flag (`trl vllm-serve --model ... --enable-return-routed-experts`). {VLLM_ROUTES_PRECONDITIONS}"
+            )
         client_generate = client.generate
 
         def client_generate_and_keep(*args, **kwargs):
