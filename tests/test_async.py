@@ -435,7 +435,11 @@ class StandInServer:
     """An HTTP server on 127.0.0.1 speaking what TRL 1.16's `VLLMClient` calls: `/v1/completions` (vLLM's OpenAI
     completions with token ids and log-probs), `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
     `/reset_prefix_cache`. The NCCL broadcast of the weights is replaced by handing the tensors over in process.
-    Records every request and the weight version it was generated with; `hang` makes generation never answer."""
+    Records every request and the weight version it was generated with; `hang` makes generation never answer.
+
+    Kept beside the real server (tests/real_vllm/test_async_server.py) for what the CPU build cannot show: TRL's weight
+    push to a server runs on NCCL (CUDA only), so only here do weights reach the "server" between requests and the
+    test see which version generated each batch. A server that hangs (rather than dies) is also only staged here."""
 
     def __init__(self, vocab: int, eos: int):
         self.vocab, self.eos = vocab, eos

@@ -276,6 +276,9 @@ def test_vocab_chunk_refused_without_fused_head(tmp_path):
 
 
 # ------------------------------------------------------------------------ the vLLM flow, with a stand-in
+# Kept beside the real engine (tests/real_vllm/test_server.py: positions, EOS and truncation, the correction): vLLM's
+# fp32 CPU engine agrees with the trainer to ~1e-6 nats, too close to show that a known sampler/trainer gap reaches
+# pi_old, the logged mismatch and the correction; this engine's gap is set.
 SAMPLER_GAP = -2e-3  # the stand-in engine scores every token 2e-3 nats lower than the trainer does
 
 

@@ -41,13 +41,13 @@ def server_env() -> dict:
     return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
 
 
-def start_server(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
+def start_server(model_dir: str, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     """`trl vllm-serve` for `model_dir` on 127.0.0.1:`port`, in fp32 (so its log-probs compare with the trainer's),
-    in a process group of its own so that it and its engine process can be stopped together."""
+    in a process group of its own so that it and its engine process can be stopped together; `env` adds variables."""
     trl = os.path.join(os.path.dirname(sys.executable), "trl")  # TRL's console script, beside this Python
     cmd = [trl, "vllm-serve", "--model", model_dir, "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "float32", "--max_model_len", "256", *extra]  # fmt: skip
-    return subprocess.Popen(cmd, env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, env={**server_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
 
 
@@ -76,24 +76,26 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=30)
 
 
+def save_served_model(path, vocab: int = 64, word: str = "w", **config) -> str:
+    """A tiny Qwen3 (`moe=True`: Qwen3-MoE) saved to `path` with the project's word-level tokenizer filled up to `vocab`
+    words with `word`0, `word`1, ...: head_dim 64 for vLLM's CPU attention, and a vocabulary the embedding matches
+    exactly (no padded rows in vLLM's embedding)."""
+    from trl_gspo.cli.tiny import build_tokenizer, save_tiny_model
+
+    words = [f"{word}{i}" for i in range(vocab - len(build_tokenizer()))]
+    return save_tiny_model(path, extra_words=words, hidden_size=256, head_dim=64, **config)
+
+
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory):
-    """A tiny dense Qwen3 saved to disk, shaped for vLLM's CPU attention (head_dim 64) and with a vocabulary of 64
-    (no padded rows in vLLM's embedding), with the project's word-level tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """The dense tiny Qwen3 the shared server serves."""
+    return save_served_model(tmp_path_factory.mktemp("tiny-qwen3-vllm"))
 
-    from trl_gspo.cli.tiny import build_tokenizer, tiny_config
 
-    tokenizer = build_tokenizer(extra_words=[f"w{i}" for i in range(64 - len(build_tokenizer()))])
-    assert len(tokenizer) == 64
-    config = tiny_config(len(tokenizer), hidden_size=256, head_dim=64)
-    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-qwen3-vllm")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+@pytest.fixture(scope="session")
+def vllm_moe_model_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (4 experts, top-2) with the dense model's tokenizer."""
+    return save_served_model(tmp_path_factory.mktemp("tiny-qwen3-moe-vllm"), moe=True)
 
 
 @pytest.fixture(scope="session")
@@ -107,3 +109,42 @@ def vllm_server(vllm_model_dir):
         yield url
     finally:
         stop(proc)
+
+
+# ------------------------------------------------------------------------------------------ trainers
+PROMPTS = ["add 1 2 =", "copy a b c :", "what is 4 + 5 ?", "count 1 2 3 4 5 6 7 :", "a", "repeat the sum of 2 and 3 :"]
+
+
+@pytest.fixture
+def no_weight_transfer(monkeypatch):
+    """Test-only: TRL's weight transfer to the server (`VLLMClient.init_communicator` / `update_named_params`) runs on
+    vLLM's NCCL engine and raises `NotImplementedError` off CUDA; both become no-ops, so the server keeps serving its
+    initial weights. Everything else (requests, generation, log-probs, batching, the server) is real."""
+    from trl.generation.vllm_client import VLLMClient
+
+    pushes = []
+    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, *a, **k: None)
+    monkeypatch.setattr(VLLMClient, "update_named_params", lambda self, *a, **k: pushes.append(1))
+    return pushes
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c.split()) % 4) for c in completions]
+
+
+def make_trainer(model_dir, url, tmp_path, **overrides):
+    """A GSPOTrainer of `model_dir` generating with the vLLM server at `url` (server mode), 2 steps of 8 completions."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from trl_gspo import GSPOConfig, GSPOTrainer
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
+                    per_device_train_batch_size=8, num_generations=4, max_completion_length=12, learning_rate=1e-2,
+                    max_steps=2, logging_steps=1, disable_tqdm=True, use_vllm=True, vllm_mode="server",
+                    vllm_server_base_url=url, vllm_server_timeout=60)  # fmt: skip
+    args = GSPOConfig(**{**settings, **overrides})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return GSPOTrainer(model_dir, _reward, args=args, processing_class=tokenizer,
+                       train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}))  # fmt: skip

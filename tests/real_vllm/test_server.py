@@ -8,51 +8,17 @@ log-probs, batching and the server itself are real.
 """
 
 import math
-import os
 import time
 
 import pytest
 import torch
-from datasets import Dataset
-from transformers import AutoTokenizer
 
-from trl_gspo import GSPOConfig, GSPOTrainer
-
-from .conftest import free_port, start_server, stop, wait_ready
+from .conftest import free_port, make_trainer, start_server, stop, wait_ready
 
 #: Largest |vLLM log-prob - trainer log-prob| seen per token, fp32 server vs fp32 trainer, same weights: 1.2e-6
 #: (326 completion tokens, 8 completions ended by EOS and 24 cut; 2026-11-25). The bound leaves ~80x room; the same
 #: numbers shifted by one position differ by ~1 nat.
 LOGPROB_TOLERANCE = 1e-4
-
-PROMPTS = ["add 1 2 =", "copy a b c :", "what is 4 + 5 ?", "count 1 2 3 4 5 6 7 :", "a", "repeat the sum of 2 and 3 :"]
-
-
-@pytest.fixture
-def no_weight_transfer(monkeypatch):
-    """Test-only: TRL's NCCL weight transfer needs CUDA (see the module docstring)."""
-    from trl.generation.vllm_client import VLLMClient
-
-    pushes = []
-    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, *a, **k: None)
-    monkeypatch.setattr(VLLMClient, "update_named_params", lambda self, *a, **k: pushes.append(1))
-    return pushes
-
-
-def _reward(completions, **kwargs):
-    return [float(len(c.split()) % 4) for c in completions]
-
-
-def _trainer(model_dir, url, tmp_path, **overrides):
-    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=8, num_generations=4, max_completion_length=12, learning_rate=1e-2,
-                    max_steps=2, logging_steps=1, disable_tqdm=True, use_vllm=True, vllm_mode="server",
-                    vllm_server_base_url=url, vllm_server_timeout=60)  # fmt: skip
-    args = GSPOConfig(**{**settings, **overrides})
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return GSPOTrainer(model_dir, _reward, args=args, processing_class=tokenizer,
-                       train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}))  # fmt: skip
 
 
 def _recomputed(trainer, batch):
@@ -65,7 +31,7 @@ def _recomputed(trainer, batch):
 
 
 def test_server_mode_trains_gspo_over_http(vllm_model_dir, vllm_server, tmp_path, no_weight_transfer):
-    trainer = _trainer(vllm_model_dir, vllm_server, tmp_path / "run")
+    trainer = make_trainer(vllm_model_dir, vllm_server, tmp_path / "run")
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     logs = [row for row in trainer.state.log_history if "loss" in row]
@@ -79,7 +45,7 @@ def test_sampler_logprobs_line_up_with_the_trainer_per_position(vllm_model_dir, 
     """old_logprobs_source="sampler": pi_old is vLLM's per-token log-prob. At the first rollout (the server's weights
     are the trainer's) it must equal the trainer's recomputation at every completion position, for completions that
     end in EOS and for truncated ones, with left-padded prompts of different lengths."""
-    trainer = _trainer(vllm_model_dir, vllm_server, tmp_path / "run", old_logprobs_source="sampler")
+    trainer = make_trainer(vllm_model_dir, vllm_server, tmp_path / "run", old_logprobs_source="sampler")
     trainer.model.train()
     batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
     mask = batch["completion_mask"].bool()
@@ -101,7 +67,7 @@ def test_length_normalised_correction_equals_a_naive_recomputation(vllm_model_di
     """TRL's vLLM correction with `vllm_importance_sampling_length_normalized` (on for the sequence levels): per
     sequence, exp of the mean over its completion tokens of (trainer pi_old - vLLM log-prob), truncated to TRL's
     range; recomputed here with a loop from the same numbers the batch carries."""
-    trainer = _trainer(vllm_model_dir, vllm_server, tmp_path / "run", vllm_importance_sampling_mode="sequence_truncate")
+    trainer = make_trainer(vllm_model_dir, vllm_server, tmp_path / "run", vllm_importance_sampling_mode="sequence_truncate")
     assert trainer.args.vllm_importance_sampling_length_normalized
     trainer.model.train()
     batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
@@ -120,7 +86,7 @@ def test_a_server_that_never_becomes_ready_gives_a_clear_error_at_its_timeout(vl
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     start = time.monotonic()
     with pytest.raises(OSError, match=rf"can't be reached at {url} after 5 seconds"):  # TRL's client says so
-        _trainer(vllm_model_dir, url, tmp_path / "run", vllm_server_timeout=5)
+        make_trainer(vllm_model_dir, url, tmp_path / "run", vllm_server_timeout=5)
     assert time.monotonic() - start < 60
 
 
@@ -135,7 +101,7 @@ def test_a_server_killed_mid_run_stops_the_trainer_naming_the_server(vllm_model_
     proc = start_server(vllm_model_dir, port)
     try:
         wait_ready(proc, url, 300)
-        trainer = _trainer(vllm_model_dir, url, tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4,
+        trainer = make_trainer(vllm_model_dir, url, tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4,
                            steps_per_generation=4, gradient_accumulation_steps=1)  # fmt: skip
         original = trainer._save_checkpoint
 
@@ -163,5 +129,5 @@ def test_colocate_on_the_cpu_build_is_refused_before_the_engine_starts(vllm_mode
     update). GSPOTrainer refuses the combination up front instead of failing at the first sync."""
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"vllm_mode='colocate' on vLLM's CPU build \("):
-        _trainer(vllm_model_dir, None, tmp_path / "run", vllm_mode="colocate", vllm_server_base_url=None)
+        make_trainer(vllm_model_dir, None, tmp_path / "run", vllm_mode="colocate", vllm_server_base_url=None)
     assert time.monotonic() - start < 30  # no engine was started

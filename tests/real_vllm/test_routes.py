@@ -1,0 +1,69 @@
+"""R3 (routing replay of the sampler's routes) with vLLM's CPU build: the refusal a user meets, pinned.
+
+vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2, which needs Triton; the CPU
+build has no Triton CPU backend. So on vLLM 0.31.0's CPU build `trl vllm-serve ... --enable-return-routed-experts`
+stops at start-up with vLLM's reason, and colocate is refused on that build before any engine starts
+(test_server.py). R3's alignment of vLLM's routes (prompt + completion - 1 rows per completion, server and colocate)
+is therefore tested with stand-ins only (tests/test_routing_replay.py, tests/vllm_stand_in.py), until a CUDA build
+runs it (`make gpu-check`).
+"""
+
+import time
+
+import pytest
+
+from .conftest import free_port, make_trainer, start_server, stop, wait_ready
+
+#: vLLM's own words (vllm/config, 0.31.0), without and with the variable the first one asks for.
+REFUSALS = {
+    "default": ({}, "AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1"),
+    "VLLM_USE_V2_MODEL_RUNNER=1": ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "Model Runner V2 requires Triton"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_the_cpu_build_refuses_to_return_routed_experts(vllm_moe_model_dir, case):
+    env, reason = REFUSALS[case]
+    port = free_port()
+    proc = start_server(vllm_moe_model_dir, port, "--enable-return-routed-experts", env=env)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"trl vllm-serve exited with 1") as failure:
+            wait_ready(proc, f"http://127.0.0.1:{port}", 120)
+    finally:
+        stop(proc)
+    assert reason in str(failure.value), str(failure.value)[-2000:]
+    assert time.monotonic() - start < 120
+
+
+@pytest.fixture(scope="module")
+def moe_server(vllm_moe_model_dir):
+    """A real `trl vllm-serve` serving the tiny Qwen3-MoE, started as a CPU user must: without the routes flag."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(vllm_moe_model_dir, port)
+    try:
+        wait_ready(proc, url, 300)
+        yield url
+    finally:
+        stop(proc)
+
+
+def test_r3_against_a_server_without_routes_is_refused_before_the_first_step(vllm_moe_model_dir, moe_server, tmp_path,
+                                                                             no_weight_transfer):  # fmt: skip
+    """The trainer reads the server's `/server_info` (vLLM's `aux_output_config`) while it is built and names the
+    flag, and why the CPU build cannot have it, instead of failing at the first rollout."""
+    with pytest.raises(ValueError, match=rf"the vLLM server at {moe_server} was started without "
+                                         r"--enable-return-routed-experts.*Model Runner V2 requires Triton"):  # fmt: skip
+        make_trainer(vllm_moe_model_dir, moe_server, tmp_path / "r3", routing_replay="R3")
+
+
+def test_the_moe_model_trains_gspo_over_the_server_without_replay(vllm_moe_model_dir, moe_server, tmp_path,
+                                                                   no_weight_transfer):  # fmt: skip
+    """What a CPU user can run: GSPO on the MoE model with native routing (the paper's setting) or R2 (routes
+    recorded in the trainer's own pi_old forward), generation by the real engine."""
+    trainer = make_trainer(vllm_moe_model_dir, moe_server, tmp_path / "r2", routing_replay="R2", steps_per_generation=2,
+                           gradient_accumulation_steps=1)  # fmt: skip
+    trainer.train()
+    logs = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(logs) == 2 and logs[0]["completions/mean_length"] > 0
