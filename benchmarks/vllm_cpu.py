@@ -1,0 +1,169 @@
+"""Indicative CPU numbers: GSPO steps generating with a real `trl vllm-serve` process (vLLM's CPU build) vs with
+transformers `generate` in the trainer, same tiny model, data, batch and seed, in one invocation.
+
+    make .venv-vllm/.installed
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_cpu.py --out benchmarks/results/cpu-vllm.json
+
+Colocate is not measured: trl-gspo refuses it on the CPU build (docs/vllm.md). In server mode TRL's weight push runs
+on NCCL (CUDA only) and is replaced by a no-op here, so the server samples with the initial weights and the push
+costs nothing; on a GPU it adds a broadcast per generation. The server runs with one thread beside the trainer's one
+thread (2 cores). GSPOConfig's defaults generate one rollout per 4 optimizer steps (the paper's 4 mini-batches). Per
+run: seconds per optimizer step and seconds of generation per optimizer step (TRL's `_generate`, the call the step
+waits on), means over the rollouts after the first (warm-up, discarded); `generation_share` is their ratio. Runs
+alternate transformers / vLLM (ABBA) at each shape; the summary gives medians over runs:
+- `short`: prompts of 3-9 words, 8 completions of up to 32 tokens per optimizer step, one micro-batch;
+- `long`: prompts of 200-260 words, 4 micro-batches of 8 completions (groups of 8) of up to 128 tokens per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+SHAPES = {
+    "short": dict(per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=1,
+                  max_completion_length=32, prompt_words=(3, 9)),
+    "long": dict(per_device_train_batch_size=8, num_generations=8, gradient_accumulation_steps=4,
+                 max_completion_length=128, prompt_words=(200, 260)),
+}  # fmt: skip
+
+
+def save_model(path: str) -> None:
+    """The tiny Qwen3 of tests/real_vllm (head_dim 64 for vLLM's CPU attention, a vocabulary of exactly 64 words)."""
+    from trl_gspo.cli.tiny import build_tokenizer, save_tiny_model
+
+    save_tiny_model(path, extra_words=[f"w{i}" for i in range(64 - len(build_tokenizer()))], hidden_size=256, head_dim=64)
+
+
+def start_server(model_dir: str, port: int) -> subprocess.Popen:
+    trl = os.path.join(os.path.dirname(sys.executable), "trl")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [trl, "vllm-serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max_model_len", "512"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"trl vllm-serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError("trl vllm-serve not ready after 300 s")
+
+
+def prompts(words: tuple[int, int], count: int = 64) -> list[str]:
+    import random
+
+    vocab = ["add", "copy", "count", "the", "sum", "of", "and", "a", "b", "c", "d", *map(str, range(10))]
+    rng = random.Random(0)
+    return [" ".join(rng.choice(vocab) for _ in range(rng.randint(*words))) for _ in range(count)]
+
+
+def one_run(model_dir: str, url: str | None, shape: str, rollouts: int, out: str) -> dict:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from trl_gspo import GSPOConfig, GSPOTrainer
+
+    settings = dict(SHAPES[shape])
+    words = settings.pop("prompt_words")
+    vllm = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url) if url else dict(use_vllm=False)
+    args = GSPOConfig(output_dir=out, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
+                      learning_rate=1e-5, max_steps=4 * (1 + rollouts), logging_steps=1, disable_tqdm=True, **settings, **vllm)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = GSPOTrainer(model_dir, lambda completions, **k: [float(len(c.split()) % 4) for c in completions],
+                          args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": prompts(words)}))  # fmt: skip
+    generation, step_times, generate = [], [], trainer._generate
+
+    def timed_generate(*a, **k):
+        start = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            generation.append(time.perf_counter() - start)
+
+    trainer._generate = timed_generate
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start, self.generated = time.perf_counter(), len(generation)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_times.append((time.perf_counter() - self.start, sum(generation[self.generated :])))
+
+    trainer.add_callback(Steps())
+    trainer.train()
+    # TRL generates inside the step's first training_step (after on_step_begin): generation is part of the step time.
+    per_rollout = args.steps_per_generation // args.gradient_accumulation_steps
+    rest = step_times[per_rollout:]  # the first rollout's steps: warm-up
+    step_s = sum(s for s, _ in rest) / len(rest)
+    gen_s = sum(g for _, g in rest) / len(rest)
+    lengths = [row["completions/mean_length"] for row in trainer.state.log_history if "completions/mean_length" in row]
+    return {"step_s": step_s, "generation_s": gen_s, "generation_share": gen_s / step_s,
+            "completion_mean_length": statistics.mean(lengths), "steps_s_and_generation_s": [list(t) for t in step_times]}  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/cpu-vllm.json")
+    parser.add_argument("--rollouts", type=int, default=2, help="rollouts measured per run, after a warm-up rollout")
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each backend per shape (ABBA order)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    cli = parser.parse_args()
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    from trl.generation.vllm_client import VLLMClient
+
+    VLLMClient.init_communicator = lambda self, *a, **k: None  # NCCL weight transfer: CUDA only (module docstring)
+    VLLMClient.update_named_params = lambda self, *a, **k: None
+    import vllm
+
+    work = tempfile.mkdtemp(prefix="gspo-vllm-cpu-")
+    model_dir = os.path.join(work, "model")
+    save_model(model_dir)
+    port = 8000 + os.getpid() % 1000
+    server = start_server(model_dir, port)
+    results = {"command": " ".join(["benchmarks/vllm_cpu.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d"),
+               "vllm": vllm.__version__, "shapes": {k: dict(v) for k, v in SHAPES.items()}, "runs": []}  # fmt: skip
+    try:
+        for shape in cli.shapes:
+            pair = ["transformers", "vllm_server"]
+            order = [b for r in range(cli.repeats) for b in (pair if r % 2 == 0 else pair[::-1])]
+            for index, backend in enumerate(order):
+                url = f"http://127.0.0.1:{port}" if backend == "vllm_server" else None
+                run = one_run(model_dir, url, shape, cli.rollouts, os.path.join(work, f"{shape}-{index}"))
+                results["runs"].append({"shape": shape, "backend": backend, **run})
+                print(f"{shape:6s} {backend:13s} step {run['step_s']:.3f} s  generation {run['generation_s']:.3f} s "
+                      f"({100 * run['generation_share']:.0f}%)  mean length {run['completion_mean_length']:.1f}",
+                      flush=True)  # fmt: skip
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    for shape in cli.shapes:
+        by = {b: [r for r in results["runs"] if r["shape"] == shape and r["backend"] == b]
+              for b in ("transformers", "vllm_server")}  # fmt: skip
+        summary = {}
+        for backend, runs in by.items():
+            summary[f"{backend}_step_s"] = statistics.median(r["step_s"] for r in runs)
+            summary[f"{backend}_generation_s"] = statistics.median(r["generation_s"] for r in runs)
+            summary[f"{backend}_generation_share"] = statistics.median(r["generation_share"] for r in runs)
+        summary["step_ratio_vllm_over_transformers"] = summary["vllm_server_step_s"] / summary["transformers_step_s"]
+        results.setdefault("summary", {})[shape] = summary
+    os.makedirs(os.path.dirname(os.path.abspath(cli.out)), exist_ok=True)
+    with open(cli.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(json.dumps(results["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
