@@ -605,6 +605,33 @@ def test_vllm_server_that_stops_answering_times_out(tokenizer, tmp_path, monkeyp
     assert not _generator_threads()
 
 
+def test_a_batch_saved_in_flight_is_answered_by_a_server_at_another_address_but_not_for_another_request():
+    """After a resume the server may run elsewhere (or serve the model under another name): the batch saved in flight
+    still answers TRL's request. A request that differs otherwise (sampling parameters, prompts) raises."""
+    from trl_gspo.rollout.async_backends import _ServerRequests
+
+    class Session:
+        def post(self, url, **kwargs):
+            raise AssertionError(f"sent to the server again: {url}")
+
+    class Client:
+        session = Session()
+
+    requests = _ServerRequests(Client())
+    body = {"model": "/models/policy", "prompt": [[5, 6, 7]], "n": 2, "max_tokens": 8, "seed": 3}
+    saved = {"url": "http://10.0.0.1:8000/v1/completions", "json": body, "text": '{"choices": []}'}
+    requests.answer(saved)
+    reply = Client.session.post("http://127.0.0.1:9000/v1/completions", json={**body, "model": "Qwen/Qwen3-4B"})
+    assert reply.status_code == 200 and reply.json() == {"choices": []}
+    for changed in ({**body, "n": 4}, {**body, "prompt": [[5, 6]]}):
+        requests.answer(saved)
+        with pytest.raises(RuntimeError, match="differs from the one sent ahead of time"):
+            Client.session.post("http://127.0.0.1:9000/v1/completions", json=changed)
+    requests.answer(saved)
+    with pytest.raises(RuntimeError, match="differs from the one sent ahead of time"):
+        Client.session.post("http://127.0.0.1:9000/v1/chat/completions", json=body)
+
+
 # ----------------------------------------------------------------------------------- other generation paths
 def test_rollout_func_runs_in_the_generator_thread(tmp_path):
     threads = []

@@ -320,6 +320,18 @@ class _Captured(Exception):
         self.url, self.kwargs = url, kwargs
 
 
+def _same_request(url: str, body, sent_url: str, sent_body) -> bool:
+    """Whether TRL's request now is the one sent ahead of time. The server's address and the served name may differ
+    after a resume (a server restarted elsewhere, whose model `check_served_model` has compared): the endpoint and the
+    rest of the body may not."""
+    from urllib.parse import urlsplit
+
+    def without_model(body):
+        return {k: v for k, v in body.items() if k != "model"} if isinstance(body, dict) else body
+
+    return urlsplit(url).path == urlsplit(sent_url).path and without_model(body) == without_model(sent_body)
+
+
 class _ServerRequests:
     """Wraps the main process's TRL vLLM client `session.post`: capture the request TRL's client would send (to send it
     from the generator thread), and answer TRL's own call with that response when the batch is scored. Other requests
@@ -361,7 +373,7 @@ class _ServerRequests:
         answer, self._answer = self._answer, None
         if answer is None:
             return self.post(url, **kwargs)
-        if url != answer["url"] or kwargs.get("json") != answer["json"]:
+        if not _same_request(url, kwargs.get("json"), answer["url"], answer["json"]):
             raise RuntimeError(
                 "async_generation: the request TRL's vLLM client makes now differs from the one sent ahead of time "
                 "(trl_compat.vllm_server_sampling_params is out of date for this TRL?); use async_generation=False."
