@@ -21,11 +21,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the real-vLLM set's model and server helpers
 
 SHAPES = {
     "short": dict(per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=1,
@@ -33,32 +34,6 @@ SHAPES = {
     "long": dict(per_device_train_batch_size=8, num_generations=8, gradient_accumulation_steps=4,
                  max_completion_length=128, prompt_words=(200, 260)),
 }  # fmt: skip
-
-
-def save_model(path: str) -> None:
-    """The tiny Qwen3 of tests/real_vllm (head_dim 64 for vLLM's CPU attention, a vocabulary of exactly 64 words)."""
-    from trl_gspo.cli.tiny import build_tokenizer, save_tiny_model
-
-    save_tiny_model(path, extra_words=[f"w{i}" for i in range(64 - len(build_tokenizer()))], hidden_size=256, head_dim=64)
-
-
-def start_server(model_dir: str, port: int) -> subprocess.Popen:
-    trl = os.path.join(os.path.dirname(sys.executable), "trl")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [trl, "vllm-serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max_model_len", "512"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"trl vllm-serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError("trl vllm-serve not ready after 300 s")
 
 
 def prompts(words: tuple[int, int], count: int = 64) -> list[str]:
@@ -127,28 +102,23 @@ def main():
     VLLMClient.init_communicator = lambda self, *a, **k: None  # NCCL weight transfer: CUDA only (module docstring)
     VLLMClient.update_named_params = lambda self, *a, **k: None
     import vllm
+    from real_vllm.conftest import running_server, save_served_model
 
     work = tempfile.mkdtemp(prefix="gspo-vllm-cpu-")
-    model_dir = os.path.join(work, "model")
-    save_model(model_dir)
-    port = 8000 + os.getpid() % 1000
-    server = start_server(model_dir, port)
+    model_dir = save_served_model(os.path.join(work, "model"))  # the tiny Qwen3 of tests/real_vllm
     results = {"command": " ".join(["benchmarks/vllm_cpu.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d"),
                "vllm": vllm.__version__, "shapes": {k: dict(v) for k, v in SHAPES.items()}, "runs": []}  # fmt: skip
-    try:
+    with running_server(model_dir, max_model_len=512) as (server_url, _):
         for shape in cli.shapes:
             pair = ["transformers", "vllm_server"]
             order = [b for r in range(cli.repeats) for b in (pair if r % 2 == 0 else pair[::-1])]
             for index, backend in enumerate(order):
-                url = f"http://127.0.0.1:{port}" if backend == "vllm_server" else None
+                url = server_url if backend == "vllm_server" else None
                 run = one_run(model_dir, url, shape, cli.rollouts, os.path.join(work, f"{shape}-{index}"))
                 results["runs"].append({"shape": shape, "backend": backend, **run})
                 print(f"{shape:6s} {backend:13s} step {run['step_s']:.3f} s  generation {run['generation_s']:.3f} s "
                       f"({100 * run['generation_share']:.0f}%)  mean length {run['completion_mean_length']:.1f}",
                       flush=True)  # fmt: skip
-    finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=60)
     for shape in cli.shapes:
         by = {b: [r for r in results["runs"] if r["shape"] == shape and r["backend"] == b]
               for b in ("transformers", "vllm_server")}  # fmt: skip

@@ -5,12 +5,14 @@
 loopback port, waits for it (bounded) and stops it when the tests are done.
 """
 
+import contextlib
 import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -41,21 +43,32 @@ def server_env() -> dict:
     return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
 
 
-def start_server(model_dir: str, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
+def start_server(model_dir: str, port: int, *extra: str, env: dict | None = None,
+                 max_model_len: int = 256) -> subprocess.Popen:  # fmt: skip
     """`trl vllm-serve` for `model_dir` on 127.0.0.1:`port`, in fp32 (so its log-probs compare with the trainer's),
-    in a process group of its own so that it and its engine process can be stopped together; `env` adds variables."""
+    in a process group of its own so that it and its engine process can be stopped together; `env` adds variables.
+    Its output goes to a file (`proc.log_path`), not a pipe: nothing reads a pipe while the server runs, and a full
+    one would stop the server at its next log line."""
     trl = os.path.join(os.path.dirname(sys.executable), "trl")  # TRL's console script, beside this Python
     cmd = [trl, "vllm-serve", "--model", model_dir, "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", "float32", "--max_model_len", "256", *extra]  # fmt: skip
-    return subprocess.Popen(cmd, env={**server_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+           str(port), "--dtype", "float32", "--max_model_len", str(max_model_len), *extra]  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", prefix="trl-vllm-serve-", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen(cmd, env={**server_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    proc.log_path = log.name
+    return proc
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    with open(proc.log_path, errors="replace") as log:
+        return log.read()
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"trl vllm-serve exited with {proc.returncode}:\n{proc.stdout.read()[-4000:]}")
+            raise RuntimeError(f"trl vllm-serve exited with {proc.returncode}:\n{server_log(proc)[-4000:]}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
                 if reply.status == 200:
@@ -74,6 +87,21 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def running_server(model_dir: str, *extra: str, timeout: float = SERVER_START_TIMEOUT, **options):
+    """`(url, process)` of a `trl vllm-serve` for `model_dir` on a free loopback port, once it answers /health (at most
+    `timeout` s; `extra` and `options` as `start_server`'s); stopped, its log removed, when the block ends."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(model_dir, port, *extra, **options)
+    try:
+        wait_ready(proc, url, timeout)
+        yield url, proc
+    finally:
+        stop(proc)
+        os.unlink(proc.log_path)
 
 
 def save_served_model(path, vocab: int = 64, word: str = "w", **config) -> str:
@@ -101,14 +129,8 @@ def vllm_moe_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_server(vllm_model_dir):
     """URL of a real `trl vllm-serve` process serving `vllm_model_dir`."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(vllm_model_dir, port)
-    try:
-        wait_ready(proc, url, SERVER_START_TIMEOUT)
+    with running_server(vllm_model_dir) as (url, _):
         yield url
-    finally:
-        stop(proc)
 
 
 # ------------------------------------------------------------------------------------------ trainers

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from .conftest import free_port, make_trainer, start_server, stop, wait_ready
+from .conftest import make_trainer, running_server
 
 #: vLLM's own words (vllm/config, 0.31.0), without and with the variable the first one asks for.
 REFUSALS = {
@@ -24,14 +24,10 @@ REFUSALS = {
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_the_cpu_build_refuses_to_return_routed_experts(vllm_moe_model_dir, case):
     env, reason = REFUSALS[case]
-    port = free_port()
-    proc = start_server(vllm_moe_model_dir, port, "--enable-return-routed-experts", env=env)
     start = time.monotonic()
-    try:
-        with pytest.raises(RuntimeError, match=r"trl vllm-serve exited with 1") as failure:
-            wait_ready(proc, f"http://127.0.0.1:{port}", 120)
-    finally:
-        stop(proc)
+    with pytest.raises(RuntimeError, match=r"trl vllm-serve exited with 1") as failure:
+        with running_server(vllm_moe_model_dir, "--enable-return-routed-experts", env=env, timeout=120):
+            pass
     assert reason in str(failure.value), str(failure.value)[-2000:]
     assert time.monotonic() - start < 120
 
@@ -39,14 +35,8 @@ def test_the_cpu_build_refuses_to_return_routed_experts(vllm_moe_model_dir, case
 @pytest.fixture(scope="module")
 def moe_server(vllm_moe_model_dir):
     """A real `trl vllm-serve` serving the tiny Qwen3-MoE, started as a CPU user must: without the routes flag."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(vllm_moe_model_dir, port)
-    try:
-        wait_ready(proc, url, 300)
+    with running_server(vllm_moe_model_dir) as (url, _):
         yield url
-    finally:
-        stop(proc)
 
 
 def test_r3_against_a_server_without_routes_is_refused_before_the_first_step(vllm_moe_model_dir, moe_server, tmp_path,

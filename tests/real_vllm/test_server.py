@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from .conftest import free_port, make_trainer, start_server, stop, wait_ready
+from .conftest import free_port, make_trainer, running_server, stop
 
 #: Largest |vLLM log-prob - trainer log-prob| seen per token, fp32 server vs fp32 trainer, same weights: 1.2e-6
 #: (326 completion tokens, 8 completions ended by EOS and 24 cut; 2026-11-25). The bound leaves ~80x room; the same
@@ -117,13 +117,9 @@ def test_a_server_killed_mid_run_stops_the_trainer_naming_the_server(vllm_model_
     from trl_gspo.guards.checkpointing import checkpoint_problem
     from trl_gspo.rollout.pipeline import VLLMServerError
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(vllm_model_dir, port)
-    try:
-        wait_ready(proc, url, 300)
+    with running_server(vllm_model_dir) as (url, proc):
         trainer = make_trainer(vllm_model_dir, url, tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4,
-                           steps_per_generation=4, gradient_accumulation_steps=1)  # fmt: skip
+                               steps_per_generation=4, gradient_accumulation_steps=1)  # fmt: skip
         original = trainer._save_checkpoint
 
         def save_then_kill(*args, **kwargs):
@@ -135,8 +131,6 @@ def test_a_server_killed_mid_run_stops_the_trainer_naming_the_server(vllm_model_
         with pytest.raises(VLLMServerError, match=rf"vLLM server at {url} stopped answering") as failure:
             trainer.train()
         elapsed = time.monotonic() - start
-    finally:
-        stop(proc)
     assert trainer.state.global_step == 4, failure.value
     assert elapsed < 30 + 60, elapsed  # the steps before the kill, then at most 30 s to fail
     assert checkpoint_problem(str(tmp_path / "run" / "checkpoint-4")) is None

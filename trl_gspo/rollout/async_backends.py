@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from urllib.parse import urlsplit
 
 import torch
 
@@ -324,7 +325,6 @@ def _same_request(url: str, body, sent_url: str, sent_body) -> bool:
     """Whether TRL's request now is the one sent ahead of time. The server's address and the served name may differ
     after a resume (a server restarted elsewhere, whose model `check_served_model` has compared): the endpoint and the
     rest of the body may not."""
-    from urllib.parse import urlsplit
 
     def without_model(body):
         return {k: v for k, v in body.items() if k != "model"} if isinstance(body, dict) else body
