@@ -2,8 +2,7 @@
 
 vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2, which needs Triton; the CPU
 build has no Triton CPU backend. So on vLLM 0.31.0's CPU build `trl vllm-serve ... --enable-return-routed-experts`
-stops at start-up with vLLM's reason, and colocate is refused on that build before any engine starts
-(test_server.py). R3's alignment of vLLM's routes (prompt + completion - 1 rows per completion, server and colocate)
+stops at start-up with vLLM's reason, and so does the colocated engine trl-gspo builds for R3. R3's alignment of vLLM's routes (prompt + completion - 1 rows per completion, server and colocate)
 is therefore tested with stand-ins only (tests/test_routing_replay.py, tests/vllm_stand_in.py), until a CUDA build
 runs it (`make gpu-check`).
 """
@@ -57,3 +56,19 @@ def test_the_moe_model_trains_gspo_over_the_server_without_replay(vllm_moe_model
     trainer.train()
     logs = [row for row in trainer.state.log_history if "loss" in row]
     assert len(logs) == 2 and logs[0]["completions/mean_length"] > 0
+
+
+def test_r3_in_colocate_stops_while_the_trainer_is_built_with_vllms_reason(vllm_moe_model_dir, tmp_path, monkeypatch):
+    """Colocate: trl-gspo builds TRL's engine with `enable_return_routed_experts=True` for R3; the CPU build stops it
+    in the trainer's constructor with vLLM's own reason, before any step."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception, match=r"AuxOutput Connector requires Model Runner V2"):
+            make_trainer(vllm_moe_model_dir, None, tmp_path / "r3", vllm_mode="colocate", vllm_server_base_url=None,
+                         routing_replay="R3", vllm_max_model_length=128)  # fmt: skip
+    finally:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    assert time.monotonic() - start < 120
