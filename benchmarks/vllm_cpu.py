@@ -1,16 +1,19 @@
-"""Indicative CPU numbers: GSPO steps generating with a real `trl vllm-serve` process (vLLM's CPU build) vs with
-transformers `generate` in the trainer, same tiny model, data, batch and seed, in one invocation.
+"""Indicative CPU numbers: GSPO steps generating with vLLM's CPU build, colocated in the trainer's process and as a
+real `trl vllm-serve` process, vs with transformers `generate` in the trainer, same tiny model, data, batch and seed,
+in one invocation.
 
     make .venv-vllm/.installed
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_cpu.py --out benchmarks/results/cpu-vllm.json
 
-Colocate is not measured: trl-gspo refuses it on the CPU build (docs/vllm.md). In server mode TRL's weight push runs
-on NCCL (CUDA only) and is replaced by a no-op here, so the server samples with the initial weights and the push
-costs nothing; on a GPU it adds a broadcast per generation. The server runs with one thread beside the trainer's one
-thread (2 cores). GSPOConfig's defaults generate one rollout per 4 optimizer steps (the paper's 4 mini-batches). Per
+Both engines run in fp32, like the trainer (TRL builds the colocated engine with vLLM's automatic dtype, bf16 for an
+fp32 checkpoint; `dtype="float32"` is added to that call here). Colocate pays its real weight sync before each rollout
+(vLLM's layer-wise reload on the CPU build, trl_gspo/rollout/colocate_cpu_sync.py) and shares the trainer's one
+thread. In server mode TRL's weight push runs on NCCL (CUDA only) and is replaced by a no-op here, so the server
+samples with the initial weights and the push costs nothing; on a GPU it adds a broadcast per generation. The server
+runs with one thread beside the trainer's one thread (2 cores). GSPOConfig's defaults generate one rollout per 4 optimizer steps (the paper's 4 mini-batches). Per
 run: seconds per optimizer step and seconds of generation per optimizer step (TRL's `_generate`, the call the step
 waits on), means over the rollouts after the first (warm-up, discarded); `generation_share` is their ratio. Runs
-alternate transformers / vLLM (ABBA) at each shape; the summary gives medians over runs:
+alternate between the backends (ABC CBA ...) at each shape; the summary gives medians over runs:
 - `short`: prompts of 3-9 words, 8 completions of up to 32 tokens per optimizer step, one micro-batch;
 - `long`: prompts of 200-260 words, 4 micro-batches of 8 completions (groups of 8) of up to 128 tokens per step.
 """
@@ -52,7 +55,12 @@ def one_run(model_dir: str, url: str | None, shape: str, rollouts: int, out: str
 
     settings = dict(SHAPES[shape])
     words = settings.pop("prompt_words")
-    vllm = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url) if url else dict(use_vllm=False)
+    if url == "colocate":
+        vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=512)
+    elif url:
+        vllm = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
+    else:
+        vllm = dict(use_vllm=False)
     args = GSPOConfig(output_dir=out, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
                       learning_rate=1e-5, max_steps=4 * (1 + rollouts), logging_steps=1, disable_tqdm=True, **settings, **vllm)  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -85,6 +93,11 @@ def one_run(model_dir: str, url: str | None, shape: str, rollouts: int, out: str
     step_s = sum(s for s, _ in rest) / len(rest)
     gen_s = sum(g for _, g in rest) / len(rest)
     lengths = [row["completions/mean_length"] for row in trainer.state.log_history if "completions/mean_length" in row]
+    if url == "colocate":  # the engine lives in this process: take down its process groups before the next run's
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        del trainer, generate
+        cleanup_dist_env_and_memory()
     return {"step_s": step_s, "generation_s": gen_s, "generation_share": gen_s / step_s,
             "completion_mean_length": statistics.mean(lengths), "steps_s_and_generation_s": [list(t) for t in step_times]}  # fmt: skip
 
@@ -93,7 +106,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/cpu-vllm.json")
     parser.add_argument("--rollouts", type=int, default=2, help="rollouts measured per run, after a warm-up rollout")
-    parser.add_argument("--repeats", type=int, default=4, help="runs of each backend per shape (ABBA order)")
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each backend per shape (ABC CBA order)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     cli = parser.parse_args()
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
@@ -103,6 +116,11 @@ def main():
     VLLMClient.update_named_params = lambda self, *a, **k: None
     import vllm
     from real_vllm.conftest import running_server, save_served_model
+    from trl.generation import vllm_generation
+
+    llm = vllm_generation.LLM  # the colocated engine in fp32, like the server and the trainer (module docstring)
+    vllm_generation.LLM = lambda *a, **k: llm(*a, **{**k, "dtype": "float32"})
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     work = tempfile.mkdtemp(prefix="gspo-vllm-cpu-")
     model_dir = save_served_model(os.path.join(work, "model"))  # the tiny Qwen3 of tests/real_vllm
@@ -110,24 +128,25 @@ def main():
                "vllm": vllm.__version__, "shapes": {k: dict(v) for k, v in SHAPES.items()}, "runs": []}  # fmt: skip
     with running_server(model_dir, max_model_len=512) as (server_url, _):
         for shape in cli.shapes:
-            pair = ["transformers", "vllm_server"]
-            order = [b for r in range(cli.repeats) for b in (pair if r % 2 == 0 else pair[::-1])]
+            backends = ["transformers", "vllm_server", "vllm_colocate"]
+            order = [b for r in range(cli.repeats) for b in (backends if r % 2 == 0 else backends[::-1])]
             for index, backend in enumerate(order):
-                url = server_url if backend == "vllm_server" else None
+                url = {"vllm_server": server_url, "vllm_colocate": "colocate"}.get(backend)
                 run = one_run(model_dir, url, shape, cli.rollouts, os.path.join(work, f"{shape}-{index}"))
                 results["runs"].append({"shape": shape, "backend": backend, **run})
-                print(f"{shape:6s} {backend:13s} step {run['step_s']:.3f} s  generation {run['generation_s']:.3f} s "
+                print(f"{shape:6s} {backend:14s} step {run['step_s']:.3f} s  generation {run['generation_s']:.3f} s "
                       f"({100 * run['generation_share']:.0f}%)  mean length {run['completion_mean_length']:.1f}",
                       flush=True)  # fmt: skip
     for shape in cli.shapes:
         by = {b: [r for r in results["runs"] if r["shape"] == shape and r["backend"] == b]
-              for b in ("transformers", "vllm_server")}  # fmt: skip
+              for b in ("transformers", "vllm_server", "vllm_colocate")}  # fmt: skip
         summary = {}
         for backend, runs in by.items():
             summary[f"{backend}_step_s"] = statistics.median(r["step_s"] for r in runs)
             summary[f"{backend}_generation_s"] = statistics.median(r["generation_s"] for r in runs)
             summary[f"{backend}_generation_share"] = statistics.median(r["generation_share"] for r in runs)
-        summary["step_ratio_vllm_over_transformers"] = summary["vllm_server_step_s"] / summary["transformers_step_s"]
+        for backend in ("vllm_server", "vllm_colocate"):
+            summary[f"step_ratio_{backend}_over_transformers"] = summary[f"{backend}_step_s"] / summary["transformers_step_s"]
         results.setdefault("summary", {})[shape] = summary
     os.makedirs(os.path.dirname(os.path.abspath(cli.out)), exist_ok=True)
     with open(cli.out, "w") as f:
