@@ -94,10 +94,10 @@ def one_run(model_dir: str, url: str | None, shape: str, rollouts: int, out: str
     gen_s = sum(g for _, g in rest) / len(rest)
     lengths = [row["completions/mean_length"] for row in trainer.state.log_history if "completions/mean_length" in row]
     if url == "colocate":  # the engine lives in this process: take down its process groups before the next run's
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        from real_vllm.conftest import release_colocated_engine
 
         del trainer, generate
-        cleanup_dist_env_and_memory()
+        release_colocated_engine()
     return {"step_s": step_s, "generation_s": gen_s, "generation_share": gen_s / step_s,
             "completion_mean_length": statistics.mean(lengths), "steps_s_and_generation_s": [list(t) for t in step_times]}  # fmt: skip
 
@@ -115,11 +115,9 @@ def main():
     VLLMClient.init_communicator = lambda self, *a, **k: None  # NCCL weight transfer: CUDA only (module docstring)
     VLLMClient.update_named_params = lambda self, *a, **k: None
     import vllm
-    from real_vllm.conftest import running_server, save_served_model
-    from trl.generation import vllm_generation
+    from real_vllm.conftest import colocated_engine_dtype, running_server, save_served_model
 
-    llm = vllm_generation.LLM  # the colocated engine in fp32, like the server and the trainer (module docstring)
-    vllm_generation.LLM = lambda *a, **k: llm(*a, **{**k, "dtype": "float32"})
+    colocated_engine_dtype("float32")  # the colocated engine in fp32, like the server and the trainer (module docstring)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     work = tempfile.mkdtemp(prefix="gspo-vllm-cpu-")

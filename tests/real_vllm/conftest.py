@@ -104,6 +104,44 @@ def running_server(model_dir: str, *extra: str, timeout: float = SERVER_START_TI
         os.unlink(proc.log_path)
 
 
+def two_processes(script: str, *args: str) -> tuple[str, int]:
+    """Run `script` (a file of this folder) under `torch.distributed.run --nproc_per_node 2` (gloo, one thread per
+    process, at most 600 s): its whole output and its exit code."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    path = os.path.join(os.path.dirname(__file__), script)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", path, *args],
+                            capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    return result.stdout + result.stderr, result.returncode
+
+
+# -------------------------------------------------------------------------------------- colocated engines
+def colocated_engine_dtype(dtype: str, setattr=setattr) -> None:
+    """TRL builds its colocated engine with `trl.generation.vllm_generation.LLM(...)` and no dtype, and vLLM's automatic
+    dtype turns an fp32 checkpoint into a bf16 engine: add `dtype` to that call. In a test pass `monkeypatch.setattr`,
+    so the change is undone after it."""
+    from trl.generation import vllm_generation
+
+    llm = vllm_generation.LLM
+    setattr(vllm_generation, "LLM", lambda *args, **kwargs: llm(*args, **{**kwargs, "dtype": dtype}))
+
+
+def release_colocated_engine() -> None:
+    """Take down the process groups a colocated engine set up in this process, so that the next engine (another model)
+    sets up its own."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture
+def colocated_engine(monkeypatch):
+    """For a test whose trainer builds a colocated engine in the test process: size its KV cache (the CPU build reads
+    this variable, GiB), and release the engine's process groups after the test."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    yield
+    release_colocated_engine()
+
+
 def save_served_model(path, vocab: int = 64, word: str = "w", **config) -> str:
     """A tiny Qwen3 (`moe=True`: Qwen3-MoE) saved to `path` with the project's word-level tokenizer filled up to `vocab`
     words with `word`0, `word`1, ...: head_dim 64 for vLLM's CPU attention, and a vocabulary the embedding matches

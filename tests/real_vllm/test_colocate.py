@@ -6,23 +6,21 @@ wraps the sync and, around each call, asks the engine for its log-probs of one f
 sync they must equal the trainer's own log-probs of that sequence, and after every sync that follows an optimizer step
 they must differ from the engine's log-probs before it (the weights reached the engine, and they had moved).
 Nothing in these tests is replaced: TRL's engine, its sync and its generation are real. One setting is added: TRL
-builds the engine with vLLM's automatic dtype, which turns an fp32 checkpoint into a bf16 engine; `engine_dtype`
-passes `dtype` to TRL's `LLM(...)` call so the comparisons run fp32 against fp32 (and one runs the default, bf16).
+builds the engine with vLLM's automatic dtype, which turns an fp32 checkpoint into a bf16 engine;
+`colocated_engine_dtype` (conftest) passes `dtype` to TRL's `LLM(...)` call so the comparisons run fp32 against fp32
+(and one case runs the default, bf16).
 """
 
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from .conftest import make_trainer
+from .conftest import colocated_engine_dtype, make_trainer, two_processes
 
-#: Largest |engine log-prob - trainer log-prob| per token seen after a sync, fp32 engine and trainer: 1.4e-6 (dense)
-#: and 1.7e-6 (MoE) on a hand run of the reload before these tests (2026-11-25). The bound leaves ~70x room.
+#: Largest |engine log-prob - trainer log-prob| per token seen after a sync, fp32 engine and trainer: 9.5e-7 (dense)
+#: and 1.9e-6 (MoE, and either rank of the two-process run) over 4 syncs (2026-11-25). The bound leaves ~50x room.
 LOGPROB_TOLERANCE = 1e-4
 #: Smallest change of the engine's log-probs a sync after an optimizer step must make (learning rate 1e-2 moves the
 #: tiny models' log-probs by 0.1-1 nat per step; a sync that does not reach the engine changes them by 0).
@@ -53,30 +51,11 @@ def _trainer_logps(trainer) -> torch.Tensor:
 BF16_ENGINE_TOLERANCE = 0.05
 
 
-@pytest.fixture
-def engine_env(monkeypatch):
-    """The engine lives in the test process: size its KV cache (the CPU build reads this variable, GiB), and take down
-    vLLM's process groups after the test, so the next test's engine (another model) sets up its own."""
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    yield
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
-
-
-def engine_dtype(monkeypatch, dtype: str) -> None:
-    """TRL builds its colocated engine with `trl.generation.vllm_generation.LLM(...)` and no dtype: add one."""
-    from trl.generation import vllm_generation
-
-    llm = vllm_generation.LLM
-    monkeypatch.setattr(vllm_generation, "LLM", lambda *args, **kwargs: llm(*args, **{**kwargs, "dtype": dtype}))
-
-
 @pytest.mark.parametrize("moe, dtype", [(False, "float32"), (True, "float32"), (False, "auto")],
                          ids=["dense", "moe", "dense-bf16-engine"])  # fmt: skip
 def test_every_weight_sync_reaches_the_colocated_engine(moe, dtype, vllm_model_dir, vllm_moe_model_dir, tmp_path,
-                                                        engine_env, monkeypatch):  # fmt: skip
-    engine_dtype(monkeypatch, dtype)
+                                                        colocated_engine, monkeypatch):  # fmt: skip
+    colocated_engine_dtype(dtype, monkeypatch.setattr)
     tolerance = LOGPROB_TOLERANCE if dtype == "float32" else BF16_ENGINE_TOLERANCE
     model_dir = vllm_moe_model_dir if moe else vllm_model_dir
     trainer = make_trainer(model_dir, None, tmp_path / "run", vllm_mode="colocate", vllm_server_base_url=None,
@@ -98,7 +77,6 @@ def test_every_weight_sync_reaches_the_colocated_engine(moe, dtype, vllm_model_d
     for step, before, after, trainer_logps in syncs:
         gap = (after - trainer_logps).abs().max().item()
         assert gap < tolerance, f"sync at step {step}: engine and trainer differ by {gap}"
-        print(f"sync at step {step}: gap {gap:.2e}, moved {(after - before).abs().max().item():.3f}")
         moved = (after - before).abs().max().item()
         if step == 0:  # the engine was built from the trainer's initial weights
             assert moved < tolerance, moved
@@ -106,12 +84,12 @@ def test_every_weight_sync_reaches_the_colocated_engine(moe, dtype, vllm_model_d
             assert moved > MOVED_AT_LEAST, f"sync at step {step} left the engine's log-probs as they were ({moved})"
 
 
-def test_completions_after_a_sync_are_sampled_by_the_synced_weights(vllm_model_dir, tmp_path, engine_env,
+def test_completions_after_a_sync_are_sampled_by_the_synced_weights(vllm_model_dir, tmp_path, colocated_engine,
                                                                     monkeypatch):  # fmt: skip
     """old_logprobs_source="sampler" in colocate: the log-probs vLLM returns with its completions, after the weights of
     step 2 were loaded, equal the trainer's recomputation with those weights at every completion position (one rollout
     per 2 steps, so pi_old is needed and taken from the sampler)."""
-    engine_dtype(monkeypatch, "float32")
+    colocated_engine_dtype("float32", monkeypatch.setattr)
     trainer = make_trainer(vllm_model_dir, None, tmp_path / "run", vllm_mode="colocate", vllm_server_base_url=None,
                            steps_per_generation=2, max_steps=2, vllm_max_model_length=128,
                            old_logprobs_source="sampler")  # fmt: skip
@@ -133,14 +111,10 @@ def test_two_processes_each_sync_their_own_engine(vllm_model_dir, tmp_path):
     """2 processes (torchrun, gloo, DDP): TRL builds one engine per rank (`external_launcher`, tensor_parallel_size=1)
     and syncs each from the rank's (DDP-wrapped) model; on both ranks every sync must reach the engine
     (two_processes_colocate.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "two_processes_colocate.py")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-                             "--model_dir", vllm_model_dir, "--output_dir", str(tmp_path / "run")],
-                            capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
-    log = result.stdout + result.stderr
+    log, returncode = two_processes("two_processes_colocate.py", "--model_dir", vllm_model_dir, "--output_dir",
+                                    str(tmp_path / "run"))  # fmt: skip
     ranks = sorted(re.findall(r"REAL COLOCATE rank (\d) syncs (\d+) gap (\S+) steps (\d+) (OK|BAD)", log))
     assert [rank for rank, *_ in ranks] == ["0", "1"], log[-4000:]
     for rank, syncs, gap, steps, verdict in ranks:
         assert (syncs, steps, verdict) == ("3", "3", "OK"), (rank, syncs, gap, steps, verdict)
-    assert result.returncode == 0, log[-4000:]
+    assert returncode == 0, log[-4000:]

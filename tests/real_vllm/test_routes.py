@@ -58,17 +58,12 @@ def test_the_moe_model_trains_gspo_over_the_server_without_replay(vllm_moe_model
     assert len(logs) == 2 and logs[0]["completions/mean_length"] > 0
 
 
-def test_r3_in_colocate_stops_while_the_trainer_is_built_with_vllms_reason(vllm_moe_model_dir, tmp_path, monkeypatch):
+def test_r3_in_colocate_stops_while_the_trainer_is_built_with_vllms_reason(vllm_moe_model_dir, tmp_path,
+                                                                           colocated_engine):  # fmt: skip
     """Colocate: trl-gspo builds TRL's engine with `enable_return_routed_experts=True` for R3; the CPU build stops it
     in the trainer's constructor with vLLM's own reason, before any step."""
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     start = time.monotonic()
-    try:
-        with pytest.raises(Exception, match=r"AuxOutput Connector requires Model Runner V2"):
-            make_trainer(vllm_moe_model_dir, None, tmp_path / "r3", vllm_mode="colocate", vllm_server_base_url=None,
-                         routing_replay="R3", vllm_max_model_length=128)  # fmt: skip
-    finally:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
+    with pytest.raises(Exception, match=r"AuxOutput Connector requires Model Runner V2"):
+        make_trainer(vllm_moe_model_dir, None, tmp_path / "r3", vllm_mode="colocate", vllm_server_base_url=None,
+                     routing_replay="R3", vllm_max_model_length=128)  # fmt: skip
     assert time.monotonic() - start < 120

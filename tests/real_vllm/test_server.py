@@ -8,16 +8,13 @@ log-probs, batching and the server itself are real.
 """
 
 import math
-import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from .conftest import free_port, make_trainer, running_server, stop
+from .conftest import free_port, make_trainer, running_server, stop, two_processes
 
 #: Largest |vLLM log-prob - trainer log-prob| seen per token, fp32 server vs fp32 trainer, same weights: 1.2e-6
 #: (326 completion tokens, 8 completions ended by EOS and 24 cut; 2026-11-25). The bound leaves ~80x room; the same
@@ -89,17 +86,13 @@ def test_two_processes_share_one_server_each_row_with_its_own_prompt(vllm_model_
     """2 processes (torchrun, gloo): the client on the main process only, every process's prompts in one request, the
     completions broadcast back; each rank's first-rollout log-probs from the server equal its own recomputation per
     position (two_processes.py), which a row paired with another row's prompt would not."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "two_processes.py")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-                             "--model_dir", vllm_model_dir, "--url", vllm_server, "--output_dir", str(tmp_path / "run")],
-                            capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
-    log = result.stdout + result.stderr
+    log, returncode = two_processes("two_processes.py", "--model_dir", vllm_model_dir, "--url", vllm_server,
+                                    "--output_dir", str(tmp_path / "run"))  # fmt: skip
     ranks = sorted(re.findall(r"REAL SERVER rank (\d) (client|no client) rows (\d+) gap (\S+) steps (\d+) (OK|BAD)", log))
     assert [(rank, client) for rank, client, *_ in ranks] == [("0", "client"), ("1", "no client")], log[-4000:]
     for rank, _, rows, gap, steps, verdict in ranks:
         assert rows == "16" and steps == "2" and verdict == "OK", (rank, rows, gap, steps, verdict)
-    assert result.returncode == 0, log[-4000:]
+    assert returncode == 0, log[-4000:]
 
 
 # ------------------------------------------------------------------------------------------------ faults

@@ -16,12 +16,9 @@ def main():
     parser.add_argument("--output_dir", required=True)
     cli = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from trl.generation import vllm_generation
+    from real_vllm.conftest import colocated_engine_dtype, make_trainer
 
-    llm = vllm_generation.LLM  # fp32 engine, as in test_colocate.py
-    vllm_generation.LLM = lambda *a, **k: llm(*a, **{**k, "dtype": "float32"})
-
-    from real_vllm.conftest import make_trainer
+    colocated_engine_dtype("float32")  # as in test_colocate.py
     from real_vllm.test_colocate import LOGPROB_TOLERANCE, MOVED_AT_LEAST, _engine_logps, _trainer_logps
 
     trainer = make_trainer(cli.model_dir, None, cli.output_dir, vllm_mode="colocate", vllm_server_base_url=None,
