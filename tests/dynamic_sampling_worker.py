@@ -31,13 +31,32 @@ def main():
     parser.add_argument("--output_dir", required=True)
     cli = parser.parse_args()
     tokenizer = build_tokenizer()
-    args = GSPOConfig(output_dir=cli.output_dir, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                      per_device_train_batch_size=2, num_generations=2, steps_per_generation=2, max_completion_length=4,
-                      learning_rate=1e-3, max_steps=4, logging_steps=1, disable_tqdm=True, dynamic_sampling=True,
-                      max_sampling_rounds=3)  # fmt: skip
+    args = GSPOConfig(
+        output_dir=cli.output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        steps_per_generation=2,
+        max_completion_length=4,
+        learning_rate=1e-3,
+        max_steps=4,
+        logging_steps=1,
+        disable_tqdm=True,
+        dynamic_sampling=True,
+        max_sampling_rounds=3,
+    )
     prompts = [f"copy {a} {b} :" for a in range(4) for b in range(4)]
-    trainer = GSPOTrainer(build_tiny_model(tokenizer, seed=0), rank_dependent_reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)  # fmt: skip
+    trainer = GSPOTrainer(
+        build_tiny_model(tokenizer, seed=0),
+        rank_dependent_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
     source = trainer._rollouts
     report = {"rank": trainer.accelerator.process_index, "kept": [], "rewards": [], "rows": [], "finished": []}
     fill = source.fill

@@ -43,8 +43,9 @@ def make_trainer(output_dir, reward_funcs=length_reward, trainer_cls=GSPOTrainer
     settings.update(overrides)
     args = GSPOConfig(**settings)
     dataset = Dataset.from_dict({"prompt": list(prompts)})
-    return trainer_cls(model, reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer,
-                       **trainer_kwargs)  # fmt: skip
+    return trainer_cls(
+        model, reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer, **trainer_kwargs
+    )
 
 
 class SaveAt(TrainerCallback):
@@ -125,8 +126,13 @@ def main():
 
                 time.sleep(cli.step_delay)
 
-    trainer = make_trainer(cli.output_dir, max_steps=cli.max_steps, save_strategy="no", prompts=prompts,
-                           **({"async_generation": True} if cli.async_generation else {}))  # fmt: skip
+    trainer = make_trainer(
+        cli.output_dir,
+        max_steps=cli.max_steps,
+        save_strategy="no",
+        prompts=prompts,
+        **({"async_generation": True} if cli.async_generation else {}),
+    )
     trainer.add_callback(Progress())
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     if cli.weights_out and trainer.accelerator.is_main_process:

@@ -54,8 +54,14 @@ class Spy:
 def test_staleness_zero_is_synchronous_dynamic_sampling(tokenizer, tmp_path):
     sync = _trainer(tokenizer, tmp_path / "sync", max_steps=6)
     sync.train()
-    exact = _trainer(tokenizer, tmp_path / "async", max_steps=6, async_generation=True, max_staleness=0,
-                     vllm_importance_sampling_correction=False)  # fmt: skip
+    exact = _trainer(
+        tokenizer,
+        tmp_path / "async",
+        max_steps=6,
+        async_generation=True,
+        max_staleness=0,
+        vllm_importance_sampling_correction=False,
+    )
     exact.train()
     assert _max_diff(_weights(exact), _weights(sync)) == 0.0
     assert exact._rollouts.filler.cursor == sync._rollouts.cursor > 3  # the same rounds, more than one per batch

@@ -67,18 +67,34 @@ def mean_above_half(rewards):
 
 
 def _config(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=4, num_generations=G, steps_per_generation=4,
-                    gradient_accumulation_steps=2, max_completion_length=4, learning_rate=1e-3, max_steps=4,
-                    logging_steps=1, disable_tqdm=True, dynamic_sampling=True, max_sampling_rounds=4)  # fmt: skip
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=4,
+        num_generations=G,
+        steps_per_generation=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=4,
+        learning_rate=1e-3,
+        max_steps=4,
+        logging_steps=1,
+        disable_tqdm=True,
+        dynamic_sampling=True,
+        max_sampling_rounds=4,
+    )
     return GSPOConfig(**{**settings, **overrides})
 
 
 def _trainer(tokenizer, tmp_path, reward=known_reward, prompts=PROMPTS, cls=GSPOTrainer, model=None, **overrides):
     args = _config(tmp_path, **overrides)
     model = model if model is not None else build_tiny_model(tokenizer, seed=0)
-    return cls(model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
-               processing_class=tokenizer)  # fmt: skip
+    return cls(
+        model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer
+    )
 
 
 class Recorder:
@@ -123,13 +139,25 @@ def _dataloader_order(trainer, epochs: int) -> list[list[str]]:
 # --------------------------------------------------------------------------------------------------- policy
 def test_reward_std_rule_and_user_filter():
     weights = torch.tensor([1.0, 0.5])
-    rewards = torch.tensor([
-        [1.0, 0.0], [1.0, 0.0], [1.0, 0.0],                      # constant
-        [1.0, 0.0], [0.0, 2.0], [1.0, 0.0],                      # weighted sums 1, 1, 1: all equal, functions differ
-        [0.0, 0.0], [1.0, 0.0], [float("nan"), float("nan")],    # spread among the scored ones
-        [float("nan")] * 2, [float("nan")] * 2, [0.5, 0.0],     # one scored completion: no spread
-        [0.2, 0.0], [0.2 + 1e-9, 0.0], [0.2, 0.0],               # differ below TRL's isclose: equal
-    ])  # fmt: skip
+    rewards = torch.tensor(
+        [
+            [1.0, 0.0],
+            [1.0, 0.0],
+            [1.0, 0.0],  # constant
+            [1.0, 0.0],
+            [0.0, 2.0],
+            [1.0, 0.0],  # weighted sums 1, 1, 1: all equal, functions differ
+            [0.0, 0.0],
+            [1.0, 0.0],
+            [float("nan"), float("nan")],  # spread among the scored ones
+            [float("nan")] * 2,
+            [float("nan")] * 2,
+            [0.5, 0.0],  # one scored completion: no spread
+            [0.2, 0.0],
+            [0.2 + 1e-9, 0.0],
+            [0.2, 0.0],  # differ below TRL's isclose: equal
+        ]
+    )
     keep, spread = keep_groups(rewards, weights, 3)
     assert keep.tolist() == [False, False, True, False, False]
     assert spread[0] == 0 and torch.isnan(spread[3]) and spread[2] > 0
@@ -246,8 +274,13 @@ def test_round_cap_and_underfill(tokenizer, tmp_path):
         return [1.0] * len(completions)
 
     for underfill, rows in (("shrink", 4), ("pad", 16)):
-        trainer = _trainer(tokenizer, tmp_path / underfill, reward=constant, max_sampling_rounds=2,
-                           dynamic_sampling_underfill=underfill)  # fmt: skip
+        trainer = _trainer(
+            tokenizer,
+            tmp_path / underfill,
+            reward=constant,
+            max_sampling_rounds=2,
+            dynamic_sampling_underfill=underfill,
+        )
         record = Recorder(trainer, tokenizer)
         trainer.train()
         assert record.rounds_per_batch == [2, 2]  # the cap, exactly
@@ -259,8 +292,16 @@ def test_round_cap_and_underfill(tokenizer, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- normalisation
-NORM_PROMPTS = ["copy 0 0 :", "copy 1 1 :", "copy 0 1 :", "copy 2 0 :", "copy 2 1 :", "copy 3 0 :", "copy 3 1 :",
-                "copy 2 2 :"]  # fmt: skip  (3 constant, 5 with signal)
+NORM_PROMPTS = [
+    "copy 0 0 :",
+    "copy 1 1 :",
+    "copy 0 1 :",
+    "copy 2 0 :",
+    "copy 2 1 :",
+    "copy 3 0 :",
+    "copy 3 1 :",
+    "copy 2 2 :",
+]  # (3 constant, 5 with signal)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
@@ -273,9 +314,20 @@ def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(tokenizer
     per optimizer step (num tokens of the whole kept batch / optimizer steps per rollout)."""
     ga, spg = 2, 4
     extra = dict(allow_token_sum_with_sequence_level=True) if loss_type == "dapo" else {}
-    trainer = _trainer(tokenizer, tmp_path, reward=make_known_reward(2), prompts=NORM_PROMPTS, num_generations=2,
-                       max_sampling_rounds=1, dynamic_sampling_underfill=underfill, loss_type=loss_type,
-                       learning_rate=0.0, epsilon=0.2, epsilon_high=0.2, **extra)  # fmt: skip
+    trainer = _trainer(
+        tokenizer,
+        tmp_path,
+        reward=make_known_reward(2),
+        prompts=NORM_PROMPTS,
+        num_generations=2,
+        max_sampling_rounds=1,
+        dynamic_sampling_underfill=underfill,
+        loss_type=loss_type,
+        learning_rate=0.0,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        **extra,
+    )
     trainer.model.train()
     trainer._prepare_inputs(None)
     plan = trainer._rollouts.last.plan
@@ -291,8 +343,17 @@ def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(tokenizer
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
     trainer.model.zero_grad()
-    step = {key: torch.cat([batches[k][key] for k in range(ga)]) for key in ("prompt_ids", "prompt_mask",
-            "completion_ids", "completion_mask", "advantages", "old_per_token_logps")}  # fmt: skip
+    step = {
+        key: torch.cat([batches[k][key] for k in range(ga)])
+        for key in (
+            "prompt_ids",
+            "prompt_mask",
+            "completion_ids",
+            "completion_mask",
+            "advantages",
+            "old_per_token_logps",
+        )
+    }
     ids = torch.cat([step["prompt_ids"], step["completion_ids"]], 1)
     attention = torch.cat([step["prompt_mask"], step["completion_mask"]], 1)
     width = step["completion_ids"].size(1)
@@ -435,13 +496,21 @@ def test_environment_factory_is_refused(tokenizer, tmp_path):
 def test_streaming_dataset_is_refused_at_construction(tokenizer, tmp_path):
     streamed = Dataset.from_dict({"prompt": PROMPTS}).to_iterable_dataset()
     with pytest.raises(ValueError, match="needs an indexable \\(map-style\\) training dataset; got a streaming one"):
-        GSPOTrainer(build_tiny_model(tokenizer, seed=0), known_reward, args=_config(tmp_path), train_dataset=streamed,
-                    processing_class=tokenizer)  # fmt: skip
+        GSPOTrainer(
+            build_tiny_model(tokenizer, seed=0),
+            known_reward,
+            args=_config(tmp_path),
+            train_dataset=streamed,
+            processing_class=tokenizer,
+        )
 
 
 def test_bad_filter_path_fails_at_construction(tokenizer, tmp_path):
-    with pytest.raises(ValueError, match=r"dynamic_sampling_filter: module 'test_dynamic_sampling' has no attribute "
-                       "'nope'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"dynamic_sampling_filter: module 'test_dynamic_sampling' has no attribute "
+        "'nope'",
+    ):
         _trainer(tokenizer, tmp_path, dynamic_sampling_filter="test_dynamic_sampling.nope")
 
 
@@ -505,9 +574,14 @@ def test_rollout_func_with_env_mask_and_packed_forwards(tokenizer, tmp_path):
     rollouts = EnvRollouts(tokenizer)
     packed = fused_logprob_head_module() is not None  # packing needs TRL's fused head (TRL >= 1.15)
     args = _config(tmp_path, padding_free=packed, max_completion_length=8)
-    trainer = GSPOTrainer(build_tiny_model(tokenizer, seed=0), _env_reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
-                          rollout_func=rollouts)  # fmt: skip
+    trainer = GSPOTrainer(
+        build_tiny_model(tokenizer, seed=0),
+        _env_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+        rollout_func=rollouts,
+    )
     trainer.model.train()
     batch = trainer._rollouts.next_batch(None)
     for ids, mask, tool in zip(batch["completion_ids"], batch["completion_mask"], batch["tool_mask"]):
@@ -575,8 +649,18 @@ def test_two_processes_agree_on_kept_groups_with_a_rank_dependent_reward(tmp_pat
     its own groups. On the gathered rewards both keep exactly the groups rank 1 generated, and each trains an equal
     share of them (rows move from rank 1 to rank 0)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(WORKER), "--output_dir", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(WORKER),
+        "--output_dir",
+        str(tmp_path),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     log = run.stdout + run.stderr
     reports = {}

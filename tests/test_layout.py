@@ -82,12 +82,16 @@ def _function_level_imports(path: Path) -> list[int]:
 
 
 def test_no_function_level_import_inside_the_package():
-    found = [f"{p.relative_to(ROOT)}:{line}" for p in sorted(PACKAGE.rglob("*.py")) for line in _function_level_imports(p)]
+    found = [
+        f"{p.relative_to(ROOT)}:{line}" for p in sorted(PACKAGE.rglob("*.py")) for line in _function_level_imports(p)
+    ]
     assert found == [], "imports of trl_gspo inside functions (move them to the top, or the module down a layer)"
 
 
 def test_function_level_import_detector_detects(tmp_path):
-    (tmp_path / "m.py").write_text("import os\n\n\ndef f():\n    from .x import y\n    import trl_gspo.cli\n    import json\n")
+    (tmp_path / "m.py").write_text(
+        "import os\n\n\ndef f():\n    from .x import y\n    import trl_gspo.cli\n    import json\n"
+    )
     assert _function_level_imports(tmp_path / "m.py") == [5, 6]
 
 
@@ -97,8 +101,12 @@ FROM_IMPORT = re.compile(r"^\s*from (trl_gspo(?:\.\w+)*) import ([\w, ]+)", re.M
 
 
 def _doc_and_recipe_texts() -> dict[str, str]:
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(RECIPES.glob("*.yaml")),
-             *sorted(RECIPES.glob("*.py"))]  # fmt: skip
+    files = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted(RECIPES.glob("*.yaml")),
+        *sorted(RECIPES.glob("*.py")),
+    ]
     return {str(f.relative_to(ROOT)): f.read_text() for f in files}
 
 

@@ -131,8 +131,11 @@ def test_consecutive_nonfinite_steps_stop_with_checkpoint(tmp_path):
                 initial_step1 = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     trainer.add_callback(Keep())
-    with pytest.raises(NonFiniteTrainingError, match=r"3 consecutive optimizer steps .*max_consecutive_nonfinite=3.*"
-                       r"3 micro-batches dropped and 3 optimizer steps skipped.*checkpoint-4"):
+    with pytest.raises(
+        NonFiniteTrainingError,
+        match=r"3 consecutive optimizer steps .*max_consecutive_nonfinite=3.*"
+        r"3 micro-batches dropped and 3 optimizer steps skipped.*checkpoint-4",
+    ):
         trainer.train()
     ckpt = tmp_path / "checkpoint-4"
     assert checkpointing.checkpoint_problem(str(ckpt)) is None
@@ -225,10 +228,23 @@ def test_sapo_keeps_the_log_ratio_clamp_where_stock_trl_gives_nan_gradients(tmp_
     assert ours._nonfinite._dropped.item() == 0
 
     tokenizer_model = make_trainer(tmp_path / "c")  # same tiny model and tokenizer, in a stock trainer
-    args = GRPOConfig(output_dir=str(tmp_path / "b"), use_cpu=True, bf16=False, report_to=[], loss_type="sapo",
-                      per_device_train_batch_size=4, num_generations=2, max_completion_length=6)  # fmt: skip
-    stock = GRPOTrainer(tokenizer_model.model, tokenizer_model.reward_funcs, args=args,
-                        train_dataset=tokenizer_model.train_dataset, processing_class=tokenizer_model.processing_class)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "b"),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        loss_type="sapo",
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+    )
+    stock = GRPOTrainer(
+        tokenizer_model.model,
+        tokenizer_model.reward_funcs,
+        args=args,
+        train_dataset=tokenizer_model.train_dataset,
+        processing_class=tokenizer_model.processing_class,
+    )
     _, stock_grads = _loss_and_grads(stock, batch)
     assert any(not torch.isfinite(g).all() for g in stock_grads.values()), "stock TRL stayed finite: test is moot"
 

@@ -59,7 +59,9 @@ def test_to_model_and_back_match_loops(pack):
     real = _mask_from_spans(spans, s).bool()
     assert covered[real].all()  # every real token is in some call
     assert torch.equal(back[covered], x[covered]) and (back[~covered] == -1).all()
-    completion = layouts_to_batch(layouts, [layout.to_model(x) for layout in layouts], fill=-1, columns_from=prompt_width)
+    completion = layouts_to_batch(
+        layouts, [layout.to_model(x) for layout in layouts], fill=-1, columns_from=prompt_width
+    )
     assert torch.equal(completion, back[:, prompt_width:])
 
 
@@ -99,8 +101,15 @@ def test_trimmed_layout_keeps_positions_and_one_column_each_side():
 
 def test_optimizer_step_groups_never_mix_steps():
     """Brute force: two buffer entries may be grouped only if every use of both falls in the same optimizer step."""
-    for spg, iters, accumulation, first in [(4, 1, 2, 0), (8, 2, 4, 0), (6, 1, 4, 0), (4, 3, 2, 4), (4, 1, 1, 0),
-                                            (6, 2, 4, 12), (4, 1, 2, 2)]:  # fmt: skip
+    for spg, iters, accumulation, first in [
+        (4, 1, 2, 0),
+        (8, 2, 4, 0),
+        (6, 1, 4, 0),
+        (4, 3, 2, 4),
+        (4, 1, 1, 0),
+        (6, 2, 4, 12),
+        (4, 1, 2, 2),
+    ]:
         groups = padding.optimizer_step_groups(first, spg, iters, accumulation)
         assert sorted(k for g in groups for k in g) == list(range(spg))
         last = (first // (spg * iters) + 1) * spg * iters
@@ -116,14 +125,16 @@ def test_sort_permutes_every_per_row_value_and_keeps_scalars():
     batches = []
     for i in range(2):
         lengths = torch.randint(0, 6, (3,), generator=g)
-        batches.append({
-            "prompt_mask": torch.ones(3, 2, dtype=torch.long),
-            "completion_mask": (torch.arange(6)[None] < lengths[:, None]).long(),
-            "row_id": torch.arange(3) + 3 * i,
-            "old_routes": (torch.arange(3) + 3 * i).view(3, 1, 1, 1).expand(3, 6, 2, 2),  # another mixin's key
-            "labels": [f"r{j + 3 * i}" for j in range(3)],
-            "num_items_in_batch": torch.tensor(17),
-        })  # fmt: skip
+        batches.append(
+            {
+                "prompt_mask": torch.ones(3, 2, dtype=torch.long),
+                "completion_mask": (torch.arange(6)[None] < lengths[:, None]).long(),
+                "row_id": torch.arange(3) + 3 * i,
+                "old_routes": (torch.arange(3) + 3 * i).view(3, 1, 1, 1).expand(3, 6, 2, 2),  # another mixin's key
+                "labels": [f"r{j + 3 * i}" for j in range(3)],
+                "num_items_in_batch": torch.tensor(17),
+            }
+        )
     out = padding.sort_rows_by_length(batches)
     ids = torch.cat([b["row_id"] for b in out])
     assert sorted(ids.tolist()) == list(range(6))
@@ -137,13 +148,29 @@ def test_sort_permutes_every_per_row_value_and_keeps_scalars():
 
 # --------------------------------------------------------------------------- forwards through the trainer
 def _trainer(model, tokenizer, tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                    per_device_train_batch_size=4, num_generations=2, max_completion_length=9, logging_steps=1,
-                    epsilon=3e-3, epsilon_high=4e-3, seed=0)  # fmt: skip
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=9,
+        logging_steps=1,
+        epsilon=3e-3,
+        epsilon_high=4e-3,
+        seed=0,
+    )
     args = GSPOConfig(**{**settings, **overrides})
     dataset = Dataset.from_dict({"prompt": ["add 1 2 ="] * 8})
-    trainer = GSPOTrainer(model, lambda completions, **k: [0.0] * len(completions), args=args, train_dataset=dataset,
-                          processing_class=tokenizer)  # fmt: skip
+    trainer = GSPOTrainer(
+        model,
+        lambda completions, **k: [0.0] * len(completions),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     return trainer
@@ -170,9 +197,14 @@ def _forward(trainer, batch, chunk=None, grad=True):
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     with torch.set_grad_enabled(grad):
         return trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, mask, batch["completion_ids"].size(1), batch_size=chunk, compute_entropy=True,
+            trainer.model,
+            ids,
+            mask,
+            batch["completion_ids"].size(1),
+            batch_size=chunk,
+            compute_entropy=True,
             compute_aux_loss=trainer.aux_loss_enabled,
-        )  # fmt: skip
+        )
 
 
 def _naive_logps(model, batch):
@@ -213,8 +245,11 @@ def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch
             trainer, trainer.model, ids, mask, 9, compute_entropy=True, compute_aux_loss=trainer.aux_loss_enabled
         )
     assert all(torch.equal(a, b) for a, b in zip(ours, stock) if a is not None)
-    with pytest.raises(ValueError, match=r"padding_free=True needs TRL's fused log-prob head \(TRL >= 1.15\); the "
-                                         r"installed TRL is [\d.]+"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"padding_free=True needs TRL's fused log-prob head \(TRL >= 1.15\); the "
+        r"installed TRL is [\d.]+",
+    ):
         _trainer(copy.deepcopy(model), tokenizer, tmp_path / "packed", padding_free=True)
 
 
@@ -320,7 +355,9 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     layout = plan_layouts(row_spans(mask), tuple(ids.shape), 7, 3, sort=False, trim=True, pack=True)[0]
     own = layout.segments.own_start
-    row = next(r for r in range(layout.shape[0]) if len({int(x) for x, src in zip(own[r], layout.source[r]) if src >= 0}) == 2)
+    row = next(
+        r for r in range(layout.shape[0]) if len({int(x) for x, src in zip(own[r], layout.source[r]) if src >= 0}) == 2
+    )
     starts = sorted({int(x) for x, src in zip(own[row], layout.source[row]) if src >= 0})
     seq_a, seq_b = int(layout.source[row, starts[0]]) // 12, int(layout.source[row, starts[1]]) // 12
     changed = ids.clone()
@@ -332,9 +369,15 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
     assert not torch.equal(before[seq_a], after[seq_a])  # A did change
     assert torch.equal(before[seq_b], after[seq_b])  # B did not see it
 
-    row_layout = ForwardLayout(layout.source[row : row + 1], layout.batch_shape, layout.position_ids[row : row + 1],
-                               True, segments=layouts.SegmentPlan(*(x[row : row + 1] for x in (
-                                   layout.segments.own_start, layout.segments.ctx_start, layout.segments.ctx_end))))  # fmt: skip
+    row_layout = ForwardLayout(
+        layout.source[row : row + 1],
+        layout.batch_shape,
+        layout.position_ids[row : row + 1],
+        True,
+        segments=layouts.SegmentPlan(
+            *(x[row : row + 1] for x in (layout.segments.own_start, layout.segments.ctx_start, layout.segments.ctx_end))
+        ),
+    )
     row_ids, row_changed = row_layout.to_model(ids), row_layout.to_model(changed)
     b_positions = slice(starts[1] + 1, None)
 
@@ -356,8 +399,11 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
 def test_packing_refuses_attention_it_cannot_separate(tokenizer, tmp_path):
     model = build_tiny_model(tokenizer, seed=0)
     model.config._attn_implementation = "paged|sdpa"  # an implementation the segment attention does not wrap
-    with pytest.raises(ValueError, match=r"padding_free=True: the policy \(Qwen3ForCausalLM\) cannot take packed .* "
-                                         r"attn_implementation='paged\|sdpa'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"padding_free=True: the policy \(Qwen3ForCausalLM\) cannot take packed .* "
+        r"attn_implementation='paged\|sdpa'",
+    ):
         _trainer(model, tokenizer, tmp_path, padding_free=True)
 
 
@@ -372,9 +418,12 @@ LOSS_CASES = {
     "sapo": dict(importance_sampling_level="sequence", loss_type="sapo"),
     "vespo": dict(importance_sampling_level="token", loss_type="vespo"),
     "gspo-token, kl, entropy mask and bonus": dict(
-        importance_sampling_level="sequence_token", loss_type="grpo", beta=0.04, top_entropy_quantile=0.5,
+        importance_sampling_level="sequence_token",
+        loss_type="grpo",
+        beta=0.04,
+        top_entropy_quantile=0.5,
         entropy_coef=0.01,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -419,11 +468,16 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(name, dtype, token
     settings = dict(LOSS_CASES[name], model_init_kwargs={"dtype": dtype})
     off = _loss_grads_metrics(model, tokenizer, tmp_path / "off", inputs, dict(settings, trim_padding=False))
     trimmed = dict(settings, trim_padding=True, padding_free=False, shared_prefix=False)
-    runs = {"trimmed": _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, trimmed),
-            "defaults": _loss_grads_metrics(model, tokenizer, tmp_path / "auto", inputs, settings)}  # fmt: skip
+    runs = {
+        "trimmed": _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, trimmed),
+        "defaults": _loss_grads_metrics(model, tokenizer, tmp_path / "auto", inputs, settings),
+    }
     assert off[0].abs() > 1e-2
     # 16 columns, the longest completion (6 of 9) ends 3 early, the longest prompt fills all 7: 13 columns run
-    assert off[2]["throughput/positions_vs_stock"] == 1.0 and runs["trimmed"][2]["throughput/positions_vs_stock"] == 13 / 16
+    assert (
+        off[2]["throughput/positions_vs_stock"] == 1.0
+        and runs["trimmed"][2]["throughput/positions_vs_stock"] == 13 / 16
+    )
     # the defaults packed the sequences (9, 8, 8, 7, 7, 5 real tokens) into rows as long as the longest: 6 x 9
     assert runs["defaults"][2]["throughput/positions_vs_stock"] == 54 / 96
     for variant, on in runs.items():
@@ -445,8 +499,7 @@ SORT_DEFAULT_ON = ["grpo", "dr_grpo", "dapo", "cispo", "luspo", "sapo", "vespo"]
 
 def _step_gradient(model, tokenizer, tmp_path, micro_batches, settings):
     """Accumulated gradient of one optimizer step: `_compute_loss` + backward over each micro-batch."""
-    trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path, allow_token_sum_with_sequence_level=True,
-                       **settings)  # fmt: skip
+    trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings)
     trainer.current_gradient_accumulation_steps = len(micro_batches)
     for mb in micro_batches:
         trainer._compute_loss(trainer.model, {k: v.clone() for k, v in mb.items()}).backward()
@@ -478,7 +531,9 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
 def test_auto_sorts_only_where_the_gradient_is_unchanged(tokenizer, tmp_path):
     def sorted_for(moe=False, **settings):
         model = build_tiny_model(tokenizer, moe=moe, seed=0)
-        return _trainer(model, tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings)._sort_micro_batches
+        return _trainer(
+            model, tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings
+        )._sort_micro_batches
 
     assert sorted_for() and sorted_for(loss_type="dapo")
     assert not sorted_for(loss_type="bnpo") and not sorted_for(entropy_coef=0.01)
@@ -501,8 +556,9 @@ class FixedRollouts:
         prompt_ids, completion_ids = [], []
         for i in range(len(prompts)):
             if i % trainer.num_generations == 0:
-                prompt = torch.randint(4, self.vocab, (int(torch.randint(*self.prompt_lengths, (1,), generator=g)),),
-                                       generator=g)  # fmt: skip
+                prompt = torch.randint(
+                    4, self.vocab, (int(torch.randint(*self.prompt_lengths, (1,), generator=g)),), generator=g
+                )
             n = int(torch.randint(1, self.max_len + 1, (1,), generator=g))
             ids = torch.randint(4, self.vocab, (n,), generator=g)
             if n < self.max_len:
@@ -519,14 +575,34 @@ def _run(tokenizer, tmp_path, model=None, peft_config=None, record=None, **overr
     import os
 
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=2, gradient_accumulation_steps=3, num_generations=3,
-                    max_completion_length=10, learning_rate=0.05, optim="sgd", logging_steps=1, max_steps=4,
-                    disable_tqdm=True)  # fmt: skip
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        num_generations=3,
+        max_completion_length=10,
+        learning_rate=0.05,
+        optim="sgd",
+        logging_steps=1,
+        max_steps=4,
+        disable_tqdm=True,
+    )
     args = GSPOConfig(**{**settings, **overrides})
     model = model if model is not None else build_tiny_model(tokenizer, seed=0)
-    trainer = GSPOTrainer(model, _varied_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["a b"] * 64}),
-                          processing_class=tokenizer, rollout_func=FixedRollouts(tokenizer), peft_config=peft_config)  # fmt: skip
+    trainer = GSPOTrainer(
+        model,
+        _varied_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a b"] * 64}),
+        processing_class=tokenizer,
+        rollout_func=FixedRollouts(tokenizer),
+        peft_config=peft_config,
+    )
     if record is not None:
         original = trainer._compute_loss
 
@@ -549,8 +625,16 @@ def test_sorting_keeps_every_row_in_its_optimizer_step(num_iterations, tokenizer
     runs = {}
     for sort in ("never", "always"):
         record = []
-        _run(tokenizer, tmp_path / sort, record=record, sort_by_length=sort, learning_rate=0.0, max_steps=6,
-             num_iterations=num_iterations, steps_per_generation=6)  # fmt: skip
+        _run(
+            tokenizer,
+            tmp_path / sort,
+            record=record,
+            sort_by_length=sort,
+            learning_rate=0.0,
+            max_steps=6,
+            num_iterations=num_iterations,
+            steps_per_generation=6,
+        )
         runs[sort] = record
     by_step = {k: {} for k in runs}
     for sort, record in runs.items():
@@ -584,10 +668,17 @@ def test_trimmed_sorted_and_packed_training_ends_with_the_same_weights(tokenizer
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     adapters = {}
-    for name, settings in (("padded", dict(trim_padding=False, sort_by_length="never")), ("packed", dict(padding_free=True))):
+    for name, settings in (
+        ("padded", dict(trim_padding=False, sort_by_length="never")),
+        ("packed", dict(padding_free=True)),
+    ):
         trainer = _run(tokenizer, tmp_path / f"lora-{name}", peft_config=lora, **settings)
         params = dict(trainer.model.named_parameters())
-        base = {n.replace("base_model.model.", "").replace(".base_layer", ""): p for n, p in params.items() if "lora" not in n}
+        base = {
+            n.replace("base_model.model.", "").replace(".base_layer", ""): p
+            for n, p in params.items()
+            if "lora" not in n
+        }
         assert all(torch.equal(base[n], initial[n]) for n in initial)
         adapters[name] = {n: p.detach() for n, p in params.items() if "lora" in n}
     for n, p in adapters["padded"].items():
@@ -679,8 +770,10 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
         "packed": dict(routing_replay="R2", padding_free=True, sort_by_length="always"),
         "padded, no replay": dict(trim_padding=False, sort_by_length="never"),
     }
-    runs = {name: _run(tokenizer, tmp_path / str(i), model=moe_model(), **common, **settings)
-            for i, (name, settings) in enumerate(variants.items())}  # fmt: skip
+    runs = {
+        name: _run(tokenizer, tmp_path / str(i), model=moe_model(), **common, **settings)
+        for i, (name, settings) in enumerate(variants.items())
+    }
     reference = dict(runs["padded"].model.named_parameters())
     for name in ("trim+sort", "packed"):
         for n, p in runs[name].model.named_parameters():
@@ -688,8 +781,11 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
         rows = [row for row in runs[name].state.log_history if "moe/replay/coverage" in row]
         assert len(rows) == 4 and all(row["moe/replay/coverage"] == 1.0 for row in rows), name
         assert rows[0]["moe/routing_shift"] == 0 and rows[2]["moe/routing_shift"] == 0, name
-        positions = [row["throughput/positions_vs_stock"] for row in runs[name].state.log_history
-                     if "throughput/positions_vs_stock" in row]  # fmt: skip
+        positions = [
+            row["throughput/positions_vs_stock"]
+            for row in runs[name].state.log_history
+            if "throughput/positions_vs_stock" in row
+        ]
         assert positions and all(p < 1 for p in positions), name
     unreplayed = dict(runs["padded, no replay"].model.named_parameters())
     assert max((unreplayed[n] - p).abs().max().item() for n, p in reference.items()) > 1e-4

@@ -25,13 +25,29 @@ def _reward(completions, **kwargs):  # spread-out rewards, so advantages are non
 
 
 def _trainer(tokenizer, tmp_path, reward=_reward, moe=False, **overrides):
-    settings = dict(per_device_train_batch_size=4, num_generations=G, steps_per_generation=4, max_completion_length=6,
-                    temperature=0.9, learning_rate=1e-3, seed=0)  # fmt: skip
-    args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                      max_steps=1, disable_tqdm=True, **{**settings, **overrides})  # fmt: skip
+    settings = dict(
+        per_device_train_batch_size=4,
+        num_generations=G,
+        steps_per_generation=4,
+        max_completion_length=6,
+        temperature=0.9,
+        learning_rate=1e-3,
+        seed=0,
+    )
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        max_steps=1,
+        disable_tqdm=True,
+        **{**settings, **overrides},
+    )
     model = build_tiny_model(tokenizer, moe=moe, seed=0)
-    trainer = GSPOTrainer(model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                          processing_class=tokenizer)  # fmt: skip
+    trainer = GSPOTrainer(
+        model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
+    )
     trainer.model.train()
     return trainer
 
@@ -75,8 +91,9 @@ def test_score_with_given_rewards_skips_the_reward_functions(tokenizer, tmp_path
 
     trainer = _trainer(tokenizer, tmp_path, reward=counting_reward)
     generation = trainer._sample(_inputs())
-    rewards = torch.tensor([[0.0], [1.0], [1.0], [2.0], [3.0], [3.0], [3.0], [3.0],
-                            [0.5], [0.0], [0.0], [0.0], [1.0], [2.0], [4.0], [8.0]])  # fmt: skip
+    rewards = torch.tensor(
+        [[0.0], [1.0], [1.0], [2.0], [3.0], [3.0], [3.0], [3.0], [0.5], [0.0], [0.0], [0.0], [1.0], [2.0], [4.0], [8.0]]
+    )
     batch = trainer._score(_inputs(), generation, rewards)
     assert calls == []
     grouped = rewards.view(-1, G)  # TRL's default: (r - group mean) / (group std, Bessel-corrected, + 1e-4)
@@ -102,10 +119,21 @@ def test_prompt_stream_is_the_train_dataloaders_order_across_epochs(tokenizer, t
     from trl_gspo.rollout.prompt_stream import PromptStream
 
     dataset = Dataset.from_dict({"prompt": [f"copy {i} :" for i in range(10)], "target": [str(i) for i in range(10)]})
-    args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=4,
-                      num_generations=G, steps_per_generation=2, num_iterations=2, seed=5, shuffle_dataset=shuffle)  # fmt: skip
-    trainer = GSPOTrainer(build_tiny_model(tokenizer), _reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)  # fmt: skip
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=G,
+        steps_per_generation=2,
+        num_iterations=2,
+        seed=5,
+        shuffle_dataset=shuffle,
+    )
+    trainer = GSPOTrainer(
+        build_tiny_model(tokenizer), _reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
     stream = PromptStream.for_trainer(trainer)
     assert stream.rollouts_per_epoch == 5
     loader = trainer.get_train_dataloader()

@@ -146,8 +146,9 @@ def test_replay_after_an_update_matches_a_naive_forced_forward(arch):
     blocks = [r.module_parent for r in _with_parents(model, hooks)]
     handles = [
         block.register_forward_hook(
-            lambda module, args, output, layer=layer: _swap(output, _naive_block(arch, module, args[0],
-                                                                             old.ids[:, :, layer].reshape(-1, hooks.top_k).long()))  # fmt: skip
+            lambda module, args, output, layer=layer: _swap(
+                output, _naive_block(arch, module, args[0], old.ids[:, :, layer].reshape(-1, hooks.top_k).long())
+            )
         )
         for layer, block in enumerate(blocks)
     ]
@@ -222,8 +223,11 @@ def test_sentinel_positions_route_natively_and_bad_routes_raise():
     # rounding only (the expert kernels batch other tokens with row 1's), while forced rows move by far more
     torch.testing.assert_close(mixed[1], native[1], rtol=0, atol=1e-6)
     assert (mixed[0] - native[0]).abs().max() > 1e-3
-    with pytest.raises(ValueError, match=r"Routes to replay have shape \(3, 6, 2, 2\), but this forward needs "
-                       r"\(batch, positions, MoE layers, top_k\) = \(3, 7, 2, 2\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"Routes to replay have shape \(3, 6, 2, 2\), but this forward needs "
+        r"\(batch, positions, MoE layers, top_k\) = \(3, 7, 2, 2\)",
+    ):
         with hooks.forward_pass(B, S, replay=RouteTable(other.ids[:, :6], valid[:, :6])):
             pass
     with pytest.raises(ValueError, match=r"Routes to replay have shape \(3, 7, 1, 2\)"):
@@ -270,13 +274,26 @@ def reward(completions, **kwargs):
 
 
 def make_trainer(tokenizer, tmp_path, model=None, trainer_cls=GSPOTrainer, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=5e-2,
-                    max_steps=4, logging_steps=1, disable_tqdm=True)  # fmt: skip
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=5e-2,
+        max_steps=4,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     model = model if model is not None else build_tiny_model(tokenizer, moe=True, seed=0)
     args = GSPOConfig(**{**settings, **overrides})
-    return trainer_cls(model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
-                       processing_class=tokenizer)  # fmt: skip
+    return trainer_cls(
+        model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer
+    )
 
 
 class UsedRoutes:
@@ -374,7 +391,7 @@ def test_r3_generate_routes_match_a_reforward_position_by_position(tokenizer, tm
     assert not valid[~mask].any()  # padding has no route
     # every real token has one, except the last completion token when generate() never fed it back
     lengths = output["completion_mask"].sum(1)
-    last = (output["prompt_ids"].size(1) + lengths - 1)
+    last = output["prompt_ids"].size(1) + lengths - 1
     unfed = lengths == lengths.max()
     expected = mask.clone()
     expected[unfed, last[unfed]] = False
@@ -416,8 +433,10 @@ def test_replay_fails_loudly_when_a_kernel_bypasses_a_router(tokenizer, tmp_path
 
     block.forward = fused
     # TRL >= 1.15: forward/padding.py's model calls (one explicit layout each); older TRL: TRL's own row chunks
-    bypass = (r"routing_replay='R2': (MoE layers \[1\] fired \[0\] times for \d+ model calls|the routers of MoE "
-              r"layers \[1\] saw \[0\] tokens for a \d+x\d+ batch) \(a fused MoE kernel")
+    bypass = (
+        r"routing_replay='R2': (MoE layers \[1\] fired \[0\] times for \d+ model calls|the routers of MoE "
+        r"layers \[1\] saw \[0\] tokens for a \d+x\d+ batch) \(a fused MoE kernel"
+    )
     with pytest.raises(RuntimeError, match=bypass):
         trainer.train()
 
@@ -427,12 +446,26 @@ def test_replay_errors_name_the_field(tokenizer, tmp_path):
         make_trainer(tokenizer, tmp_path, model=build_tiny_model(tokenizer, seed=0), routing_replay="R2")
     from transformers import OlmoeConfig
 
-    olmoe = AutoModelForCausalLM.from_config(OlmoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2, bos_token_id=None,
-    ))  # fmt: skip
-    with pytest.raises(ValueError, match=r"routing_replay='R3': this model's routers \(OlmoeTopKRouter, model_type="
-                       r"'olmoe'\) are not supported.*Supported: qwen3_moe, qwen2_moe, mixtral, deepseek_v3, gpt_oss"):
+    olmoe = AutoModelForCausalLM.from_config(
+        OlmoeConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=None,
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"routing_replay='R3': this model's routers \(OlmoeTopKRouter, model_type="
+        r"'olmoe'\) are not supported.*Supported: qwen3_moe, qwen2_moe, mixtral, deepseek_v3, gpt_oss",
+    ):
         make_trainer(tokenizer, tmp_path, model=olmoe, routing_replay="R3")
     make_trainer(tokenizer, tmp_path, model=olmoe, max_steps=1).train()  # metrics only: any MoE router works
 
@@ -456,8 +489,21 @@ def npy_base64(array):
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-@pytest.mark.parametrize("layout", ["array_p+c", "array_p+c-1", "int16", "uint8", "base64_npy", "lists", "split_pair",
-                                    "split_dict", "decoder_layers", "prefix_cache_hits"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "array_p+c",
+        "array_p+c-1",
+        "int16",
+        "uint8",
+        "base64_npy",
+        "lists",
+        "split_pair",
+        "split_dict",
+        "decoder_layers",
+        "prefix_cache_hits",
+    ],
+)
 def test_each_engine_layout_is_ingested(layout):
     full = engine_routes(7)
     expected = torch.from_numpy(full.astype(np.int64))
@@ -491,16 +537,22 @@ def test_each_engine_layout_is_ingested(layout):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("raw, match", [
-    (engine_routes(5), r"routed_experts has 5 rows for 3 prompt \+ 4 completion tokens \(expected 7 or 6\)"),
-    (engine_routes(7, layers=3), r"has 3 layers; expected the 2 MoE layers or all 2 decoder layers"),
-    (engine_routes(7)[:, :, :1], r"has top_k=1, the model routes to 2 experts per token"),
-    (engine_routes(7) + 8, r"expert id \d+ >= num_experts=8 \(physical ids"),
-    (np.zeros((7, LAYERS, K), np.int32), r"repeats an expert within one token's top-2 \(an engine that returns zeros"),
-    (np.zeros((7, LAYERS, K), np.float32), r"must be an integer array \[tokens, layers, top_k\]"),
-    ({"prompt": engine_routes(3)}, r"must have keys 'prompt' and 'completion'"),
-    ("not-base64!", r"routed_experts is a string but not base64 .npy"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (engine_routes(5), r"routed_experts has 5 rows for 3 prompt \+ 4 completion tokens \(expected 7 or 6\)"),
+        (engine_routes(7, layers=3), r"has 3 layers; expected the 2 MoE layers or all 2 decoder layers"),
+        (engine_routes(7)[:, :, :1], r"has top_k=1, the model routes to 2 experts per token"),
+        (engine_routes(7) + 8, r"expert id \d+ >= num_experts=8 \(physical ids"),
+        (
+            np.zeros((7, LAYERS, K), np.int32),
+            r"repeats an expert within one token's top-2 \(an engine that returns zeros",
+        ),
+        (np.zeros((7, LAYERS, K), np.float32), r"must be an integer array \[tokens, layers, top_k\]"),
+        ({"prompt": engine_routes(3)}, r"must have keys 'prompt' and 'completion'"),
+        ("not-base64!", r"routed_experts is a string but not base64 .npy"),
+    ],
+)
 def test_unknown_engine_layouts_are_rejected(raw, match):
     with pytest.raises(ValueError, match=match):
         ingest(raw)
@@ -511,10 +563,14 @@ def test_place_routes_follows_left_padded_prompts_and_right_padded_completions()
     routes[1][-1] = -1  # the last sampled token: no route
     table = place_routes(routes, [2, 1], [3, 2], prompt_width=3, completion_width=4, dtype=torch.uint8)
     assert table.ids.shape == (2, 7, 2, 2)
-    assert table.valid.tolist() == [[False, True, True, True, True, True, False],
-                                     [False, False, True, True, False, False, False]]  # fmt: skip
+    assert table.valid.tolist() == [
+        [False, True, True, True, True, True, False],
+        [False, False, True, True, False, False, False],
+    ]
     assert torch.equal(table.ids[0, 1:6].long(), routes[0])
-    with pytest.raises(ValueError, match="completion 0 has 5 routes for 2 prompt \\+ 3 completion tokens in a batch of 1"):
+    with pytest.raises(
+        ValueError, match="completion 0 has 5 routes for 2 prompt \\+ 3 completion tokens in a batch of 1"
+    ):
         place_routes(routes, [2, 1], [3, 2], prompt_width=1, completion_width=4, dtype=torch.uint8)
 
 
@@ -550,8 +606,9 @@ class StandInVLLM:
         return prompts, completions, [[[-1.0]] * len(c) for c in completions], None
 
 
-@pytest.mark.parametrize("mode, layout", [("colocate", "array_p+c-1"), ("colocate", "split_pair"),
-                                          ("colocate", "decoder_layers")])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode, layout", [("colocate", "array_p+c-1"), ("colocate", "split_pair"), ("colocate", "decoder_layers")]
+)
 def test_vllm_stand_in_routes_reach_the_rollout_batch(tokenizer, tmp_path, mode, layout):
     made = {}
 
@@ -629,10 +686,16 @@ def test_vllm_server_started_without_routes_is_refused_at_set_up(tokenizer, tmp_
     vllm_stand_in.server_generation(trainer, server, server_info=on)  # accepted
 
 
-@pytest.mark.parametrize("info, expected", [({"aux_output_config": {"enable_return_routed_experts": True}}, True),
-                                            ({"aux_output_config": {"enable_return_routed_experts": False}}, False),
-                                            ({"model_config": {"enable_return_routed_experts": True}}, True),
-                                            ({"model_config": {}}, None), (RuntimeError("no dev endpoints"), None)])  # fmt: skip
+@pytest.mark.parametrize(
+    "info, expected",
+    [
+        ({"aux_output_config": {"enable_return_routed_experts": True}}, True),
+        ({"aux_output_config": {"enable_return_routed_experts": False}}, False),
+        ({"model_config": {"enable_return_routed_experts": True}}, True),
+        ({"model_config": {}}, None),
+        (RuntimeError("no dev endpoints"), None),
+    ],
+)
 def test_server_returns_routes_reads_the_server_info(info, expected):
     from trl_gspo.moe.route_sources import server_returns_routes
 
@@ -658,8 +721,9 @@ def test_vllm_server_per_prompt_requests_are_put_back_in_prompt_order(tokenizer,
     assert len(generation.last_routed_experts) == len(prompt_ids)
     for ids, completion, raw in zip(prompt_ids, completions, generation.last_routed_experts, strict=True):
         got = np.load(io.BytesIO(base64.b64decode(raw)))
-        assert np.array_equal(got, vllm_stand_in.routes_for(ids, completion, len(hooks.routers), hooks.top_k,
-                                                            hooks.num_experts))  # fmt: skip
+        assert np.array_equal(
+            got, vllm_stand_in.routes_for(ids, completion, len(hooks.routers), hooks.top_k, hooks.num_experts)
+        )
 
 
 @pytest.mark.slow
@@ -674,9 +738,22 @@ def test_vllm_server_mode_with_two_processes_client_on_the_main_process_only(tmp
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     script = os.path.join(os.path.dirname(__file__), "vllm_stand_in.py")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-                             "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, env=env,
-                            timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            script,
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     log = result.stdout + result.stderr
     ranks = sorted(re.findall(r"R3 SERVER rank (\d) (client|no client) checked (\d+) rows, (\d+) requests", log))
     assert [(rank, client) for rank, client, _, _ in ranks] == [("0", "client"), ("1", "no client")], log[-4000:]
@@ -690,7 +767,9 @@ def test_vllm_smoke_script_dry_run(tmp_path):
     import json
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "vllm_routes_smoke.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "vllm_routes_smoke.py"
+    )
     spec = importlib.util.spec_from_file_location("vllm_routes_smoke", path)
     smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smoke)

@@ -28,10 +28,19 @@ from trl_gspo.rollout import sampler_logprobs as sl
 # bug (a wrong temperature, an off-by-one step or top-p renormalisation all move log-probs by >1e-2).
 LOGP_ATOL = 1e-5
 SETTINGS = dict(
-    importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0,
-    per_device_train_batch_size=8, num_generations=4, steps_per_generation=4, max_completion_length=8,
-    temperature=0.9, learning_rate=1e-3, seed=0,
-)  # fmt: skip
+    importance_sampling_level="sequence",
+    loss_type="grpo",
+    epsilon=3e-4,
+    epsilon_high=4e-4,
+    beta=0.0,
+    per_device_train_batch_size=8,
+    num_generations=4,
+    steps_per_generation=4,
+    max_completion_length=8,
+    temperature=0.9,
+    learning_rate=1e-3,
+    seed=0,
+)
 
 
 def _dataset():
@@ -44,9 +53,16 @@ def _reward(completions, **kwargs):  # spread-out rewards, so advantages (and gr
 
 def _trainer(tokenizer, tmp_path, cls=GSPOTrainer, config_cls=GSPOConfig, max_steps=4, **overrides):
     args = config_cls(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
-        max_steps=max_steps, disable_tqdm=True, **{**SETTINGS, **overrides},
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=max_steps,
+        disable_tqdm=True,
+        **{**SETTINGS, **overrides},
+    )
     model = build_tiny_model(tokenizer, seed=0)
     return cls(model, _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
 
@@ -63,8 +79,15 @@ def test_recorder_matches_independent_forward_with_top_k_top_p(tokenizer):
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 13, 14, 15, 16]])
     mask = (ids != 0).long()
     temperature = 0.7
-    gen = GenerationConfig(max_new_tokens=7, do_sample=True, temperature=temperature, top_k=5, top_p=0.8,
-                           pad_token_id=0, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    gen = GenerationConfig(
+        max_new_tokens=7,
+        do_sample=True,
+        temperature=temperature,
+        top_k=5,
+        top_p=0.8,
+        pad_token_id=0,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     with torch.no_grad(), sl.SamplerLogprobRecorder(model, temperature) as rec:
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
@@ -138,8 +161,11 @@ def test_reuse_off_rollout_batch_is_bit_for_bit_stock(tokenizer, tmp_path):
     stock = _first_rollout(_trainer(tokenizer, tmp_path / "stock", cls=GRPOTrainer, config_cls=GRPOConfig))
     # Trimming and sorting off (forward/padding.py): its forward must then be TRL's bit for bit; with them on, rows are
     # reordered within optimizer steps and log-probs differ by float rounding (tests/test_padding.py).
-    ours = _first_rollout(_trainer(tokenizer, tmp_path / "ours", old_logprobs_source="recompute", trim_padding=False,
-                                   sort_by_length="never"))  # fmt: skip
+    ours = _first_rollout(
+        _trainer(
+            tokenizer, tmp_path / "ours", old_logprobs_source="recompute", trim_padding=False, sort_by_length="never"
+        )
+    )
     assert len(stock) == len(ours) == 4
     for a, b in zip(stock, ours):
         assert a.keys() == b.keys()
@@ -319,9 +345,13 @@ def test_vllm_flow_reuses_engine_logprobs_and_logs_the_gap(tokenizer, tmp_path):
 
 def test_vllm_flow_length_normalized_is_correction(tokenizer, tmp_path):
     trainer = _fake_vllm(
-        tokenizer, tmp_path, is_correction=True, old_logprobs_source="recompute",
-        vllm_importance_sampling_length_normalized=True, vllm_importance_sampling_mode="sequence_truncate",
-    )  # fmt: skip
+        tokenizer,
+        tmp_path,
+        is_correction=True,
+        old_logprobs_source="recompute",
+        vllm_importance_sampling_length_normalized=True,
+        vllm_importance_sampling_mode="sequence_truncate",
+    )
     for batch in _first_rollout(trainer):
         m = batch["completion_mask"].float()
         diff = (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * m

@@ -99,11 +99,21 @@ def test_trainer_loss_and_gradient_match_reference_on_multi_turn_batch(tokenizer
     ref_loss.backward()
 
     args = GSPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=G,
-        num_generations=2, importance_sampling_level="sequence_token",
-    )  # fmt: skip
-    trainer = TurnCreditTrainer(model, lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=G,
+        num_generations=2,
+        importance_sampling_level="sequence_token",
+    )
+    trainer = TurnCreditTrainer(
+        model,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
+        processing_class=tokenizer,
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     loss = trainer._compute_loss(trainer.model, batch)

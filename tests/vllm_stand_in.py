@@ -57,11 +57,16 @@ class StandInServer:
 
     def _choice(self, prompt_ids, j):
         completion = completion_for(prompt_ids, j)
-        return {"prompt_token_ids": list(prompt_ids), "token_ids": completion,
-                "logprobs": {"tokens": [f"token_id:{t}" for t in completion], "token_logprobs": [-1.0] * len(completion),
-                             "top_logprobs": [None] * len(completion)},
-                "routed_experts": npy_base64(routes_for(prompt_ids, completion, self.layers, self.top_k,
-                                                        self.num_experts))}  # fmt: skip
+        return {
+            "prompt_token_ids": list(prompt_ids),
+            "token_ids": completion,
+            "logprobs": {
+                "tokens": [f"token_id:{t}" for t in completion],
+                "token_logprobs": [-1.0] * len(completion),
+                "top_logprobs": [None] * len(completion),
+            },
+            "routed_experts": npy_base64(routes_for(prompt_ids, completion, self.layers, self.top_k, self.num_experts)),
+        }
 
     def post(self, url, json=None, **kwargs):
         if url.endswith("/v1/completions"):  # one request for every prompt; choices prompt-major
@@ -98,9 +103,13 @@ def server_generation(trainer, server, server_info=None):
     vllm_generation.VLLMGeneration._init_vllm = init_like_trl
     try:
         generation = vllm_generation.VLLMGeneration(
-            model=trainer.model, accelerator=trainer.accelerator, processing_class=trainer.processing_class,
-            mode="server", max_completion_length=trainer.args.max_completion_length, logprobs=0,
-        )  # fmt: skip
+            model=trainer.model,
+            accelerator=trainer.accelerator,
+            processing_class=trainer.processing_class,
+            mode="server",
+            max_completion_length=trainer.args.max_completion_length,
+            logprobs=0,
+        )
     finally:
         vllm_generation.VLLMGeneration._init_vllm = original
     generation.sync_weights = lambda: None  # no server to push weights to
@@ -160,12 +169,30 @@ def main():
     tokenizer = build_tokenizer()
     experts = 8
     model = build_tiny_model(tokenizer, moe=True, seed=0, num_experts=experts)
-    args = GSPOConfig(output_dir=cli.output_dir, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                      per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=5e-2,
-                      max_steps=cli.max_steps, logging_steps=1, disable_tqdm=True, routing_replay="R3")  # fmt: skip
+    args = GSPOConfig(
+        output_dir=cli.output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=5e-2,
+        max_steps=cli.max_steps,
+        logging_steps=1,
+        disable_tqdm=True,
+        routing_replay="R3",
+    )
     prompts = ["copy 1 2 :", "add 3 4 5 6 =", "copy a :", "count 5 6 7 8 9"] * 4
-    trainer = GSPOTrainer(model, lambda completions, **kw: [float(len(c.split()) % 3) for c in completions], args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)  # fmt: skip
+    trainer = GSPOTrainer(
+        model,
+        lambda completions, **kw: [float(len(c.split()) % 3) for c in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
     hooks = trainer._router_hooks
     server = StandInServer(len(hooks.routers), hooks.top_k, hooks.num_experts)
     generation = server_generation(trainer, server)

@@ -44,9 +44,18 @@ MAX_FINITE_LOG_RATIO = 88.0
 
 #: Each feature's fields and their validation, in the order they are checked.
 FEATURE_OPTIONS = (
-    NonFiniteOptions, RewardGuardOptions, CheckpointOptions, FusedHeadOptions, SamplerLogprobOptions,
-    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions, SharedPrefixOptions, DynamicSamplingOptions, AsyncOptions,
-)  # fmt: skip
+    NonFiniteOptions,
+    RewardGuardOptions,
+    CheckpointOptions,
+    FusedHeadOptions,
+    SamplerLogprobOptions,
+    DiagnosticsOptions,
+    RoutingReplayOptions,
+    PaddingOptions,
+    SharedPrefixOptions,
+    DynamicSamplingOptions,
+    AsyncOptions,
+)
 
 
 @dataclass
@@ -149,14 +158,19 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
             source = f"generation_batch_size={batch} (set in the config)"
         else:
             steps = self.steps_per_generation
-            why = ("set in the config" if given["steps_per_generation"] is not None else
-                   f"the default: {PAPER_MINI_BATCHES_PER_ROLLOUT} x gradient_accumulation_steps="
-                   f"{self.gradient_accumulation_steps}, the paper's {PAPER_MINI_BATCHES_PER_ROLLOUT} mini-batches per "
-                   "rollout")  # fmt: skip
+            why = (
+                "set in the config"
+                if given["steps_per_generation"] is not None
+                else f"the default: {PAPER_MINI_BATCHES_PER_ROLLOUT} x gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}, the paper's {PAPER_MINI_BATCHES_PER_ROLLOUT} mini-batches per "
+                "rollout"
+            )
             processes = batch // (self.per_device_train_batch_size * steps)
-            source = (f"the generation batch of {batch} completions = per_device_train_batch_size "
-                      f"{self.per_device_train_batch_size} x {processes} process(es) x steps_per_generation {steps} "
-                      f"({why})")  # fmt: skip
+            source = (
+                f"the generation batch of {batch} completions = per_device_train_batch_size "
+                f"{self.per_device_train_batch_size} x {processes} process(es) x steps_per_generation {steps} "
+                f"({why})"
+            )
         divisors = [d for d in range(2, batch + 1) if batch % d == 0][:6]
         return (
             f"num_generations={n} must divide {source}: each rollout batch holds whole groups of num_generations "
@@ -204,7 +218,11 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
             raise ValueError(f"temperature={self.temperature!r} must be > 0 (sampling divides the logits by it).")
         if self.beta < 0:
             raise ValueError(f"beta={self.beta!r} must be >= 0 (KL penalty coefficient; 0 disables it, the default).")
-        if level in SEQUENCE_LEVELS and loss_type in TOKEN_SUM_LOSS_TYPES and not self.allow_token_sum_with_sequence_level:
+        if (
+            level in SEQUENCE_LEVELS
+            and loss_type in TOKEN_SUM_LOSS_TYPES
+            and not self.allow_token_sum_with_sequence_level
+        ):
             raise ValueError(
                 f"loss_type={loss_type!r} sums token losses, so with importance_sampling_level={level!r} every "
                 "sequence is weighted by its length, which is not GSPO's objective. Use loss_type='grpo' (the paper's "

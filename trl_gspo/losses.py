@@ -112,12 +112,14 @@ def clipped_surrogate_loss(
 def cispo_loss(ratio: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor, epsilon_max: float) -> torch.Tensor:
     """MiniMax-M1's CISPO: the importance weight is capped and detached, the gradient flows through ``logps``.
 
-        loss = -sg[min(r, epsilon_max)] * A * lp
+    loss = -sg[min(r, epsilon_max)] * A * lp
     """
     return -ratio.clamp(max=epsilon_max).detach() * advantages * logps
 
 
-def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float) -> torch.Tensor:
+def sapo_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float
+) -> torch.Tensor:
     """SAPO's soft-gated surrogate (Gao et al., 2025, arXiv 2511.20347): a sigmoid gate instead of a hard clip.
 
         loss = -(4 / tau) * sigmoid(tau * (r - 1)) * A,    tau = temperature_pos if A > 0 else temperature_neg
@@ -170,8 +172,13 @@ def sequence_sum_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch
 BEHAVIOUR_BOUNDS = ("truncate", "mask")
 
 
-def behaviour_log_weights(proximal_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor,
-                          per_sequence: bool, length_normalized: bool = True) -> torch.Tensor:  # fmt: skip
+def behaviour_log_weights(
+    proximal_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    mask: torch.Tensor,
+    per_sequence: bool,
+    length_normalized: bool = True,
+) -> torch.Tensor:
     """Log of the decoupled objective's behaviour weight ``pi_prox / mu``, ``(B, 1)`` or ``(B, T)``, before bounds.
 
     Decoupled PPO (AReaL) / rollout correction (verl): a sample drawn by the behaviour policy ``mu`` (the weights that
@@ -196,8 +203,13 @@ def behaviour_log_weights(proximal_logps: torch.Tensor, behaviour_logps: torch.T
     return diff.sum(-1, keepdim=True)
 
 
-def bounded_behaviour_weights(log_weights: torch.Tensor, bound: str, low: float | None, high: float | None,
-                              max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def bounded_behaviour_weights(
+    log_weights: torch.Tensor,
+    bound: str,
+    low: float | None,
+    high: float | None,
+    max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, outside)``: ``exp(log_weights)`` with TRL's importance-sampling bounds ``[low, high]`` (either may be
     None: unbounded on that side) applied as ``bound`` says (`BEHAVIOUR_BOUNDS`): ``"truncate"`` clamps to the bound,
     ``"mask"`` zeroes the weight (the sample or token contributes nothing). ``outside`` marks the weights the bounds

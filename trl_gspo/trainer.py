@@ -24,6 +24,7 @@ is one explicit pipeline, `LogprobForward` (forward/pipeline.py), whose named st
 routing_replay, padding and shared_prefix. The non-finite guard is a callback (guards/nonfinite.py) plus one line at the
 end of the loss.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,8 +81,15 @@ def _check_reference_source(model, args: GSPOConfig, peft_config) -> None:
 
 
 class GSPOTrainer(
-    ResumableTraining, RolloutPipeline, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics,
-    PaddingRemoval, LogprobForward, GRPOTrainer,
+    ResumableTraining,
+    RolloutPipeline,
+    GuardedRewards,
+    MoERouting,
+    SamplerLogprobReuse,
+    TrainingDiagnostics,
+    PaddingRemoval,
+    LogprobForward,
+    GRPOTrainer,
 ):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 
@@ -179,10 +187,14 @@ class GSPOTrainer(
     # --------------------------------------------------------------------------------------------- the loss
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        if self.loss_type in TRL_NATIVE_LOSS_TYPES:  # VESPO has no ratio to hook: TRL's code, guarded (guards/nonfinite.py)
+        if (
+            self.loss_type in TRL_NATIVE_LOSS_TYPES
+        ):  # VESPO has no ratio to hook: TRL's code, guarded (guards/nonfinite.py)
             return self._nonfinite.guard_loss(super()._compute_loss(model, inputs), mode)
         completion_ids = inputs["completion_ids"]
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = (
+            inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        )
 
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
@@ -285,7 +297,9 @@ class GSPOTrainer(
             coef = 0.0  # the controller only pays the bonus while entropy is at or below its target
         if self.use_adaptive_entropy and mode == "train":
             stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
-            self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            self._entropy_window_stats = (
+                stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            )
             if self.accelerator.sync_gradients:  # last micro-batch of the optimizer step: update the coefficient
                 total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
                 self._last_world_entropy = (total[0] / total[1].clamp(min=1.0)).item()

@@ -131,14 +131,23 @@ def dispersion_stats(lr: torch.Tensor, valid: torch.Tensor, max_length: int) -> 
     nonempty = (n > 0).float()
     seq = sequence_log_ratio(lr, valid)
     token_std = (losses.masked_sequence_mean((lr - seq[:, None]) ** 2, valid)).sqrt()
-    overall = {"token_std": "token_logratio_std", "token_abs": "token_logratio_abs", "seq_abs": "seq_logratio_abs",
-               "sum_abs": "seq_logratio_sum_abs"}  # fmt: skip
-    per_seq = torch.stack([
-        token_std,
-        (lr.abs() * valid).sum(-1),  # summed per sequence; divided by tokens, not sequences
-        seq.abs(),
-        (lr * valid).sum(-1).abs(),
-    ]).double() * nonempty.double()  # (4, B), rows in `overall`'s order; empty sequences contribute nothing
+    overall = {
+        "token_std": "token_logratio_std",
+        "token_abs": "token_logratio_abs",
+        "seq_abs": "seq_logratio_abs",
+        "sum_abs": "seq_logratio_sum_abs",
+    }
+    per_seq = (
+        torch.stack(
+            [
+                token_std,
+                (lr.abs() * valid).sum(-1),  # summed per sequence; divided by tokens, not sequences
+                seq.abs(),
+                (lr * valid).sum(-1).abs(),
+            ]
+        ).double()
+        * nonempty.double()
+    )  # (4, B), rows in `overall`'s order; empty sequences contribute nothing
 
     buckets = length_buckets(max_length)
     # bucket index floor(log2 n), computed without a sync; empty sequences and lengths past the last bucket drop out
@@ -284,11 +293,14 @@ class MetricWindow:
         device = accelerator.device if accelerator is not None else torch.device("cpu")
         out = {}
         if signature:
-            flat = torch.cat([
-                additive[name][1].flatten().to(device) if name in additive
-                else torch.zeros(math.prod(shape), dtype=torch.float64, device=device)
-                for name, _, shape in signature
-            ])  # fmt: skip
+            flat = torch.cat(
+                [
+                    additive[name][1].flatten().to(device)
+                    if name in additive
+                    else torch.zeros(math.prod(shape), dtype=torch.float64, device=device)
+                    for name, _, shape in signature
+                ]
+            )
             if distributed:
                 flat = accelerator.reduce(flat, reduction="sum")
             flat, offset = flat.cpu(), 0

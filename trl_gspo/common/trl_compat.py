@@ -78,7 +78,7 @@ def check_trl_version(version: str | None = None) -> str:
     from packaging.version import Version
 
     version = installed_trl_version() if version is None else version
-    how = "See the installed versions with `pip show trl` (or `python -c \"import trl; print(trl.__version__)\"`)."
+    how = 'See the installed versions with `pip show trl` (or `python -c "import trl; print(trl.__version__)"`).'
     if Version(version) < Version(MIN_TRL):
         raise UnsupportedTRLVersionError(
             f"trl-gspo supports TRL {SUPPORTED_TRL} (tested {MIN_TRL} to {NEWEST_TESTED_TRL}.x); the installed TRL is {version}, whose "
@@ -120,8 +120,9 @@ def end_training(trainer) -> None:
         end()
 
 
-def old_logprob_pass_runs(steps_per_generation: int, num_iterations: int, gradient_accumulation_steps: int,
-                          vllm_correction: bool) -> bool:  # fmt: skip
+def old_logprob_pass_runs(
+    steps_per_generation: int, num_iterations: int, gradient_accumulation_steps: int, vllm_correction: bool
+) -> bool:
     """TRL's condition for its no-grad pi_old forward in `_generate_and_score_completions` (same 1.10 to 1.16): the
     rollout batch is used for more than one optimizer step, or vLLM's importance-sampling correction needs pi_old."""
     return gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0 or vllm_correction
@@ -130,9 +131,11 @@ def old_logprob_pass_runs(steps_per_generation: int, num_iterations: int, gradie
 def old_logprob_pass_needed(trainer) -> bool:
     """`old_logprob_pass_runs` for a built trainer (its vLLM correction may have been switched off at construction)."""
     return old_logprob_pass_runs(
-        trainer.args.steps_per_generation, trainer.num_iterations, trainer.args.gradient_accumulation_steps,
+        trainer.args.steps_per_generation,
+        trainer.num_iterations,
+        trainer.args.gradient_accumulation_steps,
         bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
-    )  # fmt: skip
+    )
 
 
 def vllm_server_returns_routes() -> bool:

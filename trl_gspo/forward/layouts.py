@@ -55,9 +55,14 @@ class ForwardLayout:
             return self
         moved = {k: getattr(self, k) for k in ("source", "position_ids", "rows", "aliases")}
         moved = {k: None if v is None else v.to(device) for k, v in moved.items()}
-        return ForwardLayout(**moved, batch_shape=self.batch_shape, packed=self.packed,
-                             segment_lengths=self.segment_lengths, columns=self.columns,
-                             segments=self.segments)  # fmt: skip  (the plan moves when its call is built)
+        return ForwardLayout(
+            **moved,
+            batch_shape=self.batch_shape,
+            packed=self.packed,
+            segment_lengths=self.segment_lengths,
+            columns=self.columns,
+            segments=self.segments,
+        )  # (the plan moves when its call is built)
 
     def to_model(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """`[B, S, ...]` -> `[rows, width, ...]`: the values at the positions this call's input holds, `fill` at
@@ -85,9 +90,11 @@ def layouts_to_batch(layouts, outputs, fill=0, columns_from: int = 0) -> torch.T
         if rows.numel() == b:  # trimmed calls that cover every row once: pad each back, then undo the row order
             parts = [_pad_columns(y, layout.columns, columns_from, s, fill) for layout, y in zip(layouts, outputs)]
             out = torch.cat(parts)
-            return out if len(layouts) == 1 and bool((rows == torch.arange(b, device=rows.device)).all()) else (
-                out.index_select(0, torch.argsort(rows))
-            )  # fmt: skip
+            return (
+                out
+                if len(layouts) == 1 and bool((rows == torch.arange(b, device=rows.device)).all())
+                else (out.index_select(0, torch.argsort(rows)))
+            )
     index, values = [], []
     for layout, y in zip(layouts, outputs):
         col = layout.source % s
@@ -162,7 +169,9 @@ def trimmed_layout(rows: torch.Tensor, spans, batch_shape, prompt_width: int, tr
 def packed_layout(rows: torch.Tensor, spans, batch_shape, one_row: bool, multiple_of=None) -> ForwardLayout:
     """Layout of one call with the real tokens of `rows` laid end to end (`segment_layout` with one sequence per
     unit), each token at its position in the padded batch, sequences kept apart by the segment attention."""
-    return segment_layout([[int(r)] for r in rows], spans, batch_shape, None, one_row, pack=True, multiple_of=multiple_of)
+    return segment_layout(
+        [[int(r)] for r in rows], spans, batch_shape, None, one_row, pack=True, multiple_of=multiple_of
+    )
 
 
 def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack: bool = True, multiple_of=None):

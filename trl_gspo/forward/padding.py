@@ -151,9 +151,11 @@ def sort_rows_by_length(micro_batches: list[dict], grouped: bool = False) -> lis
         batch = dict(pooled)
         for key in keys:
             value, take = pooled[key], order[i * rows : (i + 1) * rows]
-            batch[key] = value[torch.tensor(take, device=value.device)] if isinstance(value, torch.Tensor) else [
-                value[j] for j in take
-            ]
+            batch[key] = (
+                value[torch.tensor(take, device=value.device)]
+                if isinstance(value, torch.Tensor)
+                else [value[j] for j in take]
+            )
         out.append(batch)
     return out
 
@@ -195,7 +197,8 @@ class PaddingRemoval:
             if config.trim_padding or config.sort_by_length != "never":
                 logger.warning(
                     "TRL %s has no fused log-prob head (TRL >= 1.15): trim_padding and sort_by_length are off, every "
-                    "forward runs TRL's own padded loop.", trl_compat.installed_trl_version()
+                    "forward runs TRL's own padded loop.",
+                    trl_compat.installed_trl_version(),
                 )
         reasons = sort_changes_statistics(self)
         self._sort_micro_batches = self._padding_path and (
@@ -204,7 +207,8 @@ class PaddingRemoval:
         if config.sort_by_length == "auto" and reasons:
             logger.info(
                 "sort_by_length='auto': micro-batches keep TRL's order because %s is computed per micro-batch "
-                "(sorting would change it); set sort_by_length='always' to sort anyway.", " and ".join(reasons)
+                "(sorting would change it); set sort_by_length='always' to sort anyway.",
+                " and ".join(reasons),
             )
         self._sort_no_grad = self._padding_path and config.sort_by_length != "never"
         # real tokens, positions run, positions TRL would run, prompt positions a shared prefix did not run again
@@ -223,13 +227,20 @@ class PaddingRemoval:
         # prompt: the forward's cost model picks between the two orders (rows still never leave their step).
         sharing = self.args.shared_prefix is not False and not self._segment_support(self.model).problem
         buffer = arrange_micro_batches(
-            list(micro_batches), first_step, self.args.steps_per_generation, self.num_iterations,
-            self.args.gradient_accumulation_steps, sort=self._sort_micro_batches, group_minibatches=grouped,
+            list(micro_batches),
+            first_step,
+            self.args.steps_per_generation,
+            self.num_iterations,
+            self.args.gradient_accumulation_steps,
+            sort=self._sort_micro_batches,
+            group_minibatches=grouped,
             cost=self._loss_forward_cost if sharing else None,
-        )  # fmt: skip
+        )
         if buffer is None:
-            self._warn_once("sort", "Rollout batch holds values that are not per row (e.g. image patches): "
-                                    "micro-batches keep TRL's order.")  # fmt: skip
+            self._warn_once(
+                "sort",
+                "Rollout batch holds values that are not per row (e.g. image patches): micro-batches keep TRL's order.",
+            )
             return micro_batches
         return buffer
 
@@ -239,8 +250,9 @@ class PaddingRemoval:
             return
         processed = sum(layout.source.numel() for layout in layouts)
         saved = sum(layout.shared_positions for layout in layouts)
-        self._throughput += torch.tensor([float(spans[:, 2].sum()), processed, batch_shape[0] * batch_shape[1], saved],
-                                         dtype=torch.float64)  # fmt: skip
+        self._throughput += torch.tensor(
+            [float(spans[:, 2].sum()), processed, batch_shape[0] * batch_shape[1], saved], dtype=torch.float64
+        )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training:  # TRL's own split: training logs are the train-mode ones (every rank calls log)
@@ -272,8 +284,9 @@ class PaddingRemoval:
             logger.warning(message)
 
 
-def arrange_micro_batches(buffer, first_step, steps_per_generation, num_iterations, accumulation, *, sort,
-                          group_minibatches, cost=None):  # fmt: skip
+def arrange_micro_batches(
+    buffer, first_step, steps_per_generation, num_iterations, accumulation, *, sort, group_minibatches, cost=None
+):
     """A fresh rollout buffer (TRL's shuffled, split micro-batches) arranged for the forwards, a pure function.
 
     `group_minibatches`: rows laid out again group by group over the whole buffer (shared_prefix.group_rows), so

@@ -173,8 +173,11 @@ def load_rollout_state(checkpoint: str, process_index: int, device) -> dict | No
         return None
     # Load on CPU, then move: a distributed CPU run tags storages "cpu:0", which map_location cannot restore.
     state = torch.load(path, map_location="cpu", weights_only=True)
-    return {**state, "buffered_inputs": _to_device(state["buffered_inputs"], device),
-            "source": _to_device(state.get("source", {}), device)}  # `source`: {} in checkpoints that predate it
+    return {
+        **state,
+        "buffered_inputs": _to_device(state["buffered_inputs"], device),
+        "source": _to_device(state.get("source", {}), device),
+    }  # `source`: {} in checkpoints that predate it
 
 
 def _to_device(obj, device):
@@ -201,9 +204,14 @@ class EpochRepeatSampler(RepeatSampler):
     @classmethod
     def like(cls, sampler: RepeatSampler) -> EpochRepeatSampler:
         """The same sampler (data, repeats, batch size, shuffle, seed: whatever TRL chose) with epoch-exact order."""
-        return cls(data_source=sampler.data_source, mini_repeat_count=sampler.mini_repeat_count,
-                   batch_size=sampler.batch_size, repeat_count=sampler.repeat_count, shuffle=sampler.shuffle,
-                   seed=sampler.seed)  # fmt: skip
+        return cls(
+            data_source=sampler.data_source,
+            mini_repeat_count=sampler.mini_repeat_count,
+            batch_size=sampler.batch_size,
+            repeat_count=sampler.repeat_count,
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+        )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -328,8 +336,11 @@ class ResumableTraining:
             self._step, self._buffered_inputs = state["step"], buffered
             self._rollouts.load_state_dict(state.get("source", {}))
         else:
-            logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.", checkpoint,
-                           self.args.steps_per_generation)  # fmt: skip
+            logger.warning(
+                "Rollout state of %s does not match steps_per_generation=%d; ignored.",
+                checkpoint,
+                self.args.steps_per_generation,
+            )
 
     def _get_train_sampler(self, *args, **kwargs):
         """TRL's sampler with epoch-exact order (`EpochRepeatSampler`); `SamplerEpoch` sets its epoch."""
@@ -358,8 +369,13 @@ class ResumableTraining:
         device = self.args.device
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
         files = [os.path.join(checkpoint or "", name) for name in (OPTIMIZER_NAME, SCHEDULER_NAME)]
-        if not (plain and self.args.world_size > 1 and device.type == "cpu" and device.index is not None
-                and all(os.path.isfile(f) for f in files)):  # fmt: skip
+        if not (
+            plain
+            and self.args.world_size > 1
+            and device.type == "cpu"
+            and device.index is not None
+            and all(os.path.isfile(f) for f in files)
+        ):
             return super()._load_optimizer_and_scheduler(checkpoint)
         optimizer_state, scheduler_state = (torch.load(f, map_location="cpu", weights_only=True) for f in files)
         self.optimizer.load_state_dict(optimizer_state)
@@ -369,9 +385,7 @@ class ResumableTraining:
         """`Trainer.train`, resuming only from complete checkpoints and restoring TRL's rollout buffer."""
         resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint is not None:
-            state = load_rollout_state(
-                resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
-            )
+            state = load_rollout_state(resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device)
             if state is not None:
                 self._restore_resume_state(state, resume_from_checkpoint)
         try:

@@ -54,8 +54,12 @@ class NonFiniteOptions:
     )
 
     def _validate_options(self):
-        check_int("max_consecutive_nonfinite", self.max_consecutive_nonfinite, 1,
-                  "consecutive optimizer steps with a NaN/inf before training stops")  # fmt: skip
+        check_int(
+            "max_consecutive_nonfinite",
+            self.max_consecutive_nonfinite,
+            1,
+            "consecutive optimizer steps with a NaN/inf before training stops",
+        )
 
 
 class NonFiniteTrainingError(RuntimeError):

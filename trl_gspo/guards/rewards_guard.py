@@ -58,6 +58,7 @@ class RewardGuardOptions:
     def _validate_options(self):
         check_choice("nonfinite_reward", self.nonfinite_reward, NONFINITE_REWARD_POLICIES)
 
+
 _PREVIEW_CHARS = 200
 _TRAINER_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
 

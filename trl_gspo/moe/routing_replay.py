@@ -103,9 +103,11 @@ class RoutingReplayOptions:
         check_choice("routing_replay", mode, ROUTING_REPLAY_MODES)
         if mode == "R2":
             old_pass = trl_compat.old_logprob_pass_runs(
-                self.steps_per_generation, self.num_iterations, self.gradient_accumulation_steps,
+                self.steps_per_generation,
+                self.num_iterations,
+                self.gradient_accumulation_steps,
                 bool(self.use_vllm and self.vllm_importance_sampling_correction),
-            )  # fmt: skip
+            )
             if not old_pass:
                 raise ValueError(
                     f"routing_replay='R2' records routes in TRL's pi_old forward, which does not run here: with "
@@ -149,7 +151,9 @@ class MoERouting:
 
     def __init__(self, *args, **kwargs):
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        with _vllm_returns_routes(getattr(config, "routing_replay", "none") == "R3" and getattr(config, "use_vllm", False)):
+        with _vllm_returns_routes(
+            getattr(config, "routing_replay", "none") == "R3" and getattr(config, "use_vllm", False)
+        ):
             super().__init__(*args, **kwargs)
         self._replay = self.args.routing_replay
         observe = self.args.diagnostics or self._replay != "none"
@@ -222,11 +226,21 @@ class MoERouting:
                 f"batch has {len(completion_ids)} (vLLM: start it with enable_return_routed_experts / "
                 f"--enable-return-routed-experts; {VLLM_ROUTES_PRECONDITIONS})"
             )
-        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        config = (
+            self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        )
         layers = [r.decoder_layer for r in hooks.routers]
         routes = [
-            routes_from_engine(r, len(p), len(c), layers, config.num_hidden_layers, hooks.top_k, hooks.num_experts,
-                               f"{where} completion {i}")  # fmt: skip
+            routes_from_engine(
+                r,
+                len(p),
+                len(c),
+                layers,
+                config.num_hidden_layers,
+                hooks.top_k,
+                hooks.num_experts,
+                f"{where} completion {i}",
+            )
             for i, (r, p, c) in enumerate(zip(raw, prompt_ids, completion_ids, strict=True))
         ]
         return routes, [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
@@ -262,8 +276,9 @@ class MoERouting:
         """R3: the sampler's routes in the rollout batch's layout (built once per rollout batch)."""
         if self._rollout_routes is None:
             routes, prompt_lens, completion_lens = self._sampler_routes
-            self._rollout_routes = place_routes(routes, prompt_lens, completion_lens, prompt_width, completion_width,
-                                                self._router_hooks.id_dtype)  # fmt: skip
+            self._rollout_routes = place_routes(
+                routes, prompt_lens, completion_lens, prompt_width, completion_width, self._router_hooks.id_dtype
+            )
         return self._rollout_routes
 
     # ------------------------------------------------------------------------------------------ the forwards
@@ -280,7 +295,7 @@ class MoERouting:
 
     # Steps of the forward pipeline (forward/pipeline.py): which forward this is, the router pass around it, what it recorded.
     def _take_route_role(self) -> str | None:
-        """"old" (TRL's pi_old pass), "loss" (the loss forward) or None: one observed forward per role."""
+        """ "old" (TRL's pi_old pass), "loss" (the loss forward) or None: one observed forward per role."""
         role, self._moe_role = self._moe_role, None
         return role
 
@@ -340,7 +355,9 @@ class MoERouting:
         if window is None:
             return
         inputs = self._moe_inputs
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = (
+            inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        )
         mask = mask.bool()
         window.add_counts(
             "moe/expert_load",
@@ -357,8 +374,12 @@ class MoERouting:
         if replay is not None:
             window.add_means(metrics.replay_coverage_stats(old.valid, mask))
         if self._replay == "R3" and self.model.training and self.state.global_step == self._rollout_sampled_at:
-            window.add_means({"moe/r3/sampler_mismatch": shift["moe/routing_shift"],
-                              "moe/r3/sampler_mismatch_any_layer": shift["moe/routing_shift_any_layer"]})  # fmt: skip
+            window.add_means(
+                {
+                    "moe/r3/sampler_mismatch": shift["moe/routing_shift"],
+                    "moe/r3/sampler_mismatch_any_layer": shift["moe/routing_shift_any_layer"],
+                }
+            )
 
 
 # ------------------------------------------------------------------------------------------------- vLLM (R3)
@@ -445,7 +466,9 @@ def _capture_vllm_routes(trainer):
             broadcast_object_list(box, from_process=0)
             start = accelerator.process_index * len(prompts)
             raw = None if box[0] is None else box[0][start : start + len(prompts)]
-        elif getattr(generation, "tensor_parallel_size", 1) > 1 and raw is not None:  # every TP rank generated the group's
+        elif (
+            getattr(generation, "tensor_parallel_size", 1) > 1 and raw is not None
+        ):  # every TP rank generated the group's
             rank = torch.distributed.get_rank(group=generation.tp_group)
             raw = raw[rank * len(prompts) : (rank + 1) * len(prompts)]
         if raw is None or any(r is None for r in raw):

@@ -86,13 +86,16 @@ def decoupled_behaviour_weight(trainer, inputs: dict, proximal_logps, mask) -> t
     behaviour = inputs.get("sampling_per_token_logps")
     if behaviour is None:
         if not getattr(trainer, "_warned_no_behaviour_logps", False):
-            logger.warning("async_generation: this generation path returned no sampler log-probs (a rollout_func "
-                           "without 'logprobs'?), so stale samples are trained without the behaviour weight.")  # fmt: skip
+            logger.warning(
+                "async_generation: this generation path returned no sampler log-probs (a rollout_func "
+                "without 'logprobs'?), so stale samples are trained without the behaviour weight."
+            )
             trainer._warned_no_behaviour_logps = True
         return None
     per_sequence = trainer.importance_sampling_level in losses.SEQUENCE_LEVELS
-    log_w = losses.behaviour_log_weights(proximal_logps, behaviour, mask, per_sequence,
-                                         args.vllm_importance_sampling_length_normalized)  # fmt: skip
+    log_w = losses.behaviour_log_weights(
+        proximal_logps, behaviour, mask, per_sequence, args.vllm_importance_sampling_length_normalized
+    )
     bound = "truncate" if args.vllm_importance_sampling_mode.endswith("truncate") else "mask"
     weights, outside = losses.bounded_behaviour_weights(
         log_w, bound, args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max, args.max_log_ratio
@@ -100,7 +103,9 @@ def decoupled_behaviour_weight(trainer, inputs: dict, proximal_logps, mask) -> t
     valid = (mask.sum(-1, keepdim=True) > 0) if per_sequence else mask.bool()
     window = trainer._diagnostics["train"]  # reduced across processes at log time (metrics.MetricWindow)
     window.add_values("async/behaviour_weight", losses.importance_ratio(log_w, args.max_log_ratio), valid)
-    window.add_means({"async/behaviour_weight/outside_frac": torch.stack([(outside & valid).sum(), valid.sum()]).float()})
+    window.add_means(
+        {"async/behaviour_weight/outside_frac": torch.stack([(outside & valid).sum(), valid.sum()]).float()}
+    )
     return weights
 
 
@@ -292,9 +297,12 @@ class AsyncRollouts:
 
     def close(self) -> None:
         if self.worker is not None and not self.worker.close(CLOSE_TIMEOUT_S):
-            logger.warning("The generator thread is still waiting for %s after %.0f s; it is a daemon thread and ends "
-                           "with its request or with the process.", getattr(self.backend, "where", "a request"),
-                           CLOSE_TIMEOUT_S)  # fmt: skip
+            logger.warning(
+                "The generator thread is still waiting for %s after %.0f s; it is a daemon thread and ends "
+                "with its request or with the process.",
+                getattr(self.backend, "where", "a request"),
+                CLOSE_TIMEOUT_S,
+            )
         if self.backend is not None:
             self.backend.close()
         self.worker = self.backend = None
@@ -380,6 +388,8 @@ class AsyncRollouts:
         finally:
             trainer._injected = None
         rows = batch["completion_ids"].size(0)
-        batch["sampled_at"] = torch.full((rows,), job.sampled_at, dtype=torch.long, device=batch["completion_ids"].device)
+        batch["sampled_at"] = torch.full(
+            (rows,), job.sampled_at, dtype=torch.long, device=batch["completion_ids"].device
+        )
         self._sampled_at = job.sampled_at
         return batch

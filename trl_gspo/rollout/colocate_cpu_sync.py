@@ -103,8 +103,11 @@ def _repack_tied_heads(model) -> None:
     """An output head that shares the input embedding's weight: pack it again from that (updated) weight."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    embeddings = {id(module.weight) for module in model.modules()
-                  if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)}  # fmt: skip
+    embeddings = {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+    }
     for module in model.modules():
         if isinstance(module, ParallelLMHead) and id(getattr(module, "weight", None)) in embeddings:
             module.quant_method.process_weights_after_loading(module)

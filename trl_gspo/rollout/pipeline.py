@@ -91,7 +91,9 @@ from trl.trainer.utils import (
 class Generation:
     """What sampling one batch of prompts produced: everything scoring needs besides the prompts themselves."""
 
-    outputs: tuple  # TRL's `_generate` 8-tuple (prompt ids, completion ids, tool mask, completions, sampler log-probs, ...)
+    outputs: (
+        tuple  # TRL's `_generate` 8-tuple (prompt ids, completion ids, tool mask, completions, sampler log-probs, ...)
+    )
     sampler_routes: tuple | None  # R3: the sampler's routes of these completions (moe/routing_replay.py), else None
     sampled_at: int  # optimizer step whose weights sampled them
     prompts: list | None = None  # the prompts TRL handed `_generate` (prepared: what reward functions receive)
@@ -123,8 +125,10 @@ def gather_rows(rows: list[tuple[Generation, int]]) -> Generation:
         if not any(present):
             return None
         if not all(present):
-            raise ValueError("gather_rows: some generations carry a per-row output that others lack (tool mask, "
-                             "sampler log-probs or prompts); they cannot be merged.")  # fmt: skip
+            raise ValueError(
+                "gather_rows: some generations carry a per-row output that others lack (tool mask, "
+                "sampler log-probs or prompts); they cannot be merged."
+            )
         return [values_of(g)[i] for g, i in rows]
 
     per_row = (column(lambda g, k=k: g.outputs[k]) for k in range(5))
@@ -233,7 +237,10 @@ def vllm_server_errors(trainer):
     except OSError as error:  # requests' ConnectionError and Timeout are OSErrors
         if not (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_mode", None) == "server"):
             raise
-        url = trainer.args.vllm_server_base_url or f"http://{trainer.args.vllm_server_host}:{trainer.args.vllm_server_port}"
+        url = (
+            trainer.args.vllm_server_base_url
+            or f"http://{trainer.args.vllm_server_host}:{trainer.args.vllm_server_port}"
+        )
         raise VLLMServerError(
             f"The vLLM server at {url} stopped answering during rollout generation at optimizer step "
             f"{trainer.state.global_step} ({type(error).__name__}). Checkpoints saved so far are complete; restart the "

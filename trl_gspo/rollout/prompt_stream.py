@@ -22,8 +22,17 @@ import torch
 class PromptStream:
     """Local generation batches by rollout index (0-based from the start of training, across epochs)."""
 
-    def __init__(self, dataset, prompts_per_rollout: int, num_generations: int, local_rows: int, process_index: int,
-                 seed: int | None, shuffle: bool, collate=lambda rows: rows):  # fmt: skip
+    def __init__(
+        self,
+        dataset,
+        prompts_per_rollout: int,
+        num_generations: int,
+        local_rows: int,
+        process_index: int,
+        seed: int | None,
+        shuffle: bool,
+        collate=lambda rows: rows,
+    ):
         if shuffle and seed is None:
             raise ValueError("PromptStream needs a seed to reproduce the sampler's shuffled order (args.seed=None).")
         if len(dataset) < prompts_per_rollout:

@@ -86,9 +86,10 @@ class SamplerLogprobOptions:
         mode = self.vllm_importance_sampling_mode
         if self.vllm_importance_sampling_length_normalized is None:  # GSPO's levels get GSPO's geometric mean
             self.vllm_importance_sampling_length_normalized = (
-                self.importance_sampling_level in SEQUENCE_LEVELS and mode.startswith("sequence_")
+                self.importance_sampling_level in SEQUENCE_LEVELS
+                and mode.startswith("sequence_")
                 and not (source == "sampler" and self.use_vllm)
-            )  # fmt: skip
+            )
         if self.vllm_importance_sampling_length_normalized and not mode.startswith("sequence_"):
             raise ValueError(
                 f"vllm_importance_sampling_length_normalized=True needs a sequence-level vllm_importance_sampling_mode "
