@@ -32,7 +32,7 @@ class CopyTask:
         )
 
     def build_demo_model(self, seed: int = 0, moe: bool = False):
-        from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+        from trl_gspo.testing import build_tiny_model, build_tokenizer
 
         tokenizer = build_tokenizer()
         return build_tiny_model(tokenizer, moe=moe, seed=seed, **(self.moe_overrides if moe else {})), tokenizer

@@ -88,7 +88,7 @@ def parity_bf16(device: str = "cuda") -> dict:
     from transformers import AutoModelForCausalLM
 
     from trl_gspo.cli import parity
-    from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+    from trl_gspo.testing import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     cases = {}
@@ -181,7 +181,7 @@ def vllm_colocate(use_vllm: bool = True, device: str = "cuda", max_steps: int = 
     from trl_gspo import GSPOConfig, GSPOTrainer
     from trl_gspo.cli.console import use_console
     from trl_gspo.cli.demo import demo_reward, make_demo_dataset
-    from trl_gspo.cli.tiny import save_tiny_model
+    from trl_gspo.testing import save_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as work:
         path = save_tiny_model(f"{work}/moe", moe=True)

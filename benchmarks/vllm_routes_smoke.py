@@ -83,9 +83,9 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_gspo.cli.tiny import save_tiny_model
     from trl_gspo.moe.route_sources import routes_from_engine, vllm_routes_from_outputs
     from trl_gspo.moe.routing import RouterHooks
+    from trl_gspo.testing import save_tiny_model
 
     model_dir = args.model or save_tiny_model(tempfile.mkdtemp(prefix="tiny-moe-"), moe=True)
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"

@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from trl_gspo.cli.tiny import build_tokenizer
+    from trl_gspo.testing import build_tokenizer
 
     return build_tokenizer()
 
@@ -23,13 +23,13 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny dense Qwen3 + tokenizer saved once per session, loadable with from_pretrained."""
-    from trl_gspo.cli.tiny import save_tiny_model
+    from trl_gspo.testing import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory):
-    from trl_gspo.cli.tiny import save_tiny_model
+    from trl_gspo.testing import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), moe=True)

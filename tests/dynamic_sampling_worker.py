@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+from trl_gspo.testing import build_tiny_model, build_tokenizer
 
 GROUPS_PER_ROUND = 4
 

@@ -9,7 +9,7 @@ from datasets import Dataset
 from transformers import TrainerCallback  # after TRL: with peft 0.17 (oldest set) TRL's import-time patch is needed
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+from trl_gspo.testing import build_tiny_model, build_tokenizer
 
 PROMPTS = [f"add {a} {b} =" for a in range(1, 5) for b in range(1, 5)]
 

@@ -32,9 +32,9 @@ from datasets import Dataset
 from fault_utils import PROMPTS, length_reward, make_trainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer, losses
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.guards import checkpointing
 from trl_gspo.rollout.async_backends import GeneratorThreadError, TransformersGenerator
+from trl_gspo.testing import build_tiny_model
 
 U = 2  # fault_utils: steps_per_generation=2, one micro-batch per optimizer step -> 2 optimizer steps per rollout
 

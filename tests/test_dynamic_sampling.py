@@ -29,12 +29,12 @@ from datasets import Dataset
 from trl import GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.common import trl_compat
 from trl_gspo.common.trl_compat import fused_logprob_head_module
 from trl_gspo.guards import checkpointing
 from trl_gspo.rollout.dynamic_sampling import DynamicSampling, prefilter_reward_metrics
 from trl_gspo.rollout.group_filling import GroupFilling, batch_unit, deal, keep_groups
+from trl_gspo.testing import build_tiny_model
 
 G = 4
 PROMPTS = [f"copy {a} {b} :" for a in range(4) for b in range(4)]  # 16 prompts

@@ -9,9 +9,9 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.common import metrics
 from trl_gspo.moe.routing import RouterHooks, find_routers
+from trl_gspo.testing import build_tiny_model
 
 # Three sequences of lengths 3, 1, 0 (empty), with known token log-ratios.
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])

@@ -15,15 +15,33 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.forward import fused_head, layouts, padding
-from trl_gspo.forward.layouts import ForwardLayout, layouts_to_batch, plan_layouts, row_spans
+from trl_gspo.forward.layouts import ForwardLayout, layouts_to_batch, row_spans
+from trl_gspo.forward.planner import plan_forward
+from trl_gspo.testing import build_tiny_model
 
 
 def _mask_from_spans(spans, s):
     """[B, S] attention mask with ones on [first, end) of each row."""
     cols = torch.arange(s)
     return ((cols[None] >= spans[:, :1]) & (cols[None] < spans[:, 1:2])).long()
+
+
+def _fixed_plan(spans, batch_shape, prompt_width, chunk_rows, sort, pack):
+    """The planner with its choice forced: every chunk packed where it can be (`pack=True`), else trimmed."""
+    return plan_forward(
+        spans,
+        batch_shape,
+        prompt_width,
+        chunk_rows,
+        groups=[],
+        sort=sort,
+        trim=True,
+        pack=pack,
+        share=False,
+        one_row=False,
+        alpha=1e-3,
+    )
 
 
 # ----------------------------------------------------------------------------------------- layouts, by hand
@@ -41,7 +59,7 @@ def test_to_model_and_back_match_loops(pack):
     first = torch.randint(0, prompt_width, (b,), generator=g)
     end = torch.randint(prompt_width + 1, s + 1, (b,), generator=g)
     spans = torch.stack([first, end, end - first], 1)
-    layouts = plan_layouts(spans, (b, s), prompt_width, 3, sort=True, trim=True, pack=pack)
+    layouts = _fixed_plan(spans, (b, s), prompt_width, 3, sort=True, pack=pack)
     x = torch.randint(0, 100, (b, s, 2, 3), generator=g)
     for layout in layouts:
         y = layout.to_model(x, fill=-7)
@@ -353,7 +371,7 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
     batch = _packed_pair_batch(model.config.vocab_size)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    layout = plan_layouts(row_spans(mask), tuple(ids.shape), 7, 3, sort=False, trim=True, pack=True)[0]
+    layout = _fixed_plan(row_spans(mask), tuple(ids.shape), 7, 3, sort=False, pack=True)[0]
     own = layout.segments.own_start
     row = next(
         r for r in range(layout.shape[0]) if len({int(x) for x, src in zip(own[r], layout.source[r]) if src >= 0}) == 2

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, BloomConfig, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import save_tiny_model
+from trl_gspo.testing import save_tiny_model
 
 pytestmark = needs_fused_head
 
@@ -342,7 +342,7 @@ def test_rollout_dispatch_on_a_trainer_built_without_init():
 def test_beta_with_a_policy_built_in_code_is_refused_naming_the_field(tokenizer, tmp_path):
     """TRL loads the reference model from the policy's path; a model built from a config has none, and TRL would fail
     deep in the Hub client on an empty repo id."""
-    from trl_gspo.cli.tiny import build_tiny_model
+    from trl_gspo.testing import build_tiny_model
 
     args = GSPOConfig(**_settings(tmp_path))
     with pytest.raises(ValueError, match=r"beta=0.1 needs a KL reference model.*built in code"):

@@ -13,8 +13,8 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.rollout.pipeline import Generation
+from trl_gspo.testing import build_tiny_model
 
 G = 4
 PROMPTS = [f"copy {a} {b} :" for a in range(2) for b in range(2)]

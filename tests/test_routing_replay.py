@@ -17,11 +17,11 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model, tiny_moe_config
 from trl_gspo.common import trl_compat
 from trl_gspo.moe.route_sources import place_routes, routes_from_engine
 from trl_gspo.moe.routing import RouterHooks, RouteTable, route_dtype
 from trl_gspo.moe.routing_replay import _capture_vllm_routes
+from trl_gspo.testing import build_tiny_model, tiny_moe_config
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 VOCAB = 48

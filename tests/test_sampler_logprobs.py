@@ -18,10 +18,10 @@ from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.forward import fused_head
 from trl_gspo.forward.pipeline import LogprobForward
 from trl_gspo.rollout import sampler_logprobs as sl
+from trl_gspo.testing import build_tiny_model
 
 # fp32 on CPU: generate's KV-cached logits differ from a full forward only in accumulation order. Measured gaps are
 # ~5e-7 per token (see the sampler/logp_abs_diff/max metric); 1e-5 leaves a 20x margin and still catches any real

@@ -19,10 +19,10 @@ from test_padding import LOSS_CASES, FixedRollouts, _varied_reward
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.forward import fused_head, layouts, padding, segment_attention, shared_prefix
 from trl_gspo.forward.layouts import row_spans
 from trl_gspo.forward.planner import plan_forward
+from trl_gspo.testing import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: no fused log-prob head")
 

@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
+from trl_gspo.testing import build_tiny_model
 from trl_gspo.token_advantages import discounted_turn_advantages, model_turn_index
 
 EPS_LOW, EPS_HIGH, GAMMA = 3e-4, 4e-4, 0.5

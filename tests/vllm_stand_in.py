@@ -27,7 +27,7 @@ import zlib
 
 import numpy as np
 
-EOS = 2  # trl_gspo.cli.tiny's tokenizer
+EOS = 2  # trl_gspo.testing's tokenizer
 
 
 def completion_for(prompt_ids, j: int) -> list[int]:
@@ -164,7 +164,7 @@ def main():
     from datasets import Dataset
 
     from trl_gspo import GSPOConfig, GSPOTrainer
-    from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+    from trl_gspo.testing import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     experts = 8

@@ -29,7 +29,7 @@ def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_gspo import GSPOConfig, GSPOTrainer
-    from trl_gspo.cli.tiny import tiny_config
+    from trl_gspo.testing import tiny_config
 
     torch.manual_seed(0)
     tokenizer = make_tokenizer()

@@ -172,7 +172,7 @@ class PeakMemory:
 
 # ------------------------------------------------------------------------------------------------ workload
 def make_tokenizer(vocab_size: int | None = None):
-    from trl_gspo.cli.tiny import SPECIAL_TOKENS, WORDS, build_tokenizer
+    from trl_gspo.testing import SPECIAL_TOKENS, WORDS, build_tokenizer
 
     extra = None
     if vocab_size is not None:  # pad the word-level vocabulary to the model's, so every sampled id decodes
@@ -184,7 +184,7 @@ def make_model(tokenizer, shape: dict, device: str, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from trl_gspo.cli.tiny import build_tiny_model
+    from trl_gspo.testing import build_tiny_model
 
     if device == "cuda":
         # Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B), randomly initialised: no download needed.

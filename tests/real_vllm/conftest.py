@@ -166,7 +166,7 @@ def save_served_model(path, vocab: int = 64, word: str = "w", **config) -> str:
     """A tiny Qwen3 (`moe=True`: Qwen3-MoE) saved to `path` with the project's word-level tokenizer filled up to `vocab`
     words with `word`0, `word`1, ...: head_dim 64 for vLLM's CPU attention, and a vocabulary the embedding matches
     exactly (no padded rows in vLLM's embedding)."""
-    from trl_gspo.cli.tiny import build_tokenizer, save_tiny_model
+    from trl_gspo.testing import build_tokenizer, save_tiny_model
 
     words = [f"{word}{i}" for i in range(vocab - len(build_tokenizer()))]
     return save_tiny_model(path, extra_words=words, hidden_size=256, head_dim=64, **config)

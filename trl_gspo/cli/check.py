@@ -18,8 +18,8 @@ import warnings
 from importlib import metadata
 
 from ..common import trl_compat
+from ..testing import build_tiny_model, build_tokenizer
 from . import parity
-from .tiny import build_tiny_model, build_tokenizer
 
 #: Distribution names whose versions change training behaviour (missing optional ones print as "not installed").
 PACKAGES = (

@@ -22,9 +22,9 @@ import torch
 from datasets import Dataset
 
 from ..config import GSPOConfig
+from ..testing import build_tiny_model, build_tokenizer
 from ..trainer import GSPOTrainer
 from .console import use_console
-from .tiny import build_tiny_model, build_tokenizer
 
 NUM_DIGITS = 3
 #: Digit strings reserved for the held-out split: training never sees them.

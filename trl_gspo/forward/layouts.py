@@ -238,22 +238,6 @@ def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack:
     return ForwardLayout(source, batch_shape, position_ids, True, tuple(seg_lengths), segments=plan, aliases=aliases)
 
 
-def plan_layouts(spans, batch_shape, prompt_width, chunk_rows, *, sort, trim, pack, one_row=False, multiple_of=None):
-    """The model calls for one `_get_per_token_logps_and_entropies` call: one layout per chunk of `chunk_rows` rows
-    (TRL's chunking, so ZeRO-3 ranks make the same number of calls), rows sorted by length first if `sort`. The
-    trainer's forward (forward/pipeline.py) chooses among layouts by cost; this is the fixed plan of the given settings."""
-    b = batch_shape[0]
-    order = length_order(spans) if sort else torch.arange(b)
-    layouts = []
-    for start in range(0, b, chunk_rows):
-        rows = order[start : start + chunk_rows]
-        if pack and packable(spans, rows):
-            layouts.append(packed_layout(rows, spans, batch_shape, one_row, multiple_of))
-        else:  # a row with padding inside its span cannot be packed as one sequence: trim instead
-            layouts.append(trimmed_layout(rows, spans, batch_shape, prompt_width, trim or pack, multiple_of))
-    return layouts
-
-
 def packable(spans, rows) -> bool:
     """Every row's real tokens are contiguous and it has some (a hole would be attended across when packed)."""
     lengths = (spans[rows, 1] - spans[rows, 0]).clamp(min=0)

@@ -76,9 +76,6 @@ class PromptStream:
             collate=trainer.data_collator,
         )
 
-    def epoch_of(self, rollout: int) -> int:
-        return rollout // self.rollouts_per_epoch
-
     def prompt_indices(self, rollout: int) -> list[int]:
         """Dataset indices of the prompts of `rollout`, for all processes (each `num_generations` times in the batch)."""
         epoch, chunk = divmod(rollout, self.rollouts_per_epoch)

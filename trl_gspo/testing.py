@@ -1,5 +1,13 @@
-"""Tiny Qwen3 / Qwen3-MoE models and a word-level tokenizer built in code, for offline tests, the demo and
-benchmarks. Nothing here downloads anything: configs come from `transformers`, the tokenizer from `tokenizers`.
+"""Tiny models and a word-level tokenizer built in code, for offline tests, the demo, benchmarks and a first try.
+
+    from trl_gspo.testing import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer)  # a random Qwen3 of two layers; moe=True for Qwen3-MoE
+
+Nothing here downloads anything: configs come from `transformers`, the tokenizer from `tokenizers`. The models are
+random and tiny (two layers, hidden size 64 by default): they show that training runs and learns a toy task (the
+demo's), not what a real model learns.
 """
 
 from __future__ import annotations
@@ -21,42 +29,10 @@ from transformers import (
 
 SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
 #: Enough words for arithmetic / copy tasks and chat-formatted prompts.
-WORDS = [str(d) for d in range(10)] + [
-    "+",
-    "-",
-    "=",
-    "?",
-    ":",
-    ".",
-    ",",
-    "answer",
-    "what",
-    "is",
-    "add",
-    "copy",
-    "repeat",
-    "count",
-    "the",
-    "sum",
-    "of",
-    "and",
-    "a",
-    "b",
-    "c",
-    "d",
-    "yes",
-    "no",
-    "user",
-    "assistant",
-    "system",
-    "think",
-    "</think>",
-    "<think>",
-    "turn",
-    "tool",
-    "result",
-    "next",
-]
+WORDS = [str(d) for d in range(10)] + (
+    "+ - = ? : . , answer what is add copy repeat count the sum of and a b c d yes no user assistant system think "
+    "</think> <think> turn tool result next"
+).split()
 
 # Qwen-style ChatML template in Jinja, so conversational datasets and TRL's chat handling work unchanged.
 CHAT_TEMPLATE = (
