@@ -244,7 +244,7 @@ def test_metrics_reach_the_logs_for_every_variant(level, tokenizer, tmp_path):
         assert set(CORE) <= row.keys(), set(CORE) - row.keys()
         assert not any(k.startswith("moe/") for k in row)  # dense model: no MoE metrics
         assert row["nonfinite/logps"] == 0
-        # TRL's clip metric (aggregated separately, in trainer._log_loss_metrics, and checked against stock TRL by
+        # TRL's clip metric (aggregated separately, in trl_gspo.common.metrics.loss_metrics, and checked against stock TRL by
         # test_parity) counts tokens for per-token ratios and sequences for per-sequence ones; one micro-batch per
         # log step, so pooled == per-batch here
         ours = "clip_fraction/sequence/total" if level == "sequence" else "clip_fraction/token/total"

@@ -21,7 +21,7 @@ from .guards.checkpointing import CheckpointOptions
 from .guards.diagnostics import DiagnosticsOptions
 from .guards.nonfinite import NonFiniteOptions
 from .guards.rewards_guard import RewardGuardOptions
-from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
+from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, POLICY_LOSSES, SEQUENCE_LEVELS
 from .moe.routing_replay import RoutingReplayOptions
 from .rollout.async_options import AsyncOptions
 from .rollout.dynamic_sampling import DynamicSamplingOptions
@@ -29,14 +29,8 @@ from .rollout.sampler_logprobs import SamplerLogprobOptions
 
 logger = logging.getLogger(__name__)
 
-#: Loss types whose surrogate is the two-sided clipped ratio (their epsilons must lie in (0, 1)).
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-#: Loss types that sum tokens over the batch, so a per-sequence weight gets multiplied by the sequence length.
-TOKEN_SUM_LOSS_TYPES = ("dapo", "bnpo", "dr_grpo", "cispo")
-#: Loss types with no importance ratio to hook (VESPO weights sequences by its own clamped gamma function):
-#: GSPOTrainer runs TRL's own code for them, under the non-finite guard.
-TRL_NATIVE_LOSS_TYPES = ("vespo",)
-KNOWN_LOSS_TYPES = CLIPPED_LOSS_TYPES + ("cispo", "sapo") + TRL_NATIVE_LOSS_TYPES
+#: Every `loss_type`, in the registry's order (losses.py: its surrogate, aggregation, clip and metrics).
+KNOWN_LOSS_TYPES = tuple(POLICY_LOSSES)
 #: Mini-batch updates per rollout batch in the paper's setting.
 PAPER_MINI_BATCHES_PER_ROLLOUT = 4
 #: Largest allowed `max_log_ratio`: exp(88.7) overflows float32 (and bfloat16, which has the same exponent range).
@@ -194,7 +188,8 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
         level, loss_type = self.importance_sampling_level, self.loss_type
         check_choice("importance_sampling_level", level, tuple(LOG_WEIGHT_FUNCTIONS))
         check_choice("loss_type", loss_type, KNOWN_LOSS_TYPES)
-        if loss_type in CLIPPED_LOSS_TYPES:
+        policy = POLICY_LOSSES[loss_type]
+        if policy.clip.two_sided:
             for name in ("epsilon", "epsilon_high"):
                 value = getattr(self, name)
                 if value is not None and not 0.0 < value < 1.0:
@@ -218,22 +213,18 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
             raise ValueError(f"temperature={self.temperature!r} must be > 0 (sampling divides the logits by it).")
         if self.beta < 0:
             raise ValueError(f"beta={self.beta!r} must be >= 0 (KL penalty coefficient; 0 disables it, the default).")
-        if (
-            level in SEQUENCE_LEVELS
-            and loss_type in TOKEN_SUM_LOSS_TYPES
-            and not self.allow_token_sum_with_sequence_level
-        ):
+        if level in SEQUENCE_LEVELS and policy.token_sum and not self.allow_token_sum_with_sequence_level:
             raise ValueError(
                 f"loss_type={loss_type!r} sums token losses, so with importance_sampling_level={level!r} every "
                 "sequence is weighted by its length, which is not GSPO's objective. Use loss_type='grpo' (the paper's "
                 "per-sequence mean), or set allow_token_sum_with_sequence_level=True to accept it knowingly."
             )
-        if loss_type == "luspo" and level != "sequence":
+        if loss_type == "luspo" and level not in policy.levels:
             raise ValueError(
                 f"loss_type='luspo' is a length-weighted variant of GSPO and needs importance_sampling_level='sequence', "
                 f"got {level!r}."
             )
-        if loss_type == "vespo" and level != "token":
+        if loss_type == "vespo" and level not in policy.levels:
             raise ValueError(
                 f"loss_type='vespo' computes its own sequence-level weights and ignores importance_sampling_level; set "
                 f"importance_sampling_level='token' (got {level!r})."

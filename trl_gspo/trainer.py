@@ -34,8 +34,8 @@ import torch
 from trl import GRPOTrainer
 
 from . import losses
-from .common import model_card
-from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
+from .common import metrics, model_card
+from .config import GSPOConfig
 from .forward.padding import PaddingRemoval
 from .forward.pipeline import LogprobForward
 from .guards import checkpointing
@@ -114,7 +114,12 @@ class GSPOTrainer(
         self._name, self._paper, self._tag_names = model_card.card_fields(
             args.importance_sampling_level, args.loss_type, GRPOTrainer._paper
         )
+        # The loss type's surrogate, aggregation, clip and metrics (losses.py); the mixins' set-up reads it.
+        self.loss_fn = losses.POLICY_LOSSES[args.loss_type]
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        self.loss_settings = losses.LossSettings(
+            self.epsilon_low, self.epsilon_high, args.delta, args.sapo_temperature_pos, args.sapo_temperature_neg
+        )
         check_served_model(self)  # vLLM server mode: the server serves this model (before any step)
         enable_cpu_colocate_sync(self)  # vLLM colocate on its CPU build: weight syncs that reach the engine
         self._guard_reward_funcs()
@@ -166,13 +171,9 @@ class GSPOTrainer(
         return losses.LOG_WEIGHT_FUNCTIONS[self.importance_sampling_level](logps, old_logps, mask)
 
     def policy_loss(self, ratio, advantages, logps) -> torch.Tensor:
-        """Hook 2: per-token (or per-sequence) policy loss from the ratio: the two-sided clipped surrogate, CISPO or
-        SAPO's soft gate."""
-        if self.loss_type == "cispo":
-            return losses.cispo_loss(ratio, advantages, logps, self.epsilon_high)
-        if self.loss_type == "sapo":
-            return losses.sapo_loss(ratio, advantages, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg)
-        return losses.clipped_surrogate_loss(ratio, advantages, self.epsilon_low, self.epsilon_high, self.args.delta)
+        """Hook 2: per-token (or per-sequence) policy loss from the ratio: the loss type's surrogate (the two-sided
+        clipped surrogate, CISPO or SAPO's soft gate; losses.POLICY_LOSSES)."""
+        return self.loss_fn.surrogate(ratio, advantages, logps, self.loss_settings)
 
     def behaviour_weight(self, inputs: dict, proximal_logps, mask) -> torch.Tensor | None:
         """Hook 3: detached weight, `(B, 1)` or `(B, T)`, for the policy that sampled the batch (multiplies the loss),
@@ -187,9 +188,7 @@ class GSPOTrainer(
     # --------------------------------------------------------------------------------------------- the loss
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        if (
-            self.loss_type in TRL_NATIVE_LOSS_TYPES
-        ):  # VESPO has no ratio to hook: TRL's code, guarded (guards/nonfinite.py)
+        if self.loss_fn.native:  # VESPO has no ratio to hook: TRL's code, guarded (guards/nonfinite.py)
             return self._nonfinite.guard_loss(super()._compute_loss(model, inputs), mode)
         completion_ids = inputs["completion_ids"]
         mask = (
@@ -236,7 +235,7 @@ class GSPOTrainer(
                 per_token_kl = per_token_kl * ratio
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
-        loss, policy_loss = self._aggregate(per_token_loss, mask, inputs, mode)
+        loss, policy_loss = self.loss_fn.aggregate(per_token_loss, mask, self._normalizers(inputs, mode))
         if self._entropy_bonus_enabled:
             loss = loss - self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
@@ -244,9 +243,13 @@ class GSPOTrainer(
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        low, high = self._clip_indicators(ratio, advantages)
+        low, high = self.loss_fn.clip.indicators(ratio.detach(), advantages, self.loss_settings)
         self._record_diagnostics(mode, inputs, logps, old_logps, low, high, advantages, mask)  # guards/diagnostics.py
-        self._log_loss_metrics(mode, low, high, mask, entropies, per_token_kl)
+        trl_metrics = metrics.loss_metrics(
+            self.loss_fn.clip, low, high, mask, entropies, per_token_kl, self.accelerator
+        )
+        for name, value in trl_metrics.items():  # TRL's names and values (common/metrics.py)
+            self._metrics[mode][name].append(value)
         return self._nonfinite.guard_loss(loss, mode, ratio, logps)  # NaN/inf: the micro-batch counts for nothing
 
     # ------------------------------------------------------------------------------------------- internals
@@ -271,23 +274,16 @@ class GSPOTrainer(
         """Divisor that makes accumulated micro-batch gradients average (TRL turns HF's own scaling off)."""
         return self.current_gradient_accumulation_steps if mode == "train" else 1.0
 
-    def _aggregate(self, per_token_loss, mask, inputs, mode) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reduce the per-token loss as `loss_type` says; returns (loss to backpropagate, unscaled policy loss)."""
-        if self.loss_type in ("grpo", "sapo"):
-            loss = losses.sequence_mean_loss(per_token_loss, mask)
-        elif self.loss_type == "luspo":
-            loss = losses.sequence_sum_loss(per_token_loss, mask)
-        elif self.loss_type == "bnpo":
-            loss = losses.token_sum_loss(per_token_loss, mask, mask.sum().clamp(min=1.0))
-        elif self.loss_type == "dr_grpo":
-            loss = losses.token_sum_loss(per_token_loss, mask, per_token_loss.size(0) * self.max_completion_length)
-        else:  # dapo, cispo: normalised by the active tokens of the whole accumulated generation batch
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+    def _normalizers(self, inputs, mode) -> losses.Normalizers:
+        """What the loss type's aggregation divides by (losses.AGGREGATIONS), from TRL's accumulation state."""
+
+        def batch_tokens():  # read only by the aggregations that need it (TRL's `num_items_in_batch`)
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
-                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-            loss = losses.token_sum_loss(per_token_loss, mask, normalizer)
-            return loss, loss.detach()
-        return loss / self._accumulation(mode), loss.detach()
+                tokens = tokens * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return tokens
+
+        return losses.Normalizers(self._accumulation(mode), self.max_completion_length, batch_tokens)
 
     def _entropy_bonus(self, entropies, effective_mask, mode) -> torch.Tensor:
         """`coef * mean entropy` to subtract from the loss, with TRL's adaptive coefficient controller."""
@@ -312,54 +308,3 @@ class GSPOTrainer(
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return coef * entropy
-
-    def _clip_indicators(self, ratio, advantages) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float masks (low, high) of where the clip is active, shared by TRL's metrics and the diagnostics.
-        CISPO truncates the weight from above only, so its low side is empty; SAPO's soft gate never clips."""
-        ratio = ratio.detach()
-        if self.loss_type == "sapo":
-            zeros = torch.zeros_like(ratio * advantages)
-            return zeros, zeros
-        if self.loss_type == "cispo":
-            high = ((ratio > self.epsilon_high) & (advantages > 0)).float()
-            return torch.zeros_like(high), high
-        return losses.clip_indicators(ratio, advantages, self.epsilon_low, self.epsilon_high)
-
-    def _log_loss_metrics(self, mode, low, high, mask, entropies, per_token_kl):
-        """TRL's loss metrics (same names and values) from one gather and one device-to-host copy per micro-batch;
-        stock TRL issues a reduce or gather, each followed by a sync, per metric (six for the clipped losses)."""
-        metrics = self._metrics[mode]
-        mask = mask.float()
-
-        def sum_and_count(x):  # per-sequence tensors (B, 1) count sequences, per-token ones count valid tokens
-            if x.size(1) == 1:
-                return x.sum(), torch.tensor(float(x.size(0)), device=x.device)
-            x = x.expand_as(mask)
-            return (x * mask).sum(), mask.sum()
-
-        def per_sequence(x):  # (B,) mean over each completion's tokens, for the min/max over sequences
-            return losses.masked_sequence_mean(x.expand_as(mask), mask) if x.size(1) > 1 else x[:, 0]
-
-        names, stats = ["entropy"], [*sum_and_count(entropies)]
-        if per_token_kl is not None:
-            names.append("kl")
-            stats += sum_and_count(per_token_kl)
-        clipped = self.loss_type not in ("cispo", "sapo")  # TRL logs no clip metric for SAPO's soft gate
-        if self.loss_type == "cispo":
-            names.append("cispo_clip_ratio")
-            stats += sum_and_count(high)
-        elif clipped:
-            names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
-            for x in (low, high, torch.maximum(low, high)):
-                stats += sum_and_count(x)
-        local = torch.stack(stats)
-        if clipped:
-            local = torch.cat([local, per_sequence(low), per_sequence(high)])
-        gathered = self.accelerator.gather(local.detach().float()).view(self.accelerator.num_processes, -1).cpu()
-        totals = gathered[:, : len(stats)].sum(0).tolist()
-        for i, name in enumerate(names):
-            metrics[name].append(totals[2 * i] / max(totals[2 * i + 1], 1.0))
-        if clipped:
-            per_seq = gathered[:, len(stats) :].view(gathered.size(0), 2, -1)  # (processes, low/high, B)
-            metrics["clip_ratio/low_min"].append(per_seq[:, 0].min().item())
-            metrics["clip_ratio/high_max"].append(per_seq[:, 1].max().item())

@@ -220,6 +220,45 @@ def expert_load_cv(load: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------ logging window
+def loss_metrics(clip, low, high, mask, entropies, per_token_kl, accelerator) -> dict[str, float]:
+    """TRL's loss metrics of one micro-batch (same names and values: `entropy`, `kl`, the clip metrics `clip` names,
+    a `losses.Clip`), from one gather and one device-to-host copy; stock TRL issues a reduce or gather, each followed
+    by a sync, per metric (six for the clipped losses). `low` / `high` are the clip indicators, `(B, 1)` per sequence
+    or `(B, T)` per token."""
+    mask = mask.float()
+
+    def sum_and_count(x):  # per-sequence tensors (B, 1) count sequences, per-token ones count valid tokens
+        if x.size(1) == 1:
+            return x.sum(), torch.tensor(float(x.size(0)), device=x.device)
+        x = x.expand_as(mask)
+        return (x * mask).sum(), mask.sum()
+
+    def per_sequence(x):  # (B,) mean over each completion's tokens, for the min/max over sequences
+        return losses.masked_sequence_mean(x.expand_as(mask), mask) if x.size(1) > 1 else x[:, 0]
+
+    def indicator(which):
+        return {"low": low, "high": high}[which] if which != "region" else torch.maximum(low, high)
+
+    names, stats = ["entropy"], [*sum_and_count(entropies)]
+    if per_token_kl is not None:
+        names.append("kl")
+        stats += sum_and_count(per_token_kl)
+    for name, which in clip.means:
+        names.append(name)
+        stats += sum_and_count(indicator(which))
+    local = torch.stack(stats)
+    if clip.extremes:
+        local = torch.cat([local, *(per_sequence(indicator(which)) for _, which, _ in clip.extremes)])
+    gathered = accelerator.gather(local.detach().float()).view(accelerator.num_processes, -1).cpu()
+    totals = gathered[:, : len(stats)].sum(0).tolist()
+    values = {name: totals[2 * i] / max(totals[2 * i + 1], 1.0) for i, name in enumerate(names)}
+    if clip.extremes:
+        per_seq = gathered[:, len(stats) :].view(gathered.size(0), len(clip.extremes), -1)  # (processes, extreme, B)
+        for i, (name, _, reduction) in enumerate(clip.extremes):
+            values[name] = getattr(per_seq[:, i], reduction)().item()
+    return values
+
+
 class MetricWindow:
     """Device-side partial statistics of one logging window (one per mode: train / eval).
 

@@ -319,9 +319,9 @@ def arrange_micro_batches(
 # ------------------------------------------------------------------------------------------------ helpers
 def sort_changes_statistics(trainer) -> list[str]:
     """What a length-sorted micro-batch would change (each is computed per micro-batch), for `sort_by_length='auto'`."""
-    reasons = []
-    if trainer.loss_type == "bnpo":
-        reasons.append("loss_type='bnpo' (token mean per micro-batch)")
+    reasons, loss = [], trainer.loss_fn  # losses.PolicyLoss
+    if loss.per_micro_batch_normalizer:
+        reasons.append(f"loss_type={loss.name!r} (token mean per micro-batch)")
     if getattr(trainer, "_entropy_bonus_enabled", False):
         reasons.append("the entropy bonus")
     if trainer.top_entropy_quantile < 1.0:

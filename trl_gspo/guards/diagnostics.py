@@ -59,7 +59,7 @@ class TrainingDiagnostics:
 
     def _record_diagnostics(self, mode, inputs, logps, old_logps, low, high, advantages, mask):
         """Add this micro-batch's diagnostics to the logging window, without a host-device sync. `low`/`high`
-        are the loss's clip indicators (`GSPOTrainer._clip_indicators`). Nothing with `diagnostics=False`."""
+        are the loss's clip indicators (`losses.Clip`). Nothing with `diagnostics=False`."""
         if not self.args.diagnostics:
             return
         window = self._diagnostics[mode]
