@@ -26,7 +26,7 @@ def main(argv=None):
     parser.add_argument("--stop", type=int, default=15, help="step after which the interrupted run saved and stopped")
     args = parser.parse_args(argv)
 
-    from fault_utils import PROMPTS, make_trainer, weights
+    from helpers.fault_utils import PROMPTS, make_trainer, weights
     from trl import GRPOTrainer
 
     from trl_gspo import GSPOTrainer

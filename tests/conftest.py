@@ -33,3 +33,16 @@ def tiny_moe_dir(tmp_path_factory):
     from trl_gspo.testing import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), moe=True)
+
+
+@pytest.fixture(scope="session")
+def trainer_factory(tokenizer):
+    """The tests' trainers (tests/helpers/trainers.py `build_trainer`) with the shared tokenizer fixture:
+    `trainer_factory(defaults, output_dir=..., **settings)`, `defaults` a test file's dict of `build_trainer` arguments
+    (reward, prompts, config fields), each of which `settings` may replace."""
+    from helpers.trainers import build_trainer
+
+    def make(defaults=None, /, output_dir=None, **settings):
+        return build_trainer(output_dir, tokenizer=tokenizer, **{**(defaults or {}), **settings})
+
+    return make

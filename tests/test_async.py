@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from datasets import Dataset
-from fault_utils import PROMPTS, length_reward, make_trainer
+from helpers.fault_utils import PROMPTS, length_reward, make_trainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer, losses
 from trl_gspo.guards import checkpointing
@@ -109,10 +109,12 @@ def test_length_normalized_is_the_default_for_sequence_levels(tmp_path):
     assert config(vllm_importance_sampling_length_normalized=False).vllm_importance_sampling_length_normalized is False
 
 
-def test_sync_vllm_flow_uses_length_normalized_correction_by_default(tokenizer, tmp_path):
+def test_sync_vllm_flow_uses_length_normalized_correction_by_default(tokenizer, tmp_path, trainer_factory):
     from test_sampler_logprobs import _fake_vllm, _first_rollout
 
-    trainer = _fake_vllm(tokenizer, tmp_path, is_correction=True, old_logprobs_source="recompute")
+    trainer = _fake_vllm(
+        tokenizer, tmp_path, is_correction=True, old_logprobs_source="recompute", trainer_factory=trainer_factory
+    )
     assert trainer.args.vllm_importance_sampling_mode == "sequence_mask"  # TRL's default mode, left alone
     for batch in _first_rollout(trainer):
         m = batch["completion_mask"].float()
@@ -226,7 +228,7 @@ def test_decoupled_loss_and_gradients_match_naive_reference(tokenizer, tmp_path,
     assert grads and all(torch.isfinite(g).all() for g in grads.values())
     for name, param in model.named_parameters():
         torch.testing.assert_close(grads[name].double(), param.grad.double(), atol=1e-6, rtol=1e-4, msg=name)
-    window = trainer._diagnostics["train"].flush()
+    window = trainer.diagnostics.windows["train"].flush()
     assert 0 < window["async/behaviour_weight/outside_frac"] < 1  # the bounds acted on some weights, not all
     assert (
         window["async/behaviour_weight/max"] > hi or window["async/behaviour_weight/min"] < lo
@@ -293,7 +295,7 @@ class _Probe:
     def __init__(self, monkeypatch):
         self.at_sync, self.at_request, self.trained, self.model_threads = {}, {}, [], set()
         probe = self
-        push, generate = TransformersGenerator.push_weights, TransformersGenerator._generate
+        push, generate = TransformersGenerator.push_weights, TransformersGenerator._generate_batch
 
         def push_weights(self, busy):
             model = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -305,7 +307,7 @@ class _Probe:
             return generate(self, prompt_ids, rollout, sampled_at)
 
         monkeypatch.setattr(TransformersGenerator, "push_weights", push_weights)
-        monkeypatch.setattr(TransformersGenerator, "_generate", _generate)
+        monkeypatch.setattr(TransformersGenerator, "_generate_batch", _generate)
 
     def attach(self, trainer):
         probe = self
@@ -347,7 +349,7 @@ def test_versions_follow_the_schedule_and_generator_weights_match_at_sync_points
 def test_overlap_training_runs_while_a_generation_is_in_flight(tmp_path, monkeypatch, staleness):
     """Event order, not timing thresholds: with a slow generator, optimizer steps start and end between a
     generation's start and end only when the generator works ahead (max_staleness=1)."""
-    events, generate = [], TransformersGenerator._generate
+    events, generate = [], TransformersGenerator._generate_batch
 
     def slow(self, prompt_ids, rollout, sampled_at):
         events.append(("gen_start", rollout))
@@ -356,7 +358,7 @@ def test_overlap_training_runs_while_a_generation_is_in_flight(tmp_path, monkeyp
         events.append(("gen_end", rollout))
         return out
 
-    monkeypatch.setattr(TransformersGenerator, "_generate", slow)
+    monkeypatch.setattr(TransformersGenerator, "_generate_batch", slow)
     from transformers import TrainerCallback  # after trl (peft 0.17 of the oldest set fails when imported first)
 
     class Steps(TrainerCallback):
@@ -384,14 +386,14 @@ def test_overlap_training_runs_while_a_generation_is_in_flight(tmp_path, monkeyp
 
 
 def test_generator_failure_surfaces_at_the_next_micro_step_with_its_traceback(tmp_path, monkeypatch):
-    generate = TransformersGenerator._generate
+    generate = TransformersGenerator._generate_batch
 
     def broken(self, prompt_ids, rollout, sampled_at):
         if rollout == 2:
             raise ValueError("generator exploded on purpose")
         return generate(self, prompt_ids, rollout, sampled_at)
 
-    monkeypatch.setattr(TransformersGenerator, "_generate", broken)
+    monkeypatch.setattr(TransformersGenerator, "_generate_batch", broken)
     trainer = make_trainer(tmp_path, max_steps=8, async_generation=True, max_staleness=1)
     with pytest.raises(GeneratorThreadError, match="rollout batch 2 failed.*generator exploded on purpose") as err:
         trainer.train()
@@ -406,13 +408,13 @@ def test_generator_failure_surfaces_at_the_next_micro_step_with_its_traceback(tm
 
 def test_generation_stops_when_training_ends_with_batches_queued(tmp_path, monkeypatch):
     """max_steps ends mid-queue: nothing is sent past the last rollout, and close() stops what is in flight."""
-    generate, calls = TransformersGenerator._generate, []
+    generate, calls = TransformersGenerator._generate_batch, []
 
     def counting(self, prompt_ids, rollout, sampled_at):
         calls.append(rollout)
         return generate(self, prompt_ids, rollout, sampled_at)
 
-    monkeypatch.setattr(TransformersGenerator, "_generate", counting)
+    monkeypatch.setattr(TransformersGenerator, "_generate_batch", counting)
     trainer = make_trainer(tmp_path, max_steps=3, async_generation=True, max_staleness=4)
     trainer.train()
     assert sorted(calls) == [0, 1]  # 3 steps = rollouts 0 and 1 only
@@ -443,7 +445,7 @@ def test_checkpoint_saves_the_batches_in_flight_and_resume_is_exact(async_straig
 def test_sigterm_with_a_generation_in_flight_saves_and_resume_matches(async_straight_run, tmp_path):
     _, final = async_straight_run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
     base = [sys.executable, script, "--output_dir", str(tmp_path / "run"), "--max_steps", str(N), "--async_generation"]
     proc = subprocess.Popen(
         [*base, "--generation_delay", "1.0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

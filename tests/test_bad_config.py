@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from trl_gspo import GSPOConfig
+from trl_gspo.token_advantages import checked_advantages
 
 
 def _config(**kwargs):
@@ -120,9 +121,14 @@ def test_good_configs_still_build():
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    from fault_utils import make_trainer
+    from helpers.fault_utils import make_trainer
 
     return make_trainer(tmp_path_factory.mktemp("adv"))
+
+
+def _checked_advantages(trainer, inputs, mask):
+    """What the loss makes of `token_advantages(inputs)` (trl_gspo.token_advantages.checked_advantages)."""
+    return checked_advantages(trainer.token_advantages(inputs), mask, trainer.importance_sampling_level)
 
 
 def test_per_token_advantages_with_sequence_level_raise(trainer):
@@ -132,12 +138,12 @@ def test_per_token_advantages_with_sequence_level_raise(trainer):
         match=r"Per-token advantages of shape \(B, T\) need "
         r"importance_sampling_level='sequence_token'.*or 'token'",
     ):
-        trainer._checked_advantages({"advantages": torch.zeros(2, 5)}, mask)
+        _checked_advantages(trainer, {"advantages": torch.zeros(2, 5)}, mask)
     with pytest.raises(ValueError, match=r"must return shape \(B,\) or \(B, T\) = \(2, 5\), got \(2, 4\)"):
-        trainer._checked_advantages({"advantages": torch.zeros(2, 4)}, mask)
+        _checked_advantages(trainer, {"advantages": torch.zeros(2, 4)}, mask)
     trainer.importance_sampling_level = "sequence_token"
     try:
-        assert trainer._checked_advantages({"advantages": torch.zeros(2, 5)}, mask).shape == (2, 5)
+        assert _checked_advantages(trainer, {"advantages": torch.zeros(2, 5)}, mask).shape == (2, 5)
     finally:
         trainer.importance_sampling_level = "sequence"
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from fault_utils import make_trainer
+from helpers.fault_utils import make_trainer
 from torch import nn
 
 from trl_gspo.guards.rewards_guard import RewardFunctionError, check_reward_matrix, guard_reward_function

@@ -281,7 +281,7 @@ def test_defaults_plus_one_setting_train(arch, setting, model_dirs, tokenizer, t
 
     # The forward pipeline's decision for this architecture, said once per model where segment layouts are off.
     routable = ARCHITECTURES[arch][1]
-    support = trainer._segment_support(trainer.model)
+    support = trainer.logprob_forward.segment_support(trainer.model)
     assert (support.problem is None) == routable, support.problem
     fallbacks = [r for r in caplog.records if "cannot take packed or shared-prefix layouts" in r.getMessage()]
     models = 1 + (trainer.ref_model is not None)

@@ -207,9 +207,9 @@ def test_colocate_smoke_on_cpu_and_it_notices_when_pi_old_is_recomputed(monkeypa
     assert result["pi_old_passes"] == 0 and result["replay_coverage"] > 0.5
     assert result["sampler_logp_abs_diff"] < 1e-5  # same weights, same fp32 model: sampler == trainer
 
-    from trl_gspo.rollout.sampler_logprobs import SamplerLogprobReuse
+    from trl_gspo.rollout.sampler_logprobs import SamplerLogprobs
 
-    monkeypatch.setattr(SamplerLogprobReuse, "_reuses_sampler_logps", lambda self: False)
+    monkeypatch.setattr(SamplerLogprobs, "reuses", property(lambda self: False))
     broken = gpu_parts.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
     assert broken["status"] == "failed" and broken["pi_old_passes"] == 1
     assert "TRL's pi_old pass ran 1 times (sampler log-probs not reused)" in broken["problems"]

@@ -4,7 +4,7 @@ Each run uses the config file as shipped plus one launcher flag, `--num_processe
 files ask for bf16; without CUDA the CLI trains in fp32 and says so in one line (`recipe_inputs.reconcile_precision`),
 which each rank confirms by reporting accelerate's mixed precision. The demo's `use_cpu=True` keeps the tensors on
 CPU; the distributed type (DDP / DeepSpeed ZeRO-2 / ZeRO-3) comes from the config file, and each rank reports the one
-it ran under. Processes talk over gloo. `tests/cpu_launch.py` is the CLI with DeepSpeed's
+it ran under. Processes talk over gloo. `tests/helpers/cpu_launch.py` is the CLI with DeepSpeed's
 shared-memory all-reduce kernel turned off (it would be compiled on first use, ~45 s on a fresh machine).
 
 What the tests hold a run to: both ranks get through training, saving and `trainer.end()`; the saved model loads,
@@ -57,7 +57,7 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
         "2",
         "--main_process_port",
         str(_free_port()),
-        str(ROOT / "tests" / "cpu_launch.py"),
+        str(ROOT / "tests" / "helpers" / "cpu_launch.py"),
         "demo",
         "--output_dir",
         str(output_dir),

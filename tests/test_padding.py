@@ -165,33 +165,24 @@ def test_sort_permutes_every_per_row_value_and_keeps_scalars():
 
 
 # --------------------------------------------------------------------------- forwards through the trainer
-def _trainer(model, tokenizer, tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=9,
-        logging_steps=1,
-        epsilon=3e-3,
-        epsilon_high=4e-3,
-        seed=0,
-    )
-    args = GSPOConfig(**{**settings, **overrides})
-    dataset = Dataset.from_dict({"prompt": ["add 1 2 ="] * 8})
-    trainer = GSPOTrainer(
-        model,
-        lambda completions, **k: [0.0] * len(completions),
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 2
-    return trainer
+def _no_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+#: The trainers of this file's forward tests (`trainer_factory`), in training mode, two micro-batches per step.
+TRAINER = dict(
+    reward=_no_reward,
+    prompts=["add 1 2 ="] * 8,
+    train=True,
+    accumulation=2,
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=9,
+    logging_steps=1,
+    epsilon=3e-3,
+    epsilon_high=4e-3,
+    seed=0,
+)
 
 
 def _long_tail_batch(vocab, seed=0, b=6, p=7, t=9):
@@ -243,7 +234,7 @@ def _naive_logps(model, batch):
 needs_fused_head = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: no fused log-prob head")
 
 
-def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch, caplog):
+def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch, caplog, trainer_factory):
     """Without TRL's fused head (TRL < 1.15; simulated here on any TRL): a warning, TRL's own forward bit for bit, no
     sorting, and padding_free=True refused naming the TRL version."""
     from trl import GRPOTrainer
@@ -251,9 +242,9 @@ def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch
     monkeypatch.setattr(fused_head, "available", lambda: False)
     model = build_tiny_model(tokenizer, moe=True, seed=3)
     with caplog.at_level("WARNING", logger="trl_gspo.forward.padding"):
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path)
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path)
     assert "no fused log-prob head" in caplog.text and "trim_padding and sort_by_length are off" in caplog.text
-    assert not trainer._sort_micro_batches and not trainer._sort_no_grad
+    assert not trainer.padding.sort_micro_batches and not trainer.padding.sort_no_grad
     batch = _long_tail_batch(model.config.vocab_size)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
@@ -268,7 +259,7 @@ def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch
         match=r"padding_free=True needs TRL's fused log-prob head \(TRL >= 1.15\); the "
         r"installed TRL is [\d.]+",
     ):
-        _trainer(copy.deepcopy(model), tokenizer, tmp_path / "packed", padding_free=True)
+        trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / "packed", padding_free=True)
 
 
 CONFIGS = {
@@ -281,7 +272,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
 @needs_fused_head
-def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer, tmp_path):
+def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer, tmp_path, trainer_factory):
     """Log-probs, entropies and aux loss of every variant equal the full padded forward (which is TRL's own loop,
     bit for bit) and the naive per-row reference, with grad (loss forward) and without (pi_old pass, chunked)."""
     from trl import GRPOTrainer
@@ -290,9 +281,11 @@ def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer,
     batch = _long_tail_batch(model.config.vocab_size)
     results = {}
     for name, settings in CONFIGS.items():
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
         results[name] = [_forward(trainer, batch, chunk, grad) for chunk, grad in ((None, True), (2, False))]
-    stock = _trainer(copy.deepcopy(model), tokenizer, tmp_path / "stock", trim_padding=False, sort_by_length="never")
+    stock = trainer_factory(
+        TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / "stock", trim_padding=False, sort_by_length="never"
+    )
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     trl_logps, trl_ent, trl_aux = GRPOTrainer._get_per_token_logps_and_entropies(
@@ -319,14 +312,14 @@ def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer,
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
 @needs_fused_head
-def test_packed_and_trimmed_gradients_match_the_padded_ones(moe, tokenizer, tmp_path):
+def test_packed_and_trimmed_gradients_match_the_padded_ones(moe, tokenizer, tmp_path, trainer_factory):
     """Every parameter gradient of a loss on the log-probs and entropies is the padded forward's."""
     model = build_tiny_model(tokenizer, moe=moe, seed=4)
     batch = _long_tail_batch(model.config.vocab_size, seed=1)
     weights = torch.randn(6, 9, generator=torch.Generator().manual_seed(2))
     grads = {}
     for name, settings in CONFIGS.items():
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
         logps, entropies, _ = _forward(trainer, batch)
         ((logps * weights).sum() + 0.1 * entropies.sum()).backward()
         grads[name] = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -360,13 +353,13 @@ def _row_logps(call, ids, position_ids):
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
 @needs_fused_head
-def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
+def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path, trainer_factory):
     """Changing the tokens of sequence A must leave sequence B, packed right after it in the same row, exactly as it
     was: through the trainer's packed path and through a direct call on the packed row with its segment plan. The
     same row through the plain model (causal over the whole row, what a lost plan would give) does see the change,
     so this check can fail; `_call_model` refuses an attention_mask on a packed call."""
     model = build_tiny_model(tokenizer, moe=moe, seed=5).eval()
-    trainer = _trainer(model, tokenizer, tmp_path, padding_free=True)
+    trainer = trainer_factory(TRAINER, model=model, output_dir=tmp_path, padding_free=True)
     trainer.model.eval()
     batch = _packed_pair_batch(model.config.vocab_size)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -400,21 +393,21 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
     b_positions = slice(starts[1] + 1, None)
 
     def segmented(**kwargs):
-        return trainer._call_model(model, row_layout, **kwargs)
+        return trainer.logprob_forward._call_model(model, row_layout, **kwargs)
 
     with torch.no_grad():
         separated = [_row_logps(segmented, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
         causal = functools.partial(model, attention_mask=torch.ones_like(row_ids))  # a mask turns packed detection off
         leaked = [_row_logps(causal, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
-    trainer._release_forward()
+    trainer.logprob_forward.release()
     assert torch.equal(*separated)
     assert (leaked[0] - leaked[1]).abs().max() > 1e-3  # plain causal attention over the row: B sees A
     with pytest.raises(RuntimeError, match="packed forward got an attention_mask"):
-        trainer._call_model(model, layout, input_ids=row_ids, attention_mask=torch.ones_like(row_ids))
+        trainer.logprob_forward._call_model(model, layout, input_ids=row_ids, attention_mask=torch.ones_like(row_ids))
 
 
 @needs_fused_head
-def test_packing_refuses_attention_it_cannot_separate(tokenizer, tmp_path):
+def test_packing_refuses_attention_it_cannot_separate(tokenizer, tmp_path, trainer_factory):
     model = build_tiny_model(tokenizer, seed=0)
     model.config._attn_implementation = "paged|sdpa"  # an implementation the segment attention does not wrap
     with pytest.raises(
@@ -422,7 +415,7 @@ def test_packing_refuses_attention_it_cannot_separate(tokenizer, tmp_path):
         match=r"padding_free=True: the policy \(Qwen3ForCausalLM\) cannot take packed .* "
         r"attn_implementation='paged\|sdpa'",
     ):
-        _trainer(model, tokenizer, tmp_path, padding_free=True)
+        trainer_factory(TRAINER, model=model, output_dir=tmp_path, padding_free=True)
 
 
 # --------------------------------------------------------------------------- loss, gradients, metrics
@@ -460,8 +453,10 @@ def _loss_inputs(model, seed):
     }
 
 
-def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings):
-    trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings)
+def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings, trainer_factory):
+    trainer = trainer_factory(
+        TRAINER, model=copy.deepcopy(model), output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
+    )
     loss = trainer._compute_loss(trainer.model, {k: v.clone() for k, v in inputs.items()})
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -473,7 +468,9 @@ def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("name", list(LOSS_CASES))
 @needs_fused_head
-def test_trimming_leaves_loss_gradients_and_metrics_unchanged(name, dtype, tokenizer, tiny_model_dir, tmp_path):
+def test_trimming_leaves_loss_gradients_and_metrics_unchanged(
+    name, dtype, tokenizer, tiny_model_dir, tmp_path, trainer_factory
+):
     """Loss and every parameter gradient within 1e-6 relative (fp32, what users run), and every logged metric too
     in fp64: in fp32 the log-ratio metrics are differences of two ~-4 log-probs, each rounded to ~5e-7, so a
     5e-4 log-ratio statistic carries ~1e-3 relative rounding whatever the forward; fp64 shows the math is unchanged
@@ -484,11 +481,13 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(name, dtype, token
     if dtype == torch.float64:
         inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     settings = dict(LOSS_CASES[name], model_init_kwargs={"dtype": dtype})
-    off = _loss_grads_metrics(model, tokenizer, tmp_path / "off", inputs, dict(settings, trim_padding=False))
+    off = _loss_grads_metrics(
+        model, tokenizer, tmp_path / "off", inputs, dict(settings, trim_padding=False), trainer_factory
+    )
     trimmed = dict(settings, trim_padding=True, padding_free=False, shared_prefix=False)
     runs = {
-        "trimmed": _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, trimmed),
-        "defaults": _loss_grads_metrics(model, tokenizer, tmp_path / "auto", inputs, settings),
+        "trimmed": _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, trimmed, trainer_factory),
+        "defaults": _loss_grads_metrics(model, tokenizer, tmp_path / "auto", inputs, settings, trainer_factory),
     }
     assert off[0].abs() > 1e-2
     # 16 columns, the longest completion (6 of 9) ends 3 early, the longest prompt fills all 7: 13 columns run
@@ -515,9 +514,11 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(name, dtype, token
 SORT_DEFAULT_ON = ["grpo", "dr_grpo", "dapo", "cispo", "luspo", "sapo", "vespo"]
 
 
-def _step_gradient(model, tokenizer, tmp_path, micro_batches, settings):
+def _step_gradient(model, tokenizer, tmp_path, micro_batches, settings, trainer_factory):
     """Accumulated gradient of one optimizer step: `_compute_loss` + backward over each micro-batch."""
-    trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings)
+    trainer = trainer_factory(
+        TRAINER, model=copy.deepcopy(model), output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
+    )
     trainer.current_gradient_accumulation_steps = len(micro_batches)
     for mb in micro_batches:
         trainer._compute_loss(trainer.model, {k: v.clone() for k, v in mb.items()}).backward()
@@ -526,7 +527,7 @@ def _step_gradient(model, tokenizer, tmp_path, micro_batches, settings):
 
 @pytest.mark.parametrize("name", SORT_DEFAULT_ON + ["bnpo"])
 @needs_fused_head
-def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny_model_dir, tmp_path):
+def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny_model_dir, tmp_path, trainer_factory):
     """Rows of one optimizer step re-cut into micro-batches by length: the accumulated gradient is the same for
     every loss type sorting is on for by default; for bnpo (token mean per micro-batch) it is not, which is why
     'auto' leaves bnpo unsorted, and shows this comparison can fail."""
@@ -536,8 +537,8 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
     trl_order = [{k: (v[i : i + 2] if v.dim() else v) for k, v in inputs.items()} for i in (0, 2, 4)]
     sorted_batches = padding.sort_rows_by_length(trl_order)
     assert [b["completion_mask"].sum(1).tolist() for b in sorted_batches] == [[6, 5], [3, 2], [1, 0]]
-    reference = _step_gradient(model, tokenizer, tmp_path / "a", trl_order, settings)
-    got = _step_gradient(model, tokenizer, tmp_path / "b", sorted_batches, settings)
+    reference = _step_gradient(model, tokenizer, tmp_path / "a", trl_order, settings, trainer_factory)
+    got = _step_gradient(model, tokenizer, tmp_path / "b", sorted_batches, settings, trainer_factory)
     errors = [((got[n] - g).norm() / g.norm()).item() for n, g in reference.items() if g.norm() > 0]
     if name == "bnpo":
         assert max(errors) > 1e-3
@@ -546,12 +547,12 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
 
 
 @needs_fused_head
-def test_auto_sorts_only_where_the_gradient_is_unchanged(tokenizer, tmp_path):
+def test_auto_sorts_only_where_the_gradient_is_unchanged(tokenizer, tmp_path, trainer_factory):
     def sorted_for(moe=False, **settings):
         model = build_tiny_model(tokenizer, moe=moe, seed=0)
-        return _trainer(
-            model, tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings
-        )._sort_micro_batches
+        return trainer_factory(
+            TRAINER, model=model, output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
+        ).padding.sort_micro_batches
 
     assert sorted_for() and sorted_for(loss_type="dapo")
     assert not sorted_for(loss_type="bnpo") and not sorted_for(entropy_coef=0.01)
@@ -707,7 +708,7 @@ def test_trimmed_sorted_and_packed_training_ends_with_the_same_weights(tokenizer
 # Routing replay (moe/routing_replay.py) meets padding removal in the same model calls: MoERouting._call_model tells the
 # open router pass where each position of a trimmed / sorted / packed call came from.
 @needs_fused_head
-def test_recorded_routes_follow_trimmed_sorted_and_packed_rows(tokenizer, tmp_path):
+def test_recorded_routes_follow_trimmed_sorted_and_packed_rows(tokenizer, tmp_path, trainer_factory):
     """The routes recorded in trimmed, length-sorted and packed calls land at the batch position they came from:
     at every real token they equal the padded forward's, and every real token has one (skipped padding has none)."""
     model = build_tiny_model(tokenizer, moe=True, seed=0)
@@ -716,8 +717,8 @@ def test_recorded_routes_follow_trimmed_sorted_and_packed_rows(tokenizer, tmp_pa
     b, s = real.shape
     routes = {}
     for name, settings in CONFIGS.items():
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
-        with trainer._router_hooks.forward_pass(b, s, record=True) as observed:
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
+        with trainer.moe_routing.hooks.forward_pass(b, s, record=True) as observed:
             _forward(trainer, batch, chunk=4, grad=False)
         assert observed.check() is None, name
         routes[name] = (observed.native_routes(), observed.recorded_positions())
@@ -732,7 +733,7 @@ def test_recorded_routes_follow_trimmed_sorted_and_packed_rows(tokenizer, tmp_pa
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad-chunked", "loss-forward"])
 @needs_fused_head
-def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, tmp_path):
+def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, tmp_path, trainer_factory):
     """Forced routes (random experts, not the router's) replayed through every layout give the padded forward's
     log-probs at every completion token and, with grad, its parameter gradients. A route forced at the wrong position
     would change them: forcing these routes moves the log-probs far more than the tolerance."""
@@ -749,17 +750,21 @@ def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, 
     weights = torch.randn(b, completion.size(1), generator=g)
     results = {}
     for name, settings in CONFIGS.items():
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
-        with trainer._router_hooks.forward_pass(b, s, record=False, replay=table, keep_for_recompute=grad) as observed:
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
+        with trainer.moe_routing.hooks.forward_pass(
+            b, s, record=False, replay=table, keep_for_recompute=grad
+        ) as observed:
             logps = _forward(trainer, batch, chunk=None if grad else 4, grad=grad)[0]
         assert observed.check() is None, name
         grads = None
         if grad:
             (logps * weights * completion).sum().backward()
             grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-        trainer._router_hooks.release()
+        trainer.moe_routing.hooks.release()
         results[name] = (logps.detach(), grads)
-    native = _forward(_trainer(copy.deepcopy(model), tokenizer, tmp_path / "native"), batch, grad=False)[0]
+    native = _forward(
+        trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / "native"), batch, grad=False
+    )[0]
     full, full_grads = results.pop("full (TRL)")
     assert (full[completion] - native[completion]).abs().max() > 1e-2  # the forced routes do change the output
     for name, (logps, grads) in results.items():
@@ -810,10 +815,12 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
 
 
 @needs_fused_head
-def test_throughput_counts_by_hand(tokenizer, tmp_path):
+def test_throughput_counts_by_hand(tokenizer, tmp_path, trainer_factory):
     """throughput/* from one no-grad pass in chunks of 3 rows, against counts made here."""
     model = build_tiny_model(tokenizer, seed=0)
-    trainer = _trainer(model, tokenizer, tmp_path, sort_by_length="never", padding_free=False, shared_prefix=False)
+    trainer = trainer_factory(
+        TRAINER, model=model, output_dir=tmp_path, sort_by_length="never", padding_free=False, shared_prefix=False
+    )
     batch = _long_tail_batch(model.config.vocab_size)
     _forward(trainer, batch, chunk=3, grad=False)
     trainer.state.global_step = 1

@@ -84,16 +84,16 @@ class SegmentCalls:
 
     def __init__(self, trainer):
         self.calls = {}
-        original = trainer._call_model
+        original = trainer.logprob_forward._call_model
 
         def counting(model, layout, **inputs):
             out = original(model, layout, **inputs)
             if layout.packed:
-                key = id(trainer._segment_support(model).model)
+                key = id(trainer.logprob_forward.segment_support(model).model)
                 self.calls[key] = self.calls.get(key, 0) + 1
             return out
 
-        trainer._call_model = counting
+        trainer.logprob_forward._call_model = counting
 
     def of(self, model) -> int:
         from trl_gspo.forward.segment_attention import base_model
@@ -291,13 +291,15 @@ def test_a_model_whose_attention_bypasses_the_registry_at_run_time_falls_back(
         with pytest.raises(segment_attention.NotServed):  # ... which an explicit True refuses to run unserved
             trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 5)
         trainer.args.padding_free = "auto"
-        trainer._layout_settings = lambda aux, support: (False, False) if support.problem else (True, False)
+        trainer.logprob_forward._layout_settings = lambda aux, support: (
+            (False, False) if support.problem else (True, False)
+        )
         with caplog.at_level(logging.WARNING, logger="trl_gspo"), torch.no_grad():
             logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 5)
     finally:
         segment_attention.arm = arm
     assert any("never reached the segment attention" in r.getMessage() for r in caplog.records)
-    assert trainer._segment_support(trainer.model).problem is not None
+    assert trainer.logprob_forward.segment_support(trainer.model).problem is not None
     with torch.no_grad():
         logits = trainer.model(input_ids=ids, attention_mask=mask).logits[:, 3:-1]
     expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 4:, None])[..., 0] * mask[:, 4:]
@@ -331,7 +333,7 @@ def test_rollout_dispatch_on_a_trainer_built_without_init():
     outputs = trainer._generate(["a prompt"])
     assert outputs[0] == [[5, 6]] and outputs[1] == [[7, 2]] and outputs[4] == [[-0.5, -0.25]]
     trainer.rollout_func.assert_called_once_with(["a prompt"], trainer)
-    assert trainer._sampler_logps == [[-0.5, -0.25]]  # our step after TRL's ran too
+    assert trainer.sampler_logprobs.logps == [[-0.5, -0.25]]  # our step after TRL's ran too
 
     trainer.rollout_func = MagicMock(return_value={"prompt_ids": [[5]], "completion_ids": [[7]]})
     with pytest.raises(ValueError, match="rollout_func must return keys"):  # TRL's own error, not an AttributeError

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from fault_utils import PROMPTS, make_trainer, straight_then_resumed
+from helpers.fault_utils import PROMPTS, make_trainer, straight_then_resumed
 
 from trl_gspo.guards import checkpointing
 
@@ -190,7 +190,7 @@ def test_epoch_sampler_draws_stock_permutations_and_any_epoch_on_demand():
 
 def _worker(out, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
     return subprocess.Popen(
         [sys.executable, script, "--output_dir", str(out), "--max_steps", str(N), *extra],
         stdout=subprocess.PIPE,
@@ -273,7 +273,7 @@ def test_two_process_resume_in_epochs_2_and_3_is_exact(tmp_path):
     trainer resumes from each (one launch runs all three, fault_utils.straight_then_resumed) and must end at the
     straight run's weights."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
     result = subprocess.run(
         [
             sys.executable,
@@ -310,7 +310,7 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     checkpoint together (no deadlock, both rollout states), and a 2-process resume must finish the run."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
     launch = [
         sys.executable,
         "-m",

@@ -30,33 +30,24 @@ OFF = dict(shared_prefix=False, padding_free=False)
 ON = dict(shared_prefix=True)
 
 
-def _trainer(model, tokenizer, tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=9,
-        logging_steps=1,
-        epsilon=3e-3,
-        epsilon_high=4e-3,
-        seed=0,
-    )
-    args = GSPOConfig(**{**settings, **overrides})
-    dataset = Dataset.from_dict({"prompt": ["add 1 2 ="] * 8})
-    trainer = GSPOTrainer(
-        model,
-        lambda completions, **k: [0.0] * len(completions),
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 2
-    return trainer
+def _no_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+#: The trainers of this file (`trainer_factory`), in training mode, two micro-batches per optimizer step.
+TRAINER = dict(
+    reward=_no_reward,
+    prompts=["add 1 2 ="] * 8,
+    train=True,
+    accumulation=2,
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=9,
+    logging_steps=1,
+    epsilon=3e-3,
+    epsilon_high=4e-3,
+    seed=0,
+)
 
 
 def _grouped_batch(vocab, seed=0):
@@ -223,7 +214,7 @@ def test_config_fields(tmp_path):
 
 # ----------------------------------------------------------------------------------- forwards, shared vs not
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
-def test_shared_forward_matches_the_unshared_one(moe, tokenizer, tmp_path):
+def test_shared_forward_matches_the_unshared_one(moe, tokenizer, tmp_path, trainer_factory):
     """Log-probs and entropies of the shared forward (one call, with grad; and no-grad in calls of 3 rows, which
     split the 3-row group) equal the trimmed padded forward's and the naive per-row reference; every parameter
     gradient of a loss on both equals the unshared one's."""
@@ -232,12 +223,12 @@ def test_shared_forward_matches_the_unshared_one(moe, tokenizer, tmp_path):
     weights = torch.randn(7, 9, generator=torch.Generator().manual_seed(1))
     results = {}
     for name, settings in (("off", OFF), ("on", ON)):
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
         logps, entropies, _ = _forward(trainer, batch)
         ((logps * weights).sum() + 0.1 * entropies.sum()).backward()
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         chunked = _forward(trainer, batch, chunk=3, grad=False)
-        results[name] = (logps.detach(), entropies.detach(), grads, chunked, trainer._throughput[3].item())
+        results[name] = (logps.detach(), entropies.detach(), grads, chunked, trainer.padding.throughput[3].item())
     assert results["off"][4] == 0 and results["on"][4] > 0  # the shared run did share prompt positions
     completion = batch["completion_mask"].bool()
     with torch.no_grad():
@@ -257,11 +248,11 @@ def test_shared_forward_matches_the_unshared_one(moe, tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
-def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path):
+def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path, trainer_factory):
     """Changing one completion's tokens leaves its siblings' log-probs unchanged in the shared forward; the same
     shared row run with plain causal attention (what a lost segment plan would give) does move them."""
     model = build_tiny_model(tokenizer, moe=moe, seed=5).eval()
-    trainer = _trainer(model, tokenizer, tmp_path, **ON)
+    trainer = trainer_factory(TRAINER, model=model, output_dir=tmp_path, **ON)
     trainer.model.eval()
     batch = _grouped_batch(model.config.vocab_size, seed=2)
     before, _, _ = _forward(trainer, batch, grad=False)
@@ -315,18 +306,22 @@ def _loss_inputs(model, seed, tool_mask=False):
     return inputs
 
 
-def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings):
-    trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings)
+def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings, trainer_factory):
+    trainer = trainer_factory(
+        TRAINER, model=copy.deepcopy(model), output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
+    )
     loss = trainer._compute_loss(trainer.model, {k: v.clone() for k, v in inputs.items()})
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    trainer._release_forward()
+    trainer.logprob_forward.release()
     trainer.log({})
     return loss.detach(), grads, dict(trainer.state.log_history[-1])
 
 
 @pytest.mark.parametrize("name", list(LOSS_CASES) + ["grpo, multi-turn tool_mask"])
-def test_sharing_leaves_loss_gradients_and_metrics_unchanged(name, tokenizer, tiny_model_dir, tmp_path):
+def test_sharing_leaves_loss_gradients_and_metrics_unchanged(
+    name, tokenizer, tiny_model_dir, tmp_path, trainer_factory
+):
     """In fp64 (TRL's fused head still rounds at ~1e-7, as in test_padding's trimming test): the loss, every parameter
     gradient and every logged metric with shared_prefix on equal the unshared run's to 1e-6; only the throughput
     counts differ, and they show that prompts were shared. A wrong token, position, mask or label would differ by
@@ -337,8 +332,8 @@ def test_sharing_leaves_loss_gradients_and_metrics_unchanged(name, tokenizer, ti
     settings = dict(
         LOSS_CASES[name.split(",")[0] if "tool_mask" in name else name], model_init_kwargs={"dtype": torch.float64}
     )
-    off = _loss_grads_metrics(model, tokenizer, tmp_path / "off", inputs, {**settings, **OFF})
-    on = _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, {**settings, **ON})
+    off = _loss_grads_metrics(model, tokenizer, tmp_path / "off", inputs, {**settings, **OFF}, trainer_factory)
+    on = _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, {**settings, **ON}, trainer_factory)
     assert off[0].abs() > 1e-3
     assert (on[0] - off[0]).abs() <= 1e-6 * off[0].abs()
     assert on[1].keys() == off[1].keys() and len(off[1]) > 0
@@ -354,7 +349,7 @@ def test_sharing_leaves_loss_gradients_and_metrics_unchanged(name, tokenizer, ti
 
 
 # ------------------------------------------------------------------------------------------- MoE routes (R2)
-def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_path):
+def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_path, trainer_factory):
     """Recorded in a shared forward, each prompt's routes are recorded once and hold for every sibling: at every real
     token they equal the unshared forward's. Replayed (forced random routes, the same for siblings' prompts), the
     shared forward's log-probs and gradients equal the unshared replayed forward's; where siblings' prompt routes
@@ -367,17 +362,22 @@ def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_pat
     b, s = real.shape
     recorded = {}
     for name, settings in (("off", OFF), ("on", ON)):
-        trainer = _trainer(
-            copy.deepcopy(model), tokenizer, tmp_path / name, routing_replay="R2", steps_per_generation=4, **settings
+        trainer = trainer_factory(
+            TRAINER,
+            model=copy.deepcopy(model),
+            output_dir=tmp_path / name,
+            routing_replay="R2",
+            steps_per_generation=4,
+            **settings,
         )
-        trainer._moe_role = "old"  # what _generate_and_score_completions sets before TRL's pi_old pass
+        trainer.moe_routing.role = "old"  # what _generate_and_score_completions sets before TRL's pi_old pass
         _forward(trainer, batch, grad=False)
-        recorded[name] = trainer._rollout_routes
-        assert (trainer._throughput[3].item() > 0) is (name == "on")
+        recorded[name] = trainer.moe_routing.rollout_routes
+        assert (trainer.padding.throughput[3].item() > 0) is (name == "on")
     assert torch.equal(recorded["on"].valid[real], recorded["off"].valid[real]) and recorded["on"].valid[real].all()
     assert torch.equal(recorded["on"].ids[real].sort(-1).values, recorded["off"].ids[real].sort(-1).values)
 
-    hooks = _trainer(copy.deepcopy(model), tokenizer, tmp_path / "h", **OFF)._router_hooks
+    hooks = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / "h", **OFF).moe_routing.hooks
     g = torch.Generator().manual_seed(0)
     forced = torch.rand(b, s, hooks.num_layers, hooks.num_experts, generator=g).argsort(-1)[..., : hooks.top_k]
     forced[2, :6], forced[5, :6] = forced[0, :6], forced[0, :6]  # siblings agree on their prompt's routes
@@ -389,21 +389,21 @@ def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_pat
         table = RouteTable(routes.to(hooks.id_dtype), torch.ones(b, s, dtype=torch.bool))
         results = {}
         for name, settings in (("off", OFF), ("on", ON)):
-            trainer = _trainer(
-                copy.deepcopy(model),
-                tokenizer,
-                tmp_path / f"r{name}",
+            trainer = trainer_factory(
+                TRAINER,
+                model=copy.deepcopy(model),
+                output_dir=tmp_path / f"r{name}",
                 routing_replay="R2",
                 steps_per_generation=4,
                 **settings,
             )
-            trainer._moe_role = "loss"  # what compute_loss sets around the loss forward
-            trainer._moe_inputs = {**batch, "old_routes": table.ids, "old_routes_valid": table.valid}
+            trainer.moe_routing.role = "loss"  # what compute_loss sets around the loss forward
+            trainer.moe_routing.loss_inputs = {**batch, "old_routes": table.ids, "old_routes_valid": table.valid}
             logps = _forward(trainer, batch)[0]
             (logps * weights).sum().backward()
-            trainer._release_forward()
+            trainer.logprob_forward.release()
             grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-            results[name] = (logps.detach(), grads, trainer._throughput[3].item())
+            results[name] = (logps.detach(), grads, trainer.padding.throughput[3].item())
         assert results["on"][2] > 0
         torch.testing.assert_close(results["on"][0], results["off"][0], atol=2e-6, rtol=0)
         for n, ref in results["off"][1].items():

@@ -240,3 +240,30 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
                 self.steps_per_generation,
                 self.gradient_accumulation_steps,
             )
+
+
+def trainer_args(model, args) -> GSPOConfig:
+    """The trainer's `args`: as given, or the paper's defaults named after the model; a plain `GRPOConfig` is refused."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        return GSPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GSPO")
+    if not isinstance(args, GSPOConfig):
+        raise TypeError(
+            f"GSPOTrainer needs args=GSPOConfig(...), got {type(args).__name__}. A plain GRPOConfig carries "
+            "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
+        )
+    return args
+
+
+def check_reference_source(model, args: GSPOConfig, peft_config) -> None:
+    """`beta > 0` without PEFT: TRL loads the KL reference model from the policy's path (`config._name_or_path`). A
+    policy built in code has none, and TRL would fail deep in the Hub client on an empty repo id: say so here."""
+    if args.beta == 0.0 or isinstance(model, str) or peft_config is not None or hasattr(model, "peft_config"):
+        return
+    if not getattr(getattr(model, "config", None), "_name_or_path", None):
+        raise ValueError(
+            f"beta={args.beta} needs a KL reference model, which TRL loads from the policy's path "
+            "(model.config._name_or_path), but this model was built in code and has none. Save it with "
+            "save_pretrained and pass the folder (or set beta=0.0, or train a PEFT adapter: the reference is then the "
+            "model with the adapter disabled)."
+        )

@@ -254,8 +254,8 @@ def param_flops_per_token(model) -> float:
 
 def forward_positions(trainer):
     """forward/padding.py's running counts (real tokens, positions run, positions TRL would run), or None for stock."""
-    counts = getattr(trainer, "_throughput", None)
-    return None if counts is None else counts.tolist()
+    padding = getattr(trainer, "padding", None)  # GSPOTrainer's part (stock TRL has none)
+    return None if padding is None else padding.throughput.tolist()
 
 
 class LongTailRollouts:

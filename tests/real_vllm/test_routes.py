@@ -3,7 +3,7 @@
 vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2, which needs Triton; the CPU
 build has no Triton CPU backend. So on vLLM 0.31.0's CPU build `trl vllm-serve ... --enable-return-routed-experts`
 stops at start-up with vLLM's reason, and so does the colocated engine trl-gspo builds for R3. R3's alignment of vLLM's routes (prompt + completion - 1 rows per completion, server and colocate)
-is therefore tested with stand-ins only (tests/test_routing_replay.py, tests/vllm_stand_in.py), until a CUDA build
+is therefore tested with stand-ins only (tests/test_routing_replay.py, tests/helpers/vllm_stand_in.py), until a CUDA build
 runs it (`make gpu-check`).
 """
 

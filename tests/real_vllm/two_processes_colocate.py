@@ -62,7 +62,9 @@ def main():
         flush=True,
     )
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown, where a finished CPU rank sometimes aborts (see tests/cpu_launch.py)
+    os._exit(
+        0
+    )  # skip interpreter teardown, where a finished CPU rank sometimes aborts (see tests/helpers/cpu_launch.py)
 
 
 if __name__ == "__main__":

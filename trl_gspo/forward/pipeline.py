@@ -1,17 +1,17 @@
-"""Every log-prob forward of the training phase, as one explicit pipeline (`LogprobForward` mixin).
+"""Every log-prob forward of the training phase, as one explicit pipeline (the `LogprobForward` part).
 
 TRL calls `_get_per_token_logps_and_entropies` for the loss forward (one call per micro-batch, with grad), its
-no-grad pi_old pass over the rollout batch, and the reference pass. This module owns that method; each feature is a
-named step in it, in this order:
+no-grad pi_old pass over the rollout batch, and the reference pass. The trainer's override of that method calls the
+`LogprobForward` part; each feature is a named step in it, in this order:
 
     1. pi_old from the sampler         rollout/sampler_logprobs.py   (`old_logprobs_source="sampler"`: no model call)
     2. the router pass                 moe/routing_replay.py     (MoE: record / replay routes for pi_old and loss)
     3. the plan                        `plan_forward` (forward/planner.py: layouts.py, shared_prefix.py groups)
     4. the model calls                 `_call_model` here    (routes follow each layout; segment attention armed)
-    5. back to the batch               forward/padding.py            (`layouts_to_batch`), throughput counts, routes kept
+    5. back to the batch               layouts.py (`layouts_to_batch`), padding.py (throughput counts), routes kept
 
 The plan cuts the batch into TRL's chunks (the same number of model calls on every ZeRO-3 rank) and gives each chunk
-the cheapest exact layout by a token-count cost model (`layout_cost`): trimmed (the model's own attention on the
+the cheapest exact layout by a token-count cost model (planner.py): trimmed (the model's own attention on the
 columns some row uses), packed (sequences end to end, segment attention) or shared (each prompt once for the
 completions of it in the chunk, segment attention). `trim_padding`, `sort_by_length`, `padding_free` and
 `shared_prefix` say which are allowed or forced. Multimodal inputs, and TRL without its fused log-prob head
@@ -24,8 +24,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from trl.extras.profiling import profiling_decorator
 
+from ..common import trl_compat
 from . import fused_head, segment_attention, shared_prefix
 from .layouts import ForwardLayout, layouts_to_batch, row_spans
 from .planner import choose_layout, pair_cost, plan_forward
@@ -33,7 +33,7 @@ from .planner import choose_layout, pair_cost, plan_forward
 logger = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------------------- the mixin
+# -------------------------------------------------------------------------------------------------- the part
 @dataclass
 class SegmentSupport:
     """What the forward pipeline knows of one model it runs (the policy, the reference model, ...)."""
@@ -45,34 +45,55 @@ class SegmentSupport:
 
 
 class LogprobForward:
-    """`GSPOTrainer` mixin that owns TRL's `_get_per_token_logps_and_entropies` (the steps in the module docstring),
-    and ends each training / evaluation step by disarming what its forwards armed (replayed routes kept for the
-    backward's recompute, the segment attention).
+    """Every log-prob forward (the steps in the module docstring): the trainer's `_get_per_token_logps_and_entropies`
+    calls it, and `release` ends each training / evaluation step by disarming what its forwards armed (replayed routes
+    kept for the backward's recompute, the segment attention).
+
+    Collaborators: `trl`, TRL's own implementations (common/seam.py `TRLCalls`: its
+    `_get_per_token_logps_and_entropies` is the padded loop multimodal inputs and TRL < 1.15 take); `sampler` (rollout/sampler_logprobs.py: pi_old without a model call); `routes`
+    (moe/routing_replay.py: the router pass); `padding` (forward/padding.py: which layouts the run allows, the
+    throughput counts).
 
     Layouts are chosen per model: every model a forward runs (the policy, TRL's reference model, a reference made by
     disabling a PEFT adapter, which is the policy, each inside its DDP / DeepSpeed wrapper) is looked at once
-    (`_segment_support`). One that cannot take a segment layout (segment_attention.unsupported) runs trimmed and
+    (`segment_support`). One that cannot take a segment layout (segment_attention.unsupported) runs trimmed and
     sorted layouts under `"auto"`, said once in the log; `padding_free=True` / `shared_prefix=True` refuse it, for
     the policy and the reference model before the first step."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._pair_cost = pair_cost(self.model.config)
-        self._segment_models: dict[int, SegmentSupport] = {}
-        self._armed: dict[int, object] = {}  # configs switched to the segment attention during this step
-        if self.args.shared_prefix is True and not fused_head.available():
+    def __init__(
+        self,
+        args,
+        run,
+        accelerator,
+        *,
+        trl,
+        sampler,
+        routes,
+        padding,
+        pad_token_id,
+        aux_loss: bool,
+        reference=None,
+    ):
+        self.args, self.run, self.accelerator = args, run, accelerator  # run: trainer.RunView
+        self.trl, self.sampler, self.routes, self.padding = trl, sampler, routes, padding
+        self.pad_token_id = pad_token_id or 0
+        self.aux_loss = aux_loss  # the loss forward adds the MoE load-balancing loss
+        self.pair_cost = pair_cost(run.model.config)
+        self.segment_models: dict[int, SegmentSupport] = {}
+        self.armed: dict[int, object] = {}  # configs switched to the segment attention during this step
+        if args.shared_prefix is True and not padding.fused:
             raise ValueError(
-                f"shared_prefix=True: TRL {__import__('trl').__version__} has no fused log-prob head "
+                f"shared_prefix=True: TRL {trl_compat.installed_trl_version()} has no fused log-prob head "
                 "(TRL >= 1.15). Set shared_prefix='auto' or False."
             )
-        for role, model in (("the policy", self.model), ("the reference model", getattr(self, "ref_model", None))):
+        for role, model in (("the policy", run.model), ("the reference model", reference)):
             if model is not None:
-                self._segment_support(model, role)
+                self.segment_support(model, role)
 
-    def _segment_support(self, model, role: str | None = None) -> SegmentSupport:
+    def segment_support(self, model, role: str | None = None) -> SegmentSupport:
         """The forward pipeline's record of `model` (see the class docstring), made on first sight."""
         base = segment_attention.base_model(model)
-        support = self._segment_models.get(id(base))
+        support = self.segment_models.get(id(base))
         if support is None:
             support = SegmentSupport(
                 base,
@@ -80,7 +101,7 @@ class LogprobForward:
                 segment_attention.unsupported(base),
                 "flash" in segment_attention.attention_implementation(base),
             )
-            self._segment_models[id(base)] = support
+            self.segment_models[id(base)] = support
             if support.problem:
                 self._segment_layouts_off(support, role or "a model the forward runs")
         return support
@@ -98,8 +119,7 @@ class LogprobForward:
             logger.warning("padding_free / shared_prefix 'auto': %s. Its forwards run trimmed and length-sorted.", what)
 
     # ------------------------------------------------------------------------------------------ the pipeline
-    @profiling_decorator
-    def _get_per_token_logps_and_entropies(
+    def __call__(
         self,
         model,
         input_ids,
@@ -110,80 +130,69 @@ class LogprobForward:
         compute_aux_loss=False,
         **multimodal,
     ):
-        role = self._take_route_role()  # 2. which observed forward this is (moe/routing_replay.py), one shot
-        old = self._sampler_pi_old(
-            input_ids.size(0), logits_to_keep, input_ids.device
-        )  # 1. rollout/sampler_logprobs.py
+        role = self.routes.take_role()  # 2. which observed forward this is (moe/routing_replay.py), one shot
+        old = self.sampler.pi_old(input_ids.size(0), logits_to_keep, input_ids.device)  # 1. rollout/sampler_logprobs.py
         if old is not None:
             return old, None, None
         b, s = input_ids.shape
-        replay = self._replay_table(role, s, logits_to_keep) if role is not None else None
-        with (
-            self._route_pass(role, replay, b, s) as observed,
-            fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size),
-        ):
+        replay = self.routes.replay_table(role, s, logits_to_keep) if role is not None else None
+        with self.routes.route_pass(role, replay, b, s) as observed, self._vocab_tile():
             prompt_width = s - logits_to_keep
             unsupported = any(v is not None for v in multimodal.values()) or logits_to_keep < 1 or prompt_width < 1
-            if not self._padding_path or unsupported:  # TRL < 1.15 was logged at construction
-                if self._padding_path:
-                    self._warn_once(
+            if not self.padding.fused or unsupported:  # TRL < 1.15 was logged at construction
+                if self.padding.fused:
+                    self.padding.warn_once(
                         "fallback",
-                        "Multimodal inputs (or no prompt / no completion column): this "
-                        "forward runs TRL's own padded loop, without trimming, sorting, "
-                        "packing or prompt sharing.",
+                        "Multimodal inputs (or no prompt / no completion column): this forward runs TRL's own padded "
+                        "loop, without trimming, sorting, packing or prompt sharing.",
                     )
-                out = super()._get_per_token_logps_and_entropies(
+                # Keywords from `batch_size` on: TRL 1.14 takes them keyword-only.
+                out = self.trl._get_per_token_logps_and_entropies(
                     model,
                     input_ids,
                     attention_mask,
                     logits_to_keep,
-                    batch_size,
-                    compute_entropy,
-                    compute_aux_loss,
+                    batch_size=batch_size,
+                    compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
                     **multimodal,
                 )
             else:
-                support = self._segment_support(model)
+                support = self.segment_support(model)
+                call = (
+                    model,
+                    support,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    batch_size or b,
+                    compute_entropy,
+                    compute_aux_loss,
+                    observed,
+                    replay,
+                )
                 try:
-                    out = self._planned_forward(
-                        model,
-                        support,
-                        input_ids,
-                        attention_mask,
-                        logits_to_keep,
-                        batch_size or b,
-                        compute_entropy,
-                        compute_aux_loss,
-                        observed,
-                        replay,
-                    )
+                    out = self._planned_forward(*call)
                 except segment_attention.NotServed:
                     # Passed the checks made before the call, yet its attention bypassed the registry. Under "auto",
                     # run this forward again trimmed (no router pass: it has recorded the discarded call's routes).
                     if observed is not None or True in (self.args.padding_free, self.args.shared_prefix):
                         raise
                     support.problem = (
-                        "its attention never reached the segment attention in a packed call (it "
-                        "bypasses transformers' AttentionInterface)"
+                        "its attention never reached the segment attention in a packed call (it bypasses transformers' "
+                        "AttentionInterface)"
                     )
                     self._segment_layouts_off(support, "a model the forward runs")
-                    out = self._planned_forward(
-                        model,
-                        support,
-                        input_ids,
-                        attention_mask,
-                        logits_to_keep,
-                        batch_size or b,
-                        compute_entropy,
-                        compute_aux_loss,
-                        observed,
-                        replay,
-                    )
+                    out = self._planned_forward(*call)
         if role is not None:
-            self._after_route_pass(role, replay, observed, out, logits_to_keep)  # 5. routes kept / metrics
+            self.routes.after_route_pass(role, replay, observed, out, logits_to_keep)  # 5. routes kept / metrics
         if not torch.is_grad_enabled():
-            self._release_forward()  # no backward follows a no-grad pass
+            self.release()  # no backward follows a no-grad pass
         return out
+
+    def _vocab_tile(self):
+        """`logprob_vocab_chunk_size` set around the model calls (forward/fused_head.py)."""
+        return fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size)
 
     def _planned_forward(
         self,
@@ -206,12 +215,11 @@ class LogprobForward:
         )
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :prompt_width] = -100  # only completion tokens are scored
-        pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         logps, entropies, aux_losses = [], [], []
         for layout in layouts:
             layout = layout.to(input_ids.device)
             inputs = {
-                "input_ids": layout.to_model(input_ids, pad_id),
+                "input_ids": layout.to_model(input_ids, self.pad_token_id),
                 "fused_lm_head": True,
                 "labels": layout.to_model(labels, -100),
             }
@@ -233,7 +241,7 @@ class LogprobForward:
                 entropies.append(torch.nn.functional.pad(out.entropy, (1, 0)))
             if compute_aux_loss:
                 aux_losses.append(out.aux_loss)
-        self._count_throughput(spans, layouts, (b, s))
+        self.padding.count(spans, layouts, (b, s))
         logps = layouts_to_batch(layouts, logps, 0.0, columns_from=prompt_width)
         entropies = layouts_to_batch(layouts, entropies, 0.0, columns_from=prompt_width) if compute_entropy else None
         aux_loss = torch.stack(aux_losses).mean() if compute_aux_loss else None
@@ -268,28 +276,33 @@ class LogprobForward:
             prompt_width,
             chunk_rows,
             groups=groups,
-            sort=self._sort_no_grad and not torch.is_grad_enabled(),  # no-grad passes: sort the batch, unsort outputs
+            sort=self.padding.sort_no_grad and not torch.is_grad_enabled(),  # no-grad passes: sort, unsort outputs
             trim=self.args.trim_padding,
             pack=pack,
             share=share,
             one_row=support.flash,
-            alpha=self._pair_cost,
+            alpha=self.pair_cost,
             multiple_of=self.args.pad_to_multiple_of,
         )
 
-    def _loss_forward_cost(self, batch: dict) -> float:
+    def loss_cost_estimator(self):
+        """`loss_cost` when the policy's loss forwards may share prompts (so arranging a rollout buffer weighs keeping
+        each prompt's rows together, forward/padding.py), else None."""
+        may_share = self.args.shared_prefix is not False and not self.segment_support(self.run.model).problem
+        return self.loss_cost if may_share else None
+
+    def loss_cost(self, batch: dict) -> float:
         """Estimated cost of the loss forward on a rollout micro-batch (the cheapest layout `plan_forward` would
-        pick), so `_prepare_inputs` can compare arrangements of an optimizer step's rows."""
-        support = self._segment_support(self.model)
-        pack, share = self._layout_settings(self.aux_loss_enabled, support)
+        pick), so arrangements of an optimizer step's rows can be compared."""
+        support = self.segment_support(self.run.model)
+        pack, share = self._layout_settings(self.aux_loss, support)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         spans, prompt_width = row_spans(mask), batch["prompt_mask"].size(1)
         groups = shared_prefix.prompt_groups(batch["prompt_ids"], batch["prompt_mask"]) if share is not False else []
         group_of = {r: tuple(rows) for rows in groups for r in rows}
         rows = list(range(mask.size(0)))
-        return choose_layout(
-            spans, rows, prompt_width, group_of, self.args.trim_padding, pack, share, support.flash, self._pair_cost
-        )[1]
+        trim = self.args.trim_padding
+        return choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, support.flash, self.pair_cost)[1]
 
     # ------------------------------------------------------------------------------------- 4. the model call
     def _call_model(self, model, layout: ForwardLayout, **model_inputs):
@@ -297,7 +310,7 @@ class LogprobForward:
         attention (forward/segment_attention.py), armed here for the model called and disarmed when the step is over."""
         if not layout.packed:
             return model(**model_inputs)
-        support = self._segment_support(model)
+        support = self.segment_support(model)
         if model_inputs.get("attention_mask") is not None:
             raise RuntimeError(
                 "A packed forward got an attention_mask: its sequences are kept apart by the segment attention's plan, "
@@ -309,29 +322,18 @@ class LogprobForward:
             plan.build_varlen() if support.flash and _flash_available() else plan.build_blocks()
             plan = plan.to(model_inputs["input_ids"].device)
         segment_attention.arm(support.configs)
-        self._armed.update((id(config), config) for config in support.configs)
+        self.armed.update((id(config), config) for config in support.configs)
         with segment_attention.segment_call():
             out = model(**model_inputs, segment_plan=plan)
         segment_attention.check_served(plan, type(support.model).__name__)
         return out
 
-    def _release_forward(self):
-        """The step's forwards and backward are done: disarm the segment attention and any replayed routes."""
-        segment_attention.disarm(list(self._armed.values()))
-        self._armed.clear()
-        self._release_routes()
-
-    def training_step(self, *args, **kwargs):
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:  # the backward (and its checkpointing recompute) is done: generate() must run the plain model
-            self._release_forward()
-
-    def prediction_step(self, *args, **kwargs):
-        try:
-            return super().prediction_step(*args, **kwargs)
-        finally:
-            self._release_forward()
+    def release(self) -> None:
+        """The step's forwards and backward are done: disarm the segment attention and any replayed routes, so
+        `generate()` runs the plain model."""
+        segment_attention.disarm(list(self.armed.values()))
+        self.armed.clear()
+        self.routes.release()
 
 
 def _flash_available() -> bool:

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..common import trl_compat
+from ..common import seam, trl_compat
 from ..moe.route_sources import routes_from_generate
 from ..moe.routing import RouterHooks
 from .async_server import VLLMServerGenerator
@@ -225,7 +225,7 @@ class TransformersGenerator:
         self._filled = False
         module = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self._recorder = functools.partial(SamplerLogprobRecorder, module, trainer.temperature)
-        self._routes = RouterHooks.for_model(self.model) if getattr(trainer, "_replay", "none") == "R3" else None
+        self._routes = RouterHooks.for_model(self.model) if args.routing_replay == "R3" else None
         self.config = trainer.generation_config
         self.sampling = seeded_sampling(self.config) if seeded else None
         self.seed, self.process_index = args.seed, trainer.accelerator.process_index
@@ -264,7 +264,7 @@ class TransformersGenerator:
         )
         if images is not None or fields:
             raise ValueError("async_generation does not support image prompts yet; set async_generation=False.")
-        return functools.partial(self._generate, request.prompt_ids, rollout, sampled_at)
+        return functools.partial(self._generate_batch, request.prompt_ids, rollout, sampled_at)
 
     def completions(self, result: dict) -> Completions:
         return Completions(
@@ -285,7 +285,7 @@ class TransformersGenerator:
             self._params[name].copy_(tensor)
 
     @torch.no_grad()
-    def _generate(self, prompt_ids: list, rollout: int, sampled_at: int) -> dict:
+    def _generate_batch(self, prompt_ids: list, rollout: int, sampled_at: int) -> dict:
         """TRL's transformers generation (left-padded prompts, `generate`, cut after the first EOS) on the copy."""
         from transformers import LogitsProcessorList, StoppingCriteriaList
         from trl.trainer.utils import pad
@@ -361,7 +361,7 @@ class RolloutFuncGenerator:
     def push_weights(self, busy: bool):
         if self.trainer.use_vllm:  # TRL pushes weights before calling a rollout_func that relies on its vLLM
             self.trainer.vllm_generation.sync_weights()
-            self.trainer._last_loaded_step = self.trainer.state.global_step
+            seam.mark_weights_pushed(self.trainer)
         return None
 
     def request(self, request: GenerationRequest, rollout: int, sampled_at: int):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from urllib.parse import urlsplit
 
-from ..common import trl_compat
+from ..common import seam, trl_compat
 from .pipeline import Completions, GenerationRequest
 
 
@@ -39,9 +39,9 @@ class _ServerRequests:
     (weight updates, cache resets, evaluation) pass through."""
 
     def __init__(self, client):
-        self.client, self.post = client, client.session.post
+        self.client = client
         self._capturing, self._answer = False, None
-        client.session.post = self._post
+        self.post = seam.replace_session_post(client, self._post)
 
     def capture(self, call):
         self._capturing = True
@@ -91,7 +91,7 @@ class _ServerRequests:
         return response
 
     def close(self):
-        self.client.session.__dict__.pop("post", None)
+        seam.restore_session_post(self.client)
 
 
 class VLLMServerGenerator:
@@ -107,7 +107,7 @@ class VLLMServerGenerator:
 
     def push_weights(self, busy: bool):
         self.generation.sync_weights()  # collective: every process, main thread
-        self.trainer._last_loaded_step = self.trainer.state.global_step  # TRL's own call then finds them current
+        seam.mark_weights_pushed(self.trainer)  # TRL's own call then finds them current
         return None
 
     def request(self, request: GenerationRequest, rollout: int, sampled_at: int):

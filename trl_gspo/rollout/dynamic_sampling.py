@@ -8,14 +8,14 @@ until the batch is full. `GSPOConfig(dynamic_sampling=True)` does that as the ro
 
     fill():  round r = 0, 1, ... until the batch is full or r = max_sampling_rounds:
         inputs     = the next generation batch of the training data, in the sampler's order (rollout/prompt_stream.py)
-        generation = trainer._sample(inputs)                    TRL's prompt preparation and generation
+        generation = pipeline.sample(inputs)                    TRL's prompt preparation and generation
         rewards    = trainer._calculate_rewards(...)            TRL's reward functions, gathered over processes
         keep       = the groups that pass the filter, decided on the gathered rewards (so every process agrees)
       plan = GroupFilling.plan(): the first passing groups in data order, up to the batch size; if the cap came
              first, `shrink` (train on what passed) or `pad` (fill up with the best groups that failed)
       assemble(): the planned groups dealt to processes in equal shares, whole groups kept in order where possible
              (rows move between processes only where one passed more groups than its share)
-    next_batch() = trainer._score(inputs, generation, rewards)     TRL's scoring of the kept rows only (pi_old and
+    next_batch() = pipeline.score(inputs, generation, rewards)     TRL's scoring of the kept rows only (pi_old and
                                                                     reference passes, advantages): nothing dropped
                                                                     is forwarded again
 
@@ -31,7 +31,7 @@ rounded down to a multiple of `batch_unit` (1 on one process whenever `steps_per
 the best failing groups pad up to it. With equal micro-batches every `loss_type` normalises a shrunk batch as a batch
 of that size generated from the start: `grpo`/`sapo`/`luspo` average over the rows of each optimizer step,
 `dr_grpo` divides by rows x `max_completion_length`, `bnpo` by the micro-batch's tokens, and `dapo`/`cispo` by the
-kept batch's own token count (TRL's `num_items_in_batch`, computed by `_score` on the kept rows) per optimizer step.
+kept batch's own token count (TRL's `num_items_in_batch`, computed by `score` on the kept rows) per optimizer step.
 So a shrunk step has the per-sequence (or per-token) weight of a full one; it is noisier, not larger or smaller.
 `tests/test_dynamic_sampling.py` checks loss and gradients against a hand computation for `grpo` and `dapo`.
 
@@ -174,12 +174,12 @@ class Round:
     extra_logs: dict  # completion-table columns the reward functions logged (`log_extra`), per local row
 
 
-def sample_round(trainer, stream, rollout: int, group_filter=None, sample=None) -> Round:
+def sample_round(trainer, pipeline, stream, rollout: int, group_filter=None, sample=None) -> Round:
     """Generate for generation batch `rollout` of the stream, score it with the reward functions and decide which
     groups pass. Collective: every process calls it for the same `rollout`. `sample(rollout, inputs) -> Generation`
-    replaces `trainer._sample(inputs)` (asynchronous generation answers it with completions generated ahead)."""
+    replaces `pipeline.sample(inputs)` (asynchronous generation answers it with completions generated ahead)."""
     inputs = stream.batch(rollout)
-    generation = sample(rollout, inputs) if sample is not None else trainer._sample(inputs)
+    generation = sample(rollout, inputs) if sample is not None else pipeline.sample(inputs)
     if generation.prompts is None:
         raise RuntimeError("dynamic sampling needs the prompts of each generation (Generation.prompts).")
     prompt_ids, completion_ids, _, completions, _, extra_fields, _, _ = generation.outputs
@@ -277,7 +277,7 @@ def log_fill(trainer, rounds: list[Round], plan: FillPlan, generation: Generatio
         every, trainer.reward_weights, trainer.reward_func_names, trainer.num_generations
     ).items():
         if metrics.get(name):
-            metrics[name][-1] = value  # the value `_score` just logged for the kept rows
+            metrics[name][-1] = value  # the value `score` just logged for the kept rows
         else:
             metrics[name].append(value)
     counts = torch.tensor(
@@ -308,7 +308,7 @@ def log_fill(trainer, rounds: list[Round], plan: FillPlan, generation: Generatio
 # ---------------------------------------------------------------------------------------------- the source
 @dataclass
 class Filled:
-    """A filled rollout batch before scoring: what `_score` needs, and how it was obtained."""
+    """A filled rollout batch before scoring: what `pipeline.score` needs, and how it was obtained."""
 
     inputs: list
     generation: Generation
@@ -322,8 +322,8 @@ class DynamicSampling:
     """`RolloutSource` of `dynamic_sampling=True`: fills each rollout batch with groups that pass the filter, reading
     prompts from the training data in the sampler's order with its own cursor (module docstring)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, trainer, pipeline):
+        self.trainer, self.pipeline = trainer, pipeline  # TRL's trainer; rollout/pipeline.py's steps over its code
         args = trainer.args
         if getattr(trainer, "environment_factories", None) is not None:
             raise ValueError(
@@ -365,14 +365,14 @@ class DynamicSampling:
         filled = self.fill(sample)
         trainer = self.trainer
         trainer._pending_extra_logs.update(filled.extra_logs)
-        batch = trainer._score(filled.inputs, filled.generation, filled.rewards)
+        batch = self.pipeline.score(filled.inputs, filled.generation, filled.rewards)
         log_fill(trainer, filled.rounds, filled.plan, filled.generation, self.cursor / self.stream.rollouts_per_epoch)
         return batch
 
     def fill(self, sample=None) -> Filled:
         """Draw rounds until the batch is full or the cap is reached, and assemble this process's share.
         `sample(position, inputs) -> Generation` generates round `position` of the stream (default: now, through
-        `trainer._sample`; rollout/async_rollouts.py answers it with completions generated ahead of time)."""
+        `pipeline.sample`; rollout/async_rollouts.py answers it with completions generated ahead of time)."""
         trainer, args, stream = self.trainer, self.trainer.args, self.stream
         if self.cursor is None:
             self.cursor = self._starting_cursor()
@@ -391,7 +391,7 @@ class DynamicSampling:
                     "was asked for; reading on into the next epoch.",
                     args.num_train_epochs,
                 )
-            round_ = sample_round(trainer, stream, self.cursor, self.group_filter, sample)
+            round_ = sample_round(trainer, self.pipeline, stream, self.cursor, self.group_filter, sample)
             self.cursor += 1
             filling.add_round(round_.keep, round_.spread)
             rounds.append(round_)

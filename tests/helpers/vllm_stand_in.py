@@ -84,11 +84,9 @@ class StandInServer:
 
 def server_generation(trainer, server, server_info=None):
     """TRL's `VLLMGeneration` in server mode on `trainer`, its client (TRL's `VLLMClient`, talking to `server`) on the
-    main process only, as TRL builds it; then `_capture_vllm_routes` as `GSPOTrainer` runs it for R3 + vLLM.
+    main process only, as TRL builds it; then the R3 route capture as `GSPOTrainer` sets it up for R3 + vLLM (`MoERouting.capture_vllm_routes`).
     `server_info`: what the client's `get_server_info` returns (by default it fails, as without vLLM's dev endpoints)."""
     from trl.generation import vllm_client, vllm_generation
-
-    from trl_gspo.moe.routing_replay import _capture_vllm_routes
 
     def init_like_trl(self):  # VLLMGeneration._init_vllm, server mode, minus the HTTP connection
         if self.accelerator.is_main_process:
@@ -116,7 +114,7 @@ def server_generation(trainer, server, server_info=None):
     generation._place_features = lambda features, prompt_ids: features
     trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, generation, -1
     trainer.vllm_importance_sampling_correction = False
-    _capture_vllm_routes(trainer)
+    trainer.moe_routing.capture_vllm_routes(trainer.vllm_generation, trainer.accelerator)
     return generation
 
 
@@ -193,7 +191,7 @@ def main():
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
     )
-    hooks = trainer._router_hooks
+    hooks = trainer.moe_routing.hooks
     server = StandInServer(len(hooks.routers), hooks.top_k, hooks.num_experts)
     generation = server_generation(trainer, server)
     rank = trainer.accelerator.process_index
@@ -204,5 +202,5 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
     main()

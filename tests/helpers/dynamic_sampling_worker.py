@@ -57,7 +57,7 @@ def main():
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
     )
-    source = trainer._rollouts
+    source = trainer.rollout_source
     report = {"rank": trainer.accelerator.process_index, "kept": [], "rewards": [], "rows": [], "finished": []}
     fill = source.fill
 
@@ -80,9 +80,9 @@ def main():
         json.dump(report, f)
     print(f"DS_REPORT rank {report['rank']} written", flush=True)
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown (see tests/cpu_launch.py)
+    os._exit(0)  # skip interpreter teardown (see tests/helpers/cpu_launch.py)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
     main()
