@@ -10,10 +10,12 @@ BIN := $(VENV)/bin
 demo: $(VENV)/.installed
 	$(BIN)/trl-gspo demo
 
-# `make lint`: ruff (pyflakes, import order; pyproject.toml [tool.ruff]), then the import contracts (import-linter;
-# pyproject.toml [tool.importlinter]: the layers of docs/design.md, imports run downward only). Part of `make test`.
+# `make lint`: ruff (pyflakes, import order; pyproject.toml [tool.ruff]), ruff's formatter (line length 120), then the
+# import contracts (import-linter; pyproject.toml [tool.importlinter]: the layers of docs/design.md, imports run
+# downward only). Part of `make test`. `ruff format .` applies the formatting.
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
 test: lint

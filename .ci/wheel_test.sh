@@ -39,7 +39,7 @@ trl-gspo recipes copied && test -f copied/recipes/qwen3_1p7b_gspo_token.yaml && 
 
 python - <<'PY'  # a tiny model and a local dataset for the recipe run
 from trl_gspo.cli.demo import make_demo_dataset
-from trl_gspo.cli.tiny import save_tiny_model
+from trl_gspo.testing import save_tiny_model
 save_tiny_model("tiny-model")
 make_demo_dataset(32).to_json("copy.jsonl")
 PY

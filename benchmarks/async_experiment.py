@@ -33,16 +33,26 @@ def _arms() -> dict:
         arms[f"{method} sync"] = dict(clip)
         for s in STALENESS:
             arms[f"{method} async s{s}"] = {**clip, "async_generation": True, "max_staleness": s}
-            arms[f"{method} async s{s} no-corr"] = {**clip, "async_generation": True, "max_staleness": s,
-                                                    "vllm_importance_sampling_correction": False}  # fmt: skip
+            arms[f"{method} async s{s} no-corr"] = {
+                **clip,
+                "async_generation": True,
+                "max_staleness": s,
+                "vllm_importance_sampling_correction": False,
+            }
     return arms
 
 
 ARMS = _arms()
 #: 1000 steps: the synchronous demo's published curve (docs/demo_reward_curve.png) is still near 0.15 at step 600 and
 #: climbs through 0.5 around step 850, so 1000 steps cover the part of the curve where learning speed shows.
-ASYNC_EXPERIMENT = dict(variants=tuple(ARMS), seeds=(0, 1, 2, 3, 4), max_steps=1000, num_prompts=2000, eval_prompts=200,
-                        overrides=dict(max_completion_length=3))  # fmt: skip
+ASYNC_EXPERIMENT = dict(
+    variants=tuple(ARMS),
+    seeds=(0, 1, 2, 3, 4),
+    max_steps=1000,
+    num_prompts=2000,
+    eval_prompts=200,
+    overrides=dict(max_completion_length=3),
+)
 DEGRADATION = (
     "mean held-out reward more than 0.05 below the synchronous arm of the same method, and the gap larger than twice "
     "its standard error (Welch, seeds as samples)"
@@ -85,8 +95,11 @@ def summarize(results: dict) -> dict:
         rows = [row for run in runs for row in run["rows"]]
         curves = [run_curve(run["rows"]) for run in runs]
         last = [statistics.fmean(c[2][-max(1, len(c[2]) // 10) :]) for c in curves if c[2]]
-        spreads = [r["async/behaviour_weight/p95"] - r["async/behaviour_weight/p5"] for r in rows
-                   if isinstance(r.get("async/behaviour_weight/p95"), (int, float))]  # fmt: skip
+        spreads = [
+            r["async/behaviour_weight/p95"] - r["async/behaviour_weight/p5"]
+            for r in rows
+            if isinstance(r.get("async/behaviour_weight/p95"), (int, float))
+        ]
         held = [run["held_out"] for run in runs]
         summary[arm] = {
             "seeds": [run["seed"] for run in runs],
@@ -104,10 +117,12 @@ def summarize(results: dict) -> dict:
             "staleness_mean": _mean(r.get("async/staleness/mean") for r in rows),
             "behaviour_weight_mean": _mean(r.get("async/behaviour_weight/mean") for r in rows),
             "behaviour_weight_p5_p95_spread_mean": _mean(spreads),
-            "behaviour_weight_min": min((r["async/behaviour_weight/min"] for r in rows
-                                         if "async/behaviour_weight/min" in r), default=None),  # fmt: skip
-            "behaviour_weight_max": max((r["async/behaviour_weight/max"] for r in rows
-                                         if "async/behaviour_weight/max" in r), default=None),  # fmt: skip
+            "behaviour_weight_min": min(
+                (r["async/behaviour_weight/min"] for r in rows if "async/behaviour_weight/min" in r), default=None
+            ),
+            "behaviour_weight_max": max(
+                (r["async/behaviour_weight/max"] for r in rows if "async/behaviour_weight/max" in r), default=None
+            ),
             "behaviour_weight_outside_frac_mean": _mean(r.get("async/behaviour_weight/outside_frac") for r in rows),
             "nonfinite_skipped_steps": sum((r.get("nonfinite/skipped_steps") or 0) for r in rows),
             "run_seconds_mean": _mean(run["seconds"] for run in runs),
@@ -119,8 +134,10 @@ def summarize(results: dict) -> dict:
             continue
         a, b = row["held_out_reward_all"], base["held_out_reward_all"]
         gap = statistics.fmean(a) - statistics.fmean(b)
-        se = math.sqrt((statistics.variance(a) / len(a) if len(a) > 1 else 0) +
-                       (statistics.variance(b) / len(b) if len(b) > 1 else 0))  # fmt: skip
+        se = math.sqrt(
+            (statistics.variance(a) / len(a) if len(a) > 1 else 0)
+            + (statistics.variance(b) / len(b) if len(b) > 1 else 0)
+        )
         row["held_out_gap_vs_sync"], row["gap_standard_error"] = gap, se
         row["degraded"] = gap < -0.05 and -gap > 2 * se
     return summary
@@ -130,16 +147,27 @@ def table(summary: dict) -> str:
     def fmt(value, digits=3):
         return "n/a" if value is None else f"{value:.{digits}f}"
 
-    lines = ["| arm | held-out reward (mean over seeds) | gap vs sync (2 SE) | degraded | train reward: mean over steps "
-             "/ last 10% | steps to 0.5 | training s to 0.5 | s/step | token clip fraction | staleness (steps) | "
-             "behaviour weight mean, p5..p95 spread, min..max | masked share |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| arm | held-out reward (mean over seeds) | gap vs sync (2 SE) | degraded | train reward: mean over steps "
+        "/ last 10% | steps to 0.5 | training s to 0.5 | s/step | token clip fraction | staleness (steps) | "
+        "behaviour weight mean, p5..p95 spread, min..max | masked share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for arm, r in summary.items():
-        gap = "-" if "held_out_gap_vs_sync" not in r else f"{r['held_out_gap_vs_sync']:+.3f} ({2 * r['gap_standard_error']:.3f})"
+        gap = (
+            "-"
+            if "held_out_gap_vs_sync" not in r
+            else f"{r['held_out_gap_vs_sync']:+.3f} ({2 * r['gap_standard_error']:.3f})"
+        )
         degraded = "-" if "degraded" not in r else ("**yes**" if r["degraded"] else "no")
-        weight = "-" if r["behaviour_weight_mean"] is None else (
-            f"{fmt(r['behaviour_weight_mean'])}, {fmt(r['behaviour_weight_p5_p95_spread_mean'])}, "
-            f"{fmt(r['behaviour_weight_min'])}..{fmt(r['behaviour_weight_max'])}")  # fmt: skip
+        weight = (
+            "-"
+            if r["behaviour_weight_mean"] is None
+            else (
+                f"{fmt(r['behaviour_weight_mean'])}, {fmt(r['behaviour_weight_p5_p95_spread_mean'])}, "
+                f"{fmt(r['behaviour_weight_min'])}..{fmt(r['behaviour_weight_max'])}"
+            )
+        )
         lines.append(
             f"| {arm} | {fmt(r['held_out_reward'])} | {gap} | {degraded} | {fmt(r['train_reward_mean'])} / "
             f"{fmt(r['train_reward_last10pct'])} | {fmt(r['steps_to_reward_0.5'], 0)} ({r['runs_reaching_0.5']}/{len(r['seeds'])}) | "
@@ -171,7 +199,9 @@ def plot(results: dict, output_dir: str) -> str:
                 ys = [statistics.fmean(_moving_average(c[2])[i] for c in curves) for i in range(n)]
                 xs = [statistics.fmean(c[col][i] for c in curves) for i in range(n)]
                 ax.plot(xs, ys, color=COLORS[tag], lw=1.2, ls="--" if "no-corr" in arm else "-", label=arm)
-            ax.set(xlabel=axis, ylabel="training reward (20-step mean)", title=f"{method}: reward vs {axis.split(' (')[0]}")
+            ax.set(
+                xlabel=axis, ylabel="training reward (20-step mean)", title=f"{method}: reward vs {axis.split(' (')[0]}"
+            )
             ax.grid(alpha=0.3)
         axes[row, 0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -186,7 +216,9 @@ def report(results: dict, output_dir: str) -> dict:
 
     summary = summarize(results)
     with open(os.path.join(output_dir, "async_summary.json"), "w") as f:
-        json.dump({"arms": ARMS, "regime": ASYNC_EXPERIMENT, "degradation": DEGRADATION, "results": summary}, f, indent=2)
+        json.dump(
+            {"arms": ARMS, "regime": ASYNC_EXPERIMENT, "degradation": DEGRADATION, "results": summary}, f, indent=2
+        )
     with open(os.path.join(output_dir, "async.md"), "w") as f:
         f.write(table(summary))
     plot(results, output_dir)

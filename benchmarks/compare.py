@@ -78,8 +78,13 @@ ROUTING_EXPERIMENT = dict(
     # learning_rate from the pilot (GSPO, seed 0, 48 steps, routing metrics only): share of activated experts replaced
     # one update after the rollout (moe/expert_change) 0.016 at 1e-4, 0.037 at 3e-4, 0.109 at 1e-3 -> 1e-3 (paper: ~10%).
     # 600 steps: ~2 minutes per run on this 2-core CPU.
-    overrides=dict(steps_per_generation=8, max_completion_length=8, per_device_train_batch_size=16, num_generations=8,
-                   learning_rate=1e-3),
+    overrides=dict(
+        steps_per_generation=8,
+        max_completion_length=8,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        learning_rate=1e-3,
+    ),
     max_steps=600,
 )
 
@@ -92,14 +97,21 @@ def load_task(spec: str | None):
     return getattr(mod, attr) if attr else mod
 
 
-def train_one(task, variant: str, seed: int, moe: bool, output_dir: str, num_prompts: int, eval_prompts: int,
-              overrides: dict):  # fmt: skip
+def train_one(
+    task, variant: str, seed: int, moe: bool, output_dir: str, num_prompts: int, eval_prompts: int, overrides: dict
+):
     """Train one (variant, seed, model) run; returns (rows of logged metrics, held-out reward after and before
     training, or None)."""
     from trl_gspo import GSPOTrainer
 
-    args = task.demo_config(output_dir, seed=seed, report_to="none", save_strategy="no", logging_steps=1,
-                            **{**overrides, **VARIANTS[variant]})  # fmt: skip
+    args = task.demo_config(
+        output_dir,
+        seed=seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        **{**overrides, **VARIANTS[variant]},
+    )
     model, tokenizer = task.build_demo_model(seed=seed, moe=moe)
     dataset = task.make_demo_dataset(num_prompts, seed=seed)
     trainer = GSPOTrainer(model, task.demo_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
@@ -118,8 +130,12 @@ def train_one(task, variant: str, seed: int, moe: bool, output_dir: str, num_pro
 
 
 def write_data(results: dict, output_dir: str) -> tuple[str, str]:
-    flat = [{"model": m, "variant": v, "seed": run["seed"], **row} for (m, v), runs in results.items() for run in runs
-            for row in run["rows"]]  # fmt: skip
+    flat = [
+        {"model": m, "variant": v, "seed": run["seed"], **row}
+        for (m, v), runs in results.items()
+        for run in runs
+        for row in run["rows"]
+    ]
     keys = ["model", "variant", "seed", "step"]
     keys += sorted({k for row in flat for k in row} - set(keys))
     csv_path, json_path = os.path.join(output_dir, "metrics.csv"), os.path.join(output_dir, "metrics.json")
@@ -132,8 +148,19 @@ def write_data(results: dict, output_dir: str) -> tuple[str, str]:
     return csv_path, json_path
 
 
-def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=DEFAULT_VARIANTS, task=None, max_steps=200,
-        num_prompts=1000, eval_prompts=200, overrides=None, log=print, resume=False) -> dict:  # fmt: skip
+def run(
+    output_dir: str,
+    seeds=(0, 1, 2),
+    moe_seeds=None,
+    variants=DEFAULT_VARIANTS,
+    task=None,
+    max_steps=200,
+    num_prompts=1000,
+    eval_prompts=200,
+    overrides=None,
+    log=print,
+    resume=False,
+) -> dict:
     """Train every (model, variant, seed), write data and plots, return the summary. With `resume`, runs whose
     `runs/<name>/result.json` exists are read back instead of trained again."""
     unknown = [v for v in variants if v not in VARIANTS]
@@ -155,10 +182,16 @@ def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=DEFAULT_VARIA
                     result = json.load(f)
             else:
                 start = time.perf_counter()
-                rows, held_out, before = train_one(task, variant, seed, model == "moe", run_dir, num_prompts,
-                                                   eval_prompts, overrides)  # fmt: skip
-                result = {"seed": seed, "rows": rows, "held_out": held_out, "held_out_before": before,
-                          "seconds": time.perf_counter() - start}  # fmt: skip
+                rows, held_out, before = train_one(
+                    task, variant, seed, model == "moe", run_dir, num_prompts, eval_prompts, overrides
+                )
+                result = {
+                    "seed": seed,
+                    "rows": rows,
+                    "held_out": held_out,
+                    "held_out_before": before,
+                    "seconds": time.perf_counter() - start,
+                }
                 os.makedirs(run_dir, exist_ok=True)
                 with open(saved, "w") as f:
                     json.dump(result, f)
@@ -167,11 +200,16 @@ def run(output_dir: str, seeds=(0, 1, 2), moe_seeds=None, variants=DEFAULT_VARIA
             clip = mean_of(r.get(CLIP_KEY) for r in rows)
             clip = "n/a" if clip is None else f"{clip:.4g}"
             held = "n/a" if held_out is None else f"{held_out:.3f}"
-            log(f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {result['seconds']:.0f}s, mean token "
-                f"clip fraction {clip}, held-out reward {held}, collapsed {collapsed(rows)}")
+            log(
+                f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {result['seconds']:.0f}s, mean token "
+                f"clip fraction {clip}, held-out reward {held}, collapsed {collapsed(rows)}"
+            )
     write_data(results, output_dir)
-    runs = [{"model": m, "variant": v, **{k: run[k] for k in ("seed", "held_out", "held_out_before", "seconds")}}
-            for (m, v), group in results.items() for run in group]  # fmt: skip
+    runs = [
+        {"model": m, "variant": v, **{k: run[k] for k in ("seed", "held_out", "held_out_before", "seconds")}}
+        for (m, v), group in results.items()
+        for run in group
+    ]
     with open(os.path.join(output_dir, "runs.json"), "w") as f:
         json.dump({"overrides": overrides, "runs": runs}, f, indent=2)
     return report(results, output_dir, overrides)
@@ -201,8 +239,11 @@ def replot(output_dir: str) -> dict:
     results = defaultdict(list)
     for run in meta["runs"]:
         key = (run["model"], run["variant"], run["seed"])
-        rows = [{k: v for k, v in row.items() if k not in ("model", "variant", "seed")} for row in flat
-                if (row["model"], row["variant"], row["seed"]) == key]  # fmt: skip
+        rows = [
+            {k: v for k, v in row.items() if k not in ("model", "variant", "seed")}
+            for row in flat
+            if (row["model"], row["variant"], row["seed"]) == key
+        ]
         results[(run["model"], run["variant"])].append({**run, "rows": rows})
     return report(results, output_dir, meta["overrides"])
 
@@ -211,23 +252,40 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", default="outputs/compare")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--moe-seeds", type=int, nargs="*", default=None,
-                        help="seeds for the MoE model (default: --seeds; the flag alone: no MoE runs)")  # fmt: skip
+    parser.add_argument(
+        "--moe-seeds",
+        type=int,
+        nargs="*",
+        default=None,
+        help="seeds for the MoE model (default: --seeds; the flag alone: no MoE runs)",
+    )
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--experiment", choices=["routing-replay", "dynamic-sampling", "async"], default=None,
-                        help="routing-replay: the MoE routing replay experiment (ROUTING_EXPERIMENT; overrides "
-                        "--seeds, --variants and the task, and --moe-seeds unless given). dynamic-sampling: GSPO with "
-                        "and without dynamic sampling on two copy tasks (dynamic_sampling_experiment.py; --seeds and "
-                        "--max-steps override its settings only when given). async: synchronous vs asynchronous "
-                        "generation (async_experiment.py; overrides --variants, and --seeds and --max-steps unless "
-                        "given)")  # fmt: skip
+    parser.add_argument(
+        "--experiment",
+        choices=["routing-replay", "dynamic-sampling", "async"],
+        default=None,
+        help="routing-replay: the MoE routing replay experiment (ROUTING_EXPERIMENT; overrides "
+        "--seeds, --variants and the task, and --moe-seeds unless given). dynamic-sampling: GSPO with "
+        "and without dynamic sampling on two copy tasks (dynamic_sampling_experiment.py; --seeds and "
+        "--max-steps override its settings only when given). async: synchronous vs asynchronous "
+        "generation (async_experiment.py; overrides --variants, and --seeds and --max-steps unless "
+        "given)",
+    )
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--resume", action="store_true", help="reuse finished runs found in --output-dir")
-    parser.add_argument("--task", default=None, help="module[:attr] with the demo functions (default: trl_gspo.cli.demo); "
-                        "with --experiment dynamic-sampling, one of its task names (copy3, copy5)")  # fmt: skip
+    parser.add_argument(
+        "--task",
+        default=None,
+        help="module[:attr] with the demo functions (default: trl_gspo.cli.demo); "
+        "with --experiment dynamic-sampling, one of its task names (copy3, copy5)",
+    )
     parser.add_argument("--max-steps", type=int, default=200)
-    parser.add_argument("--max-completion-length", type=int, default=8,
-                        help="longer than the demo's answer so response lengths vary (for the length plot)")
+    parser.add_argument(
+        "--max-completion-length",
+        type=int,
+        default=8,
+        help="longer than the demo's answer so response lengths vary (for the length plot)",
+    )
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--tiny", action="store_true", help="smallest batches, for a smoke test")
@@ -240,9 +298,14 @@ def main(argv=None):
         if args.replot:
             print(json.dumps(experiment.replot(args.output_dir), indent=2))
             return
-        summary = experiment.run(args.output_dir, seeds=args.seeds if "--seeds" in given else None,
-                                 max_steps=args.max_steps if "--max-steps" in given else None, tiny=args.tiny,
-                                 resume=args.resume, tasks=[args.task] if args.task else None)  # fmt: skip
+        summary = experiment.run(
+            args.output_dir,
+            seeds=args.seeds if "--seeds" in given else None,
+            max_steps=args.max_steps if "--max-steps" in given else None,
+            tiny=args.tiny,
+            resume=args.resume,
+            tasks=[args.task] if args.task else None,
+        )
         print(json.dumps(summary, indent=2))
         return
     if args.replot:
@@ -274,8 +337,18 @@ def main(argv=None):
         overrides["learning_rate"] = args.learning_rate
     if args.tiny:
         overrides.update(per_device_train_batch_size=4, num_generations=4)
-    summary = run(args.output_dir, seeds, moe_seeds, variants, task, args.max_steps, args.num_prompts,
-                  args.eval_prompts, overrides, resume=args.resume)  # fmt: skip
+    summary = run(
+        args.output_dir,
+        seeds,
+        moe_seeds,
+        variants,
+        task,
+        args.max_steps,
+        args.num_prompts,
+        args.eval_prompts,
+        overrides,
+        resume=args.resume,
+    )
     print(json.dumps(summary, indent=2))
 
 

@@ -29,8 +29,14 @@ VARIANTS = {
 }
 VARIANTS.update(async_experiment.ARMS)  # "GSPO async s2 no-corr", ...: `--experiment async`
 DEFAULT_VARIANTS = ("GRPO", "GSPO", "GSPO-token")
-COLORS = {"GRPO": "tab:red", "GSPO": "tab:blue", "GSPO-token": "tab:green", "GRPO+R2": "tab:orange",
-          "GRPO+R3": "tab:purple", "GSPO+R3": "tab:cyan"}  # fmt: skip
+COLORS = {
+    "GRPO": "tab:red",
+    "GSPO": "tab:blue",
+    "GSPO-token": "tab:green",
+    "GRPO+R2": "tab:orange",
+    "GRPO+R3": "tab:purple",
+    "GSPO+R3": "tab:cyan",
+}
 CLIP_KEY = "clip_fraction/token/total"
 UPDATES_KEY = "updates_since_rollout"
 SHIFT_KEY = "moe/routing_shift"
@@ -89,7 +95,7 @@ def summarize(results: dict) -> dict:
         rows = [row for run in runs for row in run["rows"]]
         on_policy_free = [row for row in rows if row[UPDATES_KEY] > 0]  # skip each rollout's on-policy mini-batch
         reward_steps = _by_step(rows, "reward")
-        last = list(reward_steps)[-max(1, len(reward_steps) // 10):]  # last 10% of generation steps
+        last = list(reward_steps)[-max(1, len(reward_steps) // 10) :]  # last 10% of generation steps
         summary[f"{model}/{variant}"] = {
             "seeds": [run["seed"] for run in runs],
             "clip_fraction_token_mean": mean_of(r.get(CLIP_KEY) for r in rows),
@@ -180,8 +186,11 @@ def plot(results: dict, output_dir: str) -> list[str]:
         for variant in VARIANTS:
             if (model, variant) in rows_of:
                 band(ax, results[(model, variant)], "reward", variant)
-        ax.set(xlabel="optimizer step", ylabel="train reward",
-               title=f"training reward ({model})\n{smoothed}mean, band = min..max of {nseeds} seeds")  # fmt: skip
+        ax.set(
+            xlabel="optimizer step",
+            ylabel="train reward",
+            title=f"training reward ({model})\n{smoothed}mean, band = min..max of {nseeds} seeds",
+        )
         ax.grid(alpha=0.3)
         ax.legend()
     save(fig, "reward.png")
@@ -196,15 +205,20 @@ def plot(results: dict, output_dir: str) -> list[str]:
                 band(ax, results[(model, variant)], CLIP_KEY, variant, log=True, label=label)
         ax.set_yscale("log")
         ax.set_ylim(bottom=10 * LOG_FLOOR)
-        ax.set(xlabel="optimizer step", ylabel="fraction of tokens clipped",
-               title=f"token clip fraction ({model})\n{smoothed}mean, band = min..max of {nseeds} seeds")  # fmt: skip
+        ax.set(
+            xlabel="optimizer step",
+            ylabel="fraction of tokens clipped",
+            title=f"token clip fraction ({model})\n{smoothed}mean, band = min..max of {nseeds} seeds",
+        )
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     save(fig, "clip_fraction.png")
 
-    stats = (("token_std", "std of token log-ratios\nwithin a sequence"),
-             ("sum_abs", "|sum_t log-ratio|\n(token-level product)"),
-             ("seq_abs", "|GSPO sequence log-ratio|\n(length-normalised)"))  # fmt: skip
+    stats = (
+        ("token_std", "std of token log-ratios\nwithin a sequence"),
+        ("sum_abs", "|sum_t log-ratio|\n(token-level product)"),
+        ("seq_abs", "|GSPO sequence log-ratio|\n(length-normalised)"),
+    )
     fig, axes = plt.subplots(1, len(stats), figsize=(13, 3.6), sharey=True)
     for ax, (stat, title) in zip(axes, stats):
         for variant in VARIANTS:
@@ -228,8 +242,11 @@ def plot(results: dict, output_dir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for variant in moe_rows:
             band(ax, results[("moe", variant)], SHIFT_KEY, variant, off_policy=True)
-        ax.set(xlabel="optimizer step", ylabel="token x layer top-k sets changed",
-               title=f"MoE routing shift since the rollout (mini-batches 2-4)\n{smoothed}{nseeds} seeds")  # fmt: skip
+        ax.set(
+            xlabel="optimizer step",
+            ylabel="token x layer top-k sets changed",
+            title=f"MoE routing shift since the rollout (mini-batches 2-4)\n{smoothed}{nseeds} seeds",
+        )
         ax.grid(alpha=0.3)
         ax.legend()
         save(fig, "routing_shift.png")
@@ -242,10 +259,12 @@ def routing_table(summary: dict, results: dict) -> str:
     def fmt(value, digits=3):
         return "n/a" if value is None else f"{value:.{digits}f}"
 
-    lines = ["| arm | seeds | collapsed | held-out reward before -> after (min..max) | train reward first -> last 10% "
-             "| token clip fraction | routing shift (mini-batches 2-8) | shift 1 / 4 / 7 updates after rollout "
-             "| replay coverage | R3 sampler/trainer mismatch (token x layer / any layer) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| arm | seeds | collapsed | held-out reward before -> after (min..max) | train reward first -> last 10% "
+        "| token clip fraction | routing shift (mini-batches 2-8) | shift 1 / 4 / 7 updates after rollout "
+        "| replay coverage | R3 sampler/trainer mismatch (token x layer / any layer) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (model, variant), runs in results.items():
         if model != "moe":
             continue
@@ -274,8 +293,10 @@ def plot_routing(results: dict, output_dir: str) -> str:
     arms = [v for m, v in results if m == "moe"]
     nseeds = max(len(results[("moe", v)]) for v in arms)
     block = max(1, max(len(run["rows"]) for v in arms for run in results[("moe", v)]) // 40)
-    for ax, key, label, off_policy in ((axes[0], "reward", "training reward", False),
-                                       (axes[1], SHIFT_KEY, "routing shift vs pi_old's routes", True)):  # fmt: skip
+    for ax, key, label, off_policy in (
+        (axes[0], "reward", "training reward", False),
+        (axes[1], SHIFT_KEY, "routing shift vs pi_old's routes", True),
+    ):
         for variant in arms:
             per_seed = []
             for run in results[("moe", variant)]:
@@ -290,9 +311,14 @@ def plot_routing(results: dict, output_dir: str) -> str:
             values = [[seed[b] for seed in per_seed if b in seed] for b in xs]
             steps = [b * block + (block + 1) / 2 for b in xs]
             ax.plot(steps, [statistics.fmean(v) for v in values], color=COLORS[variant], label=variant, lw=1.2)
-            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=COLORS[variant], alpha=0.15)
-        ax.set(xlabel="optimizer step", ylabel=label,
-               title=f"{label} (MoE)\n{block}-step averages, mean, band = min..max of {nseeds} seeds")  # fmt: skip
+            ax.fill_between(
+                steps, [min(v) for v in values], [max(v) for v in values], color=COLORS[variant], alpha=0.15
+            )
+        ax.set(
+            xlabel="optimizer step",
+            ylabel=label,
+            title=f"{label} (MoE)\n{block}-step averages, mean, band = min..max of {nseeds} seeds",
+        )
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

@@ -27,10 +27,12 @@ class CopyTask:
             digits = [str(rng.randrange(10)) for _ in range(self.num_digits)]
             if (sum(map(int, digits)) % 7 == 0) == (split == "test"):
                 rows.append(digits)
-        return Dataset.from_dict({"prompt": [f"copy {' '.join(d)} :" for d in rows], "target": [" ".join(d) for d in rows]})
+        return Dataset.from_dict(
+            {"prompt": [f"copy {' '.join(d)} :" for d in rows], "target": [" ".join(d) for d in rows]}
+        )
 
     def build_demo_model(self, seed: int = 0, moe: bool = False):
-        from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+        from trl_gspo.testing import build_tiny_model, build_tokenizer
 
         tokenizer = build_tokenizer()
         return build_tiny_model(tokenizer, moe=moe, seed=seed, **(self.moe_overrides if moe else {})), tokenizer
@@ -46,8 +48,9 @@ class CopyTask:
             for start in range(0, len(dataset), batch_size):
                 batch = dataset[start : start + batch_size]
                 enc = tokenizer(batch["prompt"], return_tensors="pt", padding=True).to(model.device)
-                out = model.generate(**enc, do_sample=False, max_new_tokens=self.num_digits,
-                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                out = model.generate(
+                    **enc, do_sample=False, max_new_tokens=self.num_digits, pad_token_id=tokenizer.pad_token_id
+                )
                 texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1) :], skip_special_tokens=True)
                 scores += self.demo_reward(texts, batch["target"])
         model.train(was_training)

@@ -117,15 +117,23 @@ class TokenCounter:
         return {"generated": self.generated, "trained": self.trained, "signal": self.signal}
 
 
-def train_one(task, arm: str, seed: int, max_steps: int, completion_length: int, output_dir: str, tiny: bool,
-              spec: dict) -> dict:  # fmt: skip
+def train_one(
+    task, arm: str, seed: int, max_steps: int, completion_length: int, output_dir: str, tiny: bool, spec: dict
+) -> dict:
     import torch
 
     from trl_gspo import GSPOTrainer
 
     torch.set_num_threads(1)
-    overrides = dict(seed=seed, max_steps=max_steps, logging_steps=1, report_to="none", save_strategy="no",
-                     max_completion_length=completion_length, **spec["arms"][arm])  # fmt: skip
+    overrides = dict(
+        seed=seed,
+        max_steps=max_steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        max_completion_length=completion_length,
+        **spec["arms"][arm],
+    )
     if tiny:
         overrides.update(per_device_train_batch_size=4, num_generations=4)
     args = task.demo_config(output_dir, **overrides)
@@ -138,8 +146,14 @@ def train_one(task, arm: str, seed: int, max_steps: int, completion_length: int,
     trainer.add_callback(curve.callback)
     trainer.train()
     rows = [dict(row) for row in trainer.state.log_history if "step" in row and "train_runtime" not in row]
-    return {"arm": arm, "seed": seed, "points": curve.points, "train_seconds": curve.train_seconds,
-            "tokens": tokens.totals(), "rows": rows}  # fmt: skip
+    return {
+        "arm": arm,
+        "seed": seed,
+        "points": curve.points,
+        "train_seconds": curve.train_seconds,
+        "tokens": tokens.totals(),
+        "rows": rows,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- summary
@@ -184,19 +198,25 @@ def summarize(runs: list[dict], thresholds, arms) -> dict:
             "held_out_final": _mean(finals),
             "held_out_final_min_max": [min(finals), max(finals)],
             "held_out_mean_over_run": _mean(_mean(p["held_out"] for p in run["points"][1:]) for run in group),
-            "held_out_at_baseline_seconds": _mean(held_out_at(run["points"], baseline[run["seed"]]) for run in group
-                                                  if run["seed"] in baseline),  # fmt: skip
+            "held_out_at_baseline_seconds": _mean(
+                held_out_at(run["points"], baseline[run["seed"]]) for run in group if run["seed"] in baseline
+            ),
             "held_out_at_baseline_cpu_seconds": _mean(
-                held_out_at(run["points"], baseline_cpu[run["seed"]], "cpu_seconds") for run in group
-                if baseline_cpu.get(run["seed"]) is not None and "cpu_seconds" in run["points"][-1]),
-            "cpu_seconds_per_step": _mean(run["points"][-1].get("cpu_seconds", math.nan)
-                                          / max(run["points"][-1]["step"], 1) for run in group),  # fmt: skip
+                held_out_at(run["points"], baseline_cpu[run["seed"]], "cpu_seconds")
+                for run in group
+                if baseline_cpu.get(run["seed"]) is not None and "cpu_seconds" in run["points"][-1]
+            ),
+            "cpu_seconds_per_step": _mean(
+                run["points"][-1].get("cpu_seconds", math.nan) / max(run["points"][-1]["step"], 1) for run in group
+            ),
             "train_seconds": _mean(run["train_seconds"] for run in group),
             "seconds_per_step": _mean(run["train_seconds"] / max(run["points"][-1]["step"], 1) for run in group),
-            "generated_per_trained_token": _mean(r["tokens"]["generated"] / max(r["tokens"]["trained"], 1)
-                                                 for r in group),  # fmt: skip
-            "generated_per_signal_token": _mean(r["tokens"]["generated"] / max(r["tokens"]["signal"], 1)
-                                                for r in group),  # fmt: skip
+            "generated_per_trained_token": _mean(
+                r["tokens"]["generated"] / max(r["tokens"]["trained"], 1) for r in group
+            ),
+            "generated_per_signal_token": _mean(
+                r["tokens"]["generated"] / max(r["tokens"]["signal"], 1) for r in group
+            ),
             "frac_reward_zero_std": _mean(row.get("frac_reward_zero_std") for row in rows),
             "rounds": _mean(row.get("dynamic_sampling/rounds") for row in rows),
             "underfilled": _mean(row.get("dynamic_sampling/underfilled") for row in rows),
@@ -208,8 +228,10 @@ def summarize(runs: list[dict], thresholds, arms) -> dict:
                     continue
                 reached = [first_reaching(run["points"], threshold, key) for run in group]
                 hit = [v for v in reached if v is not None]
-                entry[f"{name}_to_{threshold}"] = {"median_of_reached": statistics.median(hit) if hit else None,
-                                                   "reached": f"{len(hit)}/{len(group)}"}  # fmt: skip
+                entry[f"{name}_to_{threshold}"] = {
+                    "median_of_reached": statistics.median(hit) if hit else None,
+                    "reached": f"{len(hit)}/{len(group)}",
+                }
         out[arm] = entry
     return out
 
@@ -218,28 +240,57 @@ def table(summary: dict, thresholds) -> str:
     def fmt(value, digits=3):
         return "n/a" if value is None else f"{value:.{digits}f}"
 
-    head = ["task", "arm", "seeds", "held-out final (min..max)", "held-out mean over run",
-            "held-out at the plain run's seconds", "... CPU seconds"]  # fmt: skip
+    head = [
+        "task",
+        "arm",
+        "seeds",
+        "held-out final (min..max)",
+        "held-out mean over run",
+        "held-out at the plain run's seconds",
+        "... CPU seconds",
+    ]
     head += [f"steps to {t} (reached)" for t in thresholds] + [f"CPU s to {t}" for t in thresholds]
-    head += ["train s", "s/step", "CPU s/step", "generated / trained tokens", "generated / signal tokens",
-             "frac_reward_zero_std", "rounds", "underfilled", "batch fill"]  # fmt: skip
+    head += [
+        "train s",
+        "s/step",
+        "CPU s/step",
+        "generated / trained tokens",
+        "generated / signal tokens",
+        "frac_reward_zero_std",
+        "rounds",
+        "underfilled",
+        "batch fill",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for task, arms in summary.items():
         for arm, s in arms.items():
             low, high = s["held_out_final_min_max"]
-            cells = [task, arm, str(len(s["seeds"])), f"{fmt(s['held_out_final'])} ({fmt(low)}..{fmt(high)})",
-                     fmt(s["held_out_mean_over_run"]), fmt(s["held_out_at_baseline_seconds"]),
-                     fmt(s["held_out_at_baseline_cpu_seconds"])]  # fmt: skip
+            cells = [
+                task,
+                arm,
+                str(len(s["seeds"])),
+                f"{fmt(s['held_out_final'])} ({fmt(low)}..{fmt(high)})",
+                fmt(s["held_out_mean_over_run"]),
+                fmt(s["held_out_at_baseline_seconds"]),
+                fmt(s["held_out_at_baseline_cpu_seconds"]),
+            ]
             for t in thresholds:
                 v = s[f"steps_to_{t}"]
                 cells.append(f"{fmt(v['median_of_reached'], 0)} ({v['reached']})")
             for t in thresholds:
                 v = s.get(f"cpu_seconds_to_{t}", {"median_of_reached": None, "reached": "-"})
                 cells.append(f"{fmt(v['median_of_reached'], 1)} ({v['reached']})")
-            cells += [fmt(s["train_seconds"], 1), fmt(s["seconds_per_step"], 4), fmt(s["cpu_seconds_per_step"], 4),
-                      fmt(s["generated_per_trained_token"], 2),
-                      fmt(s["generated_per_signal_token"], 2), fmt(s["frac_reward_zero_std"]), fmt(s["rounds"], 2),
-                      fmt(s["underfilled"], 2), fmt(s["batch_fill"], 2)]  # fmt: skip
+            cells += [
+                fmt(s["train_seconds"], 1),
+                fmt(s["seconds_per_step"], 4),
+                fmt(s["cpu_seconds_per_step"], 4),
+                fmt(s["generated_per_trained_token"], 2),
+                fmt(s["generated_per_signal_token"], 2),
+                fmt(s["frac_reward_zero_std"]),
+                fmt(s["rounds"], 2),
+                fmt(s["underfilled"], 2),
+                fmt(s["batch_fill"], 2),
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -269,8 +320,12 @@ def plot(results: dict, path: str) -> str:
                     continue
                 end = statistics.median(run["points"][-1][clock] for run in group)
                 grid = np.linspace(0, end, 60)
-                curves = np.array([np.interp(grid, [p[clock] for p in run["points"]],
-                                             [p["held_out"] for p in run["points"]]) for run in group])  # fmt: skip
+                curves = np.array(
+                    [
+                        np.interp(grid, [p[clock] for p in run["points"]], [p["held_out"] for p in run["points"]])
+                        for run in group
+                    ]
+                )
                 ax.plot(grid, curves.mean(0), color=color, label=arm)
                 ax.fill_between(grid, curves.min(0), curves.max(0), color=color, alpha=0.2)
             zero = defaultdict(list)
@@ -281,14 +336,27 @@ def plot(results: dict, path: str) -> str:
             xs = sorted(zero)
             row[3].plot([x * 50 + 25 for x in xs], [statistics.fmean(zero[x]) for x in xs], color=color, label=arm)
         n = len(next(iter(by_arm.values())))
-        row[0].set(xlabel="optimizer step", ylabel="held-out reward (greedy)",
-                   title=f"{task}: held-out reward vs step\nmean, band = min..max of {n} seeds")  # fmt: skip
-        row[1].set(xlabel="training wall-clock seconds (evaluation excluded)", ylabel="held-out reward (greedy)",
-                   title=f"{task}: vs wall clock (to the median run end)\nshared 2-core machine: noisy")  # fmt: skip
-        row[2].set(xlabel="training CPU seconds (evaluation excluded)", ylabel="held-out reward (greedy)",
-                   title=f"{task}: vs CPU time (to the median run end)\nwaiting for a core not counted")  # fmt: skip
-        row[3].set(xlabel="optimizer step", ylabel="frac_reward_zero_std", ylim=(-0.02, 1.02),
-                   title=f"{task}: equal-reward groups (before filtering)\n50-step averages over seeds")  # fmt: skip
+        row[0].set(
+            xlabel="optimizer step",
+            ylabel="held-out reward (greedy)",
+            title=f"{task}: held-out reward vs step\nmean, band = min..max of {n} seeds",
+        )
+        row[1].set(
+            xlabel="training wall-clock seconds (evaluation excluded)",
+            ylabel="held-out reward (greedy)",
+            title=f"{task}: vs wall clock (to the median run end)\nshared 2-core machine: noisy",
+        )
+        row[2].set(
+            xlabel="training CPU seconds (evaluation excluded)",
+            ylabel="held-out reward (greedy)",
+            title=f"{task}: vs CPU time (to the median run end)\nwaiting for a core not counted",
+        )
+        row[3].set(
+            xlabel="optimizer step",
+            ylabel="frac_reward_zero_std",
+            ylim=(-0.02, 1.02),
+            title=f"{task}: equal-reward groups (before filtering)\n50-step averages over seeds",
+        )
         for ax in row:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
@@ -308,8 +376,15 @@ def report(results: dict, output_dir: str, spec: dict) -> dict:
     return summary
 
 
-def run(output_dir: str, seeds=None, max_steps: int | None = None, tiny: bool = False, resume: bool = False,
-        tasks=None, log=print) -> dict:  # fmt: skip
+def run(
+    output_dir: str,
+    seeds=None,
+    max_steps: int | None = None,
+    tiny: bool = False,
+    resume: bool = False,
+    tasks=None,
+    log=print,
+) -> dict:
     """Every (task, seed, arm), the arms of a seed back to back; then the summary, table and plot. `tasks`: a subset
     of the experiment's task names."""
     spec = dict(EXPERIMENT)
@@ -339,11 +414,16 @@ def run(output_dir: str, seeds=None, max_steps: int | None = None, tiny: bool = 
                         json.dump(result, f)
                 results[task_name].append(result)
                 last, tokens = result["points"][-1], result["tokens"]
-                log(f"{task_name} {arm:8s} seed {seed}: held-out {result['points'][0]['held_out']:.3f} -> "
+                log(
+                    f"{task_name} {arm:8s} seed {seed}: held-out {result['points'][0]['held_out']:.3f} -> "
                     f"{last['held_out']:.3f} at step {last['step']}, {result['train_seconds']:.0f} s training, "
-                    f"generated/trained tokens {tokens['generated'] / max(tokens['trained'], 1):.2f}")
-    runs = [{"task": t, **{k: r[k] for k in ("arm", "seed", "train_seconds", "tokens")}, "points": r["points"]}
-            for t, group in results.items() for r in group]  # fmt: skip
+                    f"generated/trained tokens {tokens['generated'] / max(tokens['trained'], 1):.2f}"
+                )
+    runs = [
+        {"task": t, **{k: r[k] for k in ("arm", "seed", "train_seconds", "tokens")}, "points": r["points"]}
+        for t, group in results.items()
+        for r in group
+    ]
     with open(os.path.join(output_dir, "runs.json"), "w") as f:
         json.dump({"max_steps": max_steps, "tiny": tiny, "runs": runs}, f, indent=2)
     return report(results, output_dir, spec)

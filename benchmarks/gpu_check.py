@@ -31,19 +31,17 @@ import tempfile
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+    os.environ.setdefault(_name, "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
 BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 RESULTS = os.path.join(BENCHMARKS, "results")
 JSON_NAME, TABLE_NAME, LOG_DIR = "gpu-check.json", "gpu-check.md", "gpu-check-logs"
-if BENCHMARKS not in sys.path:
-    sys.path.insert(0, BENCHMARKS)
+for _path in (REPO_ROOT, BENCHMARKS):  # the package, then gpu_parts.py beside this file (searched first)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 from gpu_parts import run_part  # noqa: E402  (beside this file: the parts this driver runs in child processes)
 
@@ -64,8 +62,14 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             versions[name] = None
     modules = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "flash_attn", "deepspeed")}
-    return {"gpus": gpus, "cuda": torch.version.cuda, "versions": versions, "supported": _supported_ranges(),
-            "modules": modules, "python": platform.python_version()}
+    return {
+        "gpus": gpus,
+        "cuda": torch.version.cuda,
+        "versions": versions,
+        "supported": _supported_ranges(),
+        "modules": modules,
+        "python": platform.python_version(),
+    }
 
 
 #: Packages every part imports, checked against trl-gspo's supported ranges (pyproject.toml's dependencies).
@@ -82,8 +86,11 @@ def _supported_ranges() -> dict[str, str]:
     with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
         requirements = [Requirement(line) for line in tomllib.load(f)["project"]["dependencies"]]
     order = {">": 0, "!": 1, "<": 2}  # lower bound first, as pyproject.toml writes them
-    return {req.name: ",".join(sorted(map(str, req.specifier), key=lambda spec: order.get(spec[0], 1)))
-            for req in requirements if req.name in CORE}  # fmt: skip
+    return {
+        req.name: ",".join(sorted(map(str, req.specifier), key=lambda spec: order.get(spec[0], 1)))
+        for req in requirements
+        if req.name in CORE
+    }
 
 
 def _core(env) -> list[str]:
@@ -139,8 +146,18 @@ def _self(part: str) -> Callable[[str], list[str]]:
 
 
 def _bench(*scenarios: str) -> Callable[[str], list[str]]:
-    return lambda out: [sys.executable, os.path.join(BENCHMARKS, "run.py"), "--device", "cuda", "--reps", "1",
-                        "--scenarios", ",".join(scenarios), "--out", out]  # fmt: skip
+    return lambda out: [
+        sys.executable,
+        os.path.join(BENCHMARKS, "run.py"),
+        "--device",
+        "cuda",
+        "--reps",
+        "1",
+        "--scenarios",
+        ",".join(scenarios),
+        "--out",
+        out,
+    ]
 
 
 def _round(value, digits: int = 4):
@@ -177,36 +194,90 @@ def _packing_note(env) -> str:
 
 
 PARTS = [
-    Part("parity_bf16", "bf16 loss and gradients of GSPOTrainer vs stock GRPOTrainer on the GPU, each against fp32",
-         150, _needs(), _self("parity_bf16"),
-         lambda r: {"cases passed": f"{r['passed']}/{len(r['cases'])}",
-                    "worst grad error ours": r["worst"]["ours"], "stock": r["worst"]["stock"]}),
-    Part("demo_cuda", "`trl-gspo demo` on one GPU in bf16, 300 steps: the held-out reward must rise as on CPU",
-         120, _needs(), _self("demo_cuda"),
-         lambda r: {"held-out": f"{r['before']:.3f} -> {r['after']:.3f}", "train s": round(r["train_seconds"], 1)}),
-    Part("benchmark", "`benchmarks/run.py --device cuda`: ours vs stock seconds/step and MFU with equal settings and "
-         "with sampler log-prob reuse, log-prob memory (Qwen3-0.6B shape, bf16, 1 repetition)", 480, _needs(),
-         _bench("equal_settings", "sampler_logprobs", "logprob_memory"), _bench_headline),
-    Part("loss_path", "`benchmarks/run.py --device cuda --scenarios loss_path`: _compute_loss + backward alone, ours "
-         "vs stock (the loss pipeline's overhead)", 180, _needs(), _bench("loss_path"), _bench_headline),
-    Part("packing", "layouts vs stock, training phase: long-tail rollouts at two batch shapes (the default layout, "
-         "trim + sort, packing) and ~1024-token prompts (shared prefixes, whole-group mini-batches)",
-         420, _needs(), _bench("long_tail", "long_prompt"), _bench_headline, _packing_note),
-    Part("vllm_routes", "`benchmarks/vllm_routes_smoke.py`: vLLM returns MoE routes R3 can replay; sampler/trainer "
-         "route mismatch", 120, _needs(_modules("vllm")),
-         lambda out: [sys.executable, os.path.join(BENCHMARKS, "vllm_routes_smoke.py"), "--out", out],
-         lambda r: {"vllm": r.get("engine"), "route mismatch (token, layer)": _round(r.get("mismatch_token_layer"))}),
-    Part("vllm_colocate", "GSPO training with colocated vLLM, old_logprobs_source='sampler' and routing_replay='R3' "
-         "on a tiny Qwen3-MoE", 210, _needs(_modules("vllm")), _self("vllm_colocate"),
-         lambda r: {k: _round(r.get(k)) for k in ("pi_old_passes", "sampler_logp_abs_diff", "r3_sampler_mismatch",
-                                                   "replay_coverage")}),  # fmt: skip
-    Part("zero2", "2-GPU DeepSpeed ZeRO-2 demo (shipped accelerate config): trains, saves a full model",
-         240, _needs(_two_gpus, _modules("deepspeed")), _self("zero2"),
-         lambda r: {"held-out": r.get("held_out"), "steps": r.get("steps")}),
-    Part("zero3", "2-GPU DeepSpeed ZeRO-3 demo (shipped accelerate config): trains, gathers and saves a full model",
-         240, _needs(_two_gpus, _modules("deepspeed")), _self("zero3"),
-         lambda r: {"held-out": r.get("held_out"), "steps": r.get("steps")}),
-]  # fmt: skip
+    Part(
+        "parity_bf16",
+        "bf16 loss and gradients of GSPOTrainer vs stock GRPOTrainer on the GPU, each against fp32",
+        150,
+        _needs(),
+        _self("parity_bf16"),
+        lambda r: {
+            "cases passed": f"{r['passed']}/{len(r['cases'])}",
+            "worst grad error ours": r["worst"]["ours"],
+            "stock": r["worst"]["stock"],
+        },
+    ),
+    Part(
+        "demo_cuda",
+        "`trl-gspo demo` on one GPU in bf16, 300 steps: the held-out reward must rise as on CPU",
+        120,
+        _needs(),
+        _self("demo_cuda"),
+        lambda r: {"held-out": f"{r['before']:.3f} -> {r['after']:.3f}", "train s": round(r["train_seconds"], 1)},
+    ),
+    Part(
+        "benchmark",
+        "`benchmarks/run.py --device cuda`: ours vs stock seconds/step and MFU with equal settings and "
+        "with sampler log-prob reuse, log-prob memory (Qwen3-0.6B shape, bf16, 1 repetition)",
+        480,
+        _needs(),
+        _bench("equal_settings", "sampler_logprobs", "logprob_memory"),
+        _bench_headline,
+    ),
+    Part(
+        "loss_path",
+        "`benchmarks/run.py --device cuda --scenarios loss_path`: _compute_loss + backward alone, ours "
+        "vs stock (the loss pipeline's overhead)",
+        180,
+        _needs(),
+        _bench("loss_path"),
+        _bench_headline,
+    ),
+    Part(
+        "packing",
+        "layouts vs stock, training phase: long-tail rollouts at two batch shapes (the default layout, "
+        "trim + sort, packing) and ~1024-token prompts (shared prefixes, whole-group mini-batches)",
+        420,
+        _needs(),
+        _bench("long_tail", "long_prompt"),
+        _bench_headline,
+        _packing_note,
+    ),
+    Part(
+        "vllm_routes",
+        "`benchmarks/vllm_routes_smoke.py`: vLLM returns MoE routes R3 can replay; sampler/trainer route mismatch",
+        120,
+        _needs(_modules("vllm")),
+        lambda out: [sys.executable, os.path.join(BENCHMARKS, "vllm_routes_smoke.py"), "--out", out],
+        lambda r: {"vllm": r.get("engine"), "route mismatch (token, layer)": _round(r.get("mismatch_token_layer"))},
+    ),
+    Part(
+        "vllm_colocate",
+        "GSPO training with colocated vLLM, old_logprobs_source='sampler' and routing_replay='R3' on a tiny Qwen3-MoE",
+        210,
+        _needs(_modules("vllm")),
+        _self("vllm_colocate"),
+        lambda r: {
+            k: _round(r.get(k))
+            for k in ("pi_old_passes", "sampler_logp_abs_diff", "r3_sampler_mismatch", "replay_coverage")
+        },
+    ),
+    Part(
+        "zero2",
+        "2-GPU DeepSpeed ZeRO-2 demo (shipped accelerate config): trains, saves a full model",
+        240,
+        _needs(_two_gpus, _modules("deepspeed")),
+        _self("zero2"),
+        lambda r: {"held-out": r.get("held_out"), "steps": r.get("steps")},
+    ),
+    Part(
+        "zero3",
+        "2-GPU DeepSpeed ZeRO-3 demo (shipped accelerate config): trains, gathers and saves a full model",
+        240,
+        _needs(_two_gpus, _modules("deepspeed")),
+        _self("zero3"),
+        lambda r: {"held-out": r.get("held_out"), "steps": r.get("steps")},
+    ),
+]
 
 
 # ------------------------------------------------------------------------------------------------ the driver
@@ -242,12 +313,21 @@ def execute(part: Part, budget_s: float, out_dir: str) -> dict:
 def _execute(part: Part, budget_s: float, result_path: str, log_path: str) -> dict:
     entry = {}
     start = time.perf_counter()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1")  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+    )
     try:
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(part.command(result_path), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                    env=env, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                part.command(result_path),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 code = proc.wait(timeout=budget_s)
             except subprocess.TimeoutExpired:
@@ -270,8 +350,10 @@ def _execute(part: Part, budget_s: float, result_path: str, log_path: str) -> di
         except Exception as err:  # noqa: BLE001 - a result without the expected numbers is still kept whole
             entry["headline"] = {"unreadable": f"{type(err).__name__}: {err}"}
     if code is None:
-        entry.update(status="timeout", error=f"stopped after its {round(budget_s)} s budget "
-                     f"({'partial result kept' if result else 'no result'})")  # fmt: skip
+        entry.update(
+            status="timeout",
+            error=f"stopped after its {round(budget_s)} s budget ({'partial result kept' if result else 'no result'})",
+        )
     elif code == 0 and result is not None:
         entry["status"] = result.get("status", "ok")
     elif result is not None and result.get("status") == "failed":
@@ -285,8 +367,14 @@ def markdown(report: dict) -> str:
     env = report["environment"]
     gpus = ", ".join(env["gpus"]) or "none"
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    lines = [f"# `make gpu-check`, {report['updated']}", "", f"GPUs: {gpus} (CUDA {env['cuda']}). {versions}.", "",
-             "| part | checks | status | time (budget) | result |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"# `make gpu-check`, {report['updated']}",
+        "",
+        f"GPUs: {gpus} (CUDA {env['cuda']}). {versions}.",
+        "",
+        "| part | checks | status | time (budget) | result |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for part in PARTS:
         entry = report["parts"].get(part.name)
         if entry is None:
@@ -321,13 +409,24 @@ def _print(message: str) -> None:
     print(message, flush=True)  # flushed: under make or a pipe the progress would otherwise arrive at the end
 
 
-def run(parts: list[Part], env: dict, out_dir: str | None, dry_run: bool = False, max_seconds: float = 1800,
-        keep: dict | None = None, log=_print) -> dict:  # fmt: skip
+def run(
+    parts: list[Part],
+    env: dict,
+    out_dir: str | None,
+    dry_run: bool = False,
+    max_seconds: float = 1800,
+    keep: dict | None = None,
+    log=_print,
+) -> dict:
     """Run (or, with `dry_run`, only plan) `parts` in order; results are saved after each part when `out_dir` is set.
     `keep`: entries of parts not run this time (from an earlier report), kept in the new one; each entry says when
     and on which GPUs it ran."""
-    report = {"updated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "environment": env,
-              "max_minutes": max_seconds / 60, "parts": dict(keep or {})}  # fmt: skip
+    report = {
+        "updated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "environment": env,
+        "max_minutes": max_seconds / 60,
+        "parts": dict(keep or {}),
+    }
     start = time.perf_counter()
     for part in parts:
         reasons = part.missing(env)
@@ -357,9 +456,12 @@ def main(argv=None) -> int:
     names = [part.name for part in PARTS]
     parser.add_argument("--parts", default=",".join(names), help=f"comma-separated subset of: {', '.join(names)}")
     parser.add_argument("--dry-run", action="store_true", help="list every part and why it would skip; run nothing")
-    parser.add_argument("--out-dir", default=None,
-                        help="where gpu-check.json/.md and the logs go (default: benchmarks/results; a dry run writes "
-                             "nothing unless given one)")  # fmt: skip
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="where gpu-check.json/.md and the logs go (default: benchmarks/results; a dry run writes "
+        "nothing unless given one)",
+    )
     parser.add_argument("--max-minutes", type=float, default=30, help="cap on the whole run (default 30)")
     parser.add_argument("--fresh", action="store_true", help="drop the results of parts not run this time")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -378,13 +480,19 @@ def main(argv=None) -> int:
         with open(os.path.join(out_dir, JSON_NAME)) as f:
             keep = {k: v for k, v in json.load(f).get("parts", {}).items() if k not in wanted}
     env = environment()
-    print(f"gpu-check: GPUs {env['gpus'] or 'none'}, CUDA {env['cuda'] or 'none'}; "
-          + ", ".join(f"{k} {v or 'not installed'}" for k, v in env["versions"].items()), flush=True)  # fmt: skip
+    print(
+        f"gpu-check: GPUs {env['gpus'] or 'none'}, CUDA {env['cuda'] or 'none'}; "
+        + ", ".join(f"{k} {v or 'not installed'}" for k, v in env["versions"].items()),
+        flush=True,
+    )
     report = run([p for p in PARTS if p.name in wanted], env, out_dir, args.dry_run, args.max_minutes * 60, keep)
     if out_dir is not None:
         print(f"gpu-check: results in {os.path.relpath(os.path.join(out_dir, JSON_NAME))} and {TABLE_NAME}")
-    bad = [name for name, entry in report["parts"].items() if name in wanted and entry["status"] in
-           ("failed", "error", "timeout")]  # fmt: skip
+    bad = [
+        name
+        for name, entry in report["parts"].items()
+        if name in wanted and entry["status"] in ("failed", "error", "timeout")
+    ]
     return 1 if bad else 0
 
 

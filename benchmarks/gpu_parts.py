@@ -59,17 +59,28 @@ def _bf16_case(settings: dict, fp32, tokenizer, workdir: str, device: str) -> di
 
     inputs = parity.make_inputs(fp32, seed=2, beta=settings.get("beta", 0) > 0)
     runs = {}
-    for label, cls, config_cls, dtype in (("reference", GRPOTrainer, GRPOConfig, torch.float32),
-                                          ("stock", GRPOTrainer, GRPOConfig, torch.bfloat16),
-                                          ("ours", GSPOTrainer, GSPOConfig, torch.bfloat16)):  # fmt: skip
+    for label, cls, config_cls, dtype in (
+        ("reference", GRPOTrainer, GRPOConfig, torch.float32),
+        ("stock", GRPOTrainer, GRPOConfig, torch.bfloat16),
+        ("ours", GSPOTrainer, GSPOConfig, torch.bfloat16),
+    ):
         model = copy.deepcopy(fp32).to(device=device, dtype=dtype)
         runs[label] = parity.loss_and_grads(cls, config_cls, model, settings, inputs, f"{workdir}/{label}", tokenizer)
     (loss_stock, grad_stock), (loss_ours, grad_ours) = (_errors(runs[k], runs["reference"]) for k in ("stock", "ours"))
-    passed = (bool(torch.isfinite(runs["ours"][0])) and loss_ours <= SLACK * loss_stock + LOSS_FLOOR
-              and grad_ours <= SLACK * grad_stock + GRAD_FLOOR)  # fmt: skip
-    return {"passed": passed, "loss_fp32": float(runs["reference"][0]), "loss_error_stock": loss_stock,
-            "loss_error_ours": loss_ours, "grad_error_stock": grad_stock, "grad_error_ours": grad_ours,
-            "loss_ours_minus_stock": float(runs["ours"][0]) - float(runs["stock"][0])}  # fmt: skip
+    passed = (
+        bool(torch.isfinite(runs["ours"][0]))
+        and loss_ours <= SLACK * loss_stock + LOSS_FLOOR
+        and grad_ours <= SLACK * grad_stock + GRAD_FLOOR
+    )
+    return {
+        "passed": passed,
+        "loss_fp32": float(runs["reference"][0]),
+        "loss_error_stock": loss_stock,
+        "loss_error_ours": loss_ours,
+        "grad_error_stock": grad_stock,
+        "grad_error_ours": grad_ours,
+        "loss_ours_minus_stock": float(runs["ours"][0]) - float(runs["stock"][0]),
+    }
 
 
 def parity_bf16(device: str = "cuda") -> dict:
@@ -77,7 +88,7 @@ def parity_bf16(device: str = "cuda") -> dict:
     from transformers import AutoModelForCausalLM
 
     from trl_gspo.cli import parity
-    from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+    from trl_gspo.testing import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     cases = {}
@@ -90,13 +101,23 @@ def parity_bf16(device: str = "cuda") -> dict:
                 settings = dict(parity.CASES.get(name) or parity.MOE_CASES[name])
                 settings.update(WIDE_CLIP if "epsilon" in settings else {})
                 cases[name] = _bf16_case(settings, fp32, tokenizer, f"{work}/{len(cases)}", device)
-    problems = [f"{name}: loss error {c['loss_error_ours']:.3g} (stock {c['loss_error_stock']:.3g}), gradient error "
-                f"{c['grad_error_ours']:.3g} (stock {c['grad_error_stock']:.3g})"
-                for name, c in cases.items() if not c["passed"]]  # fmt: skip
+    problems = [
+        f"{name}: loss error {c['loss_error_ours']:.3g} (stock {c['loss_error_stock']:.3g}), gradient error "
+        f"{c['grad_error_ours']:.3g} (stock {c['grad_error_stock']:.3g})"
+        for name, c in cases.items()
+        if not c["passed"]
+    ]
     worst = {who: max(c[f"grad_error_{who}"] for c in cases.values()) for who in ("ours", "stock")}
-    return {"status": "failed" if problems else "ok", "problems": problems, "passed": len(cases) - len(problems),
-            "cases": cases, "worst": worst, "wide_clip": WIDE_CLIP, "device": device,
-            "rule": f"error(ours) <= {SLACK} * error(stock) + {LOSS_FLOOR} (loss) / {GRAD_FLOOR} (gradient, relative)"}
+    return {
+        "status": "failed" if problems else "ok",
+        "problems": problems,
+        "passed": len(cases) - len(problems),
+        "cases": cases,
+        "worst": worst,
+        "wide_clip": WIDE_CLIP,
+        "device": device,
+        "rule": f"error(ours) <= {SLACK} * error(stock) + {LOSS_FLOOR} (loss) / {GRAD_FLOOR} (gradient, relative)",
+    }
 
 
 # ------------------------------------------------------------------------------------------------ demo and smoke runs
@@ -110,9 +131,14 @@ def demo_cuda() -> dict:
     with tempfile.TemporaryDirectory(prefix="gpu-check-demo-") as work:
         result = run_demo(work, use_cpu=False, bf16=True, max_steps=DEMO_STEPS, logging_steps=50)
     learned = result["after"] >= DEMO_MIN_AFTER
-    return {"status": "ok" if learned else "failed", "before": result["before"], "after": result["after"],
-            "train_seconds": result["train_seconds"], "steps": DEMO_STEPS,
-            "expected": f"held-out reward after {DEMO_STEPS} steps >= {DEMO_MIN_AFTER} (CPU: 0.23-0.31)"}  # fmt: skip
+    return {
+        "status": "ok" if learned else "failed",
+        "before": result["before"],
+        "after": result["after"],
+        "train_seconds": result["train_seconds"],
+        "steps": DEMO_STEPS,
+        "expected": f"held-out reward after {DEMO_STEPS} steps >= {DEMO_MIN_AFTER} (CPU: 0.23-0.31)",
+    }
 
 
 @contextlib.contextmanager
@@ -155,17 +181,30 @@ def vllm_colocate(use_vllm: bool = True, device: str = "cuda", max_steps: int = 
     from trl_gspo import GSPOConfig, GSPOTrainer
     from trl_gspo.cli.console import use_console
     from trl_gspo.cli.demo import demo_reward, make_demo_dataset
-    from trl_gspo.cli.tiny import save_tiny_model
+    from trl_gspo.testing import save_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as work:
         path = save_tiny_model(f"{work}/moe", moe=True)
         args = GSPOConfig(
-            output_dir=f"{work}/out", use_cpu=device == "cpu", bf16=device == "cuda", learning_rate=1e-3,
-            max_steps=max_steps, logging_steps=1, per_device_train_batch_size=8, num_generations=4,
-            steps_per_generation=4, max_completion_length=8, report_to=[], save_strategy="no", disable_tqdm=True,
-            old_logprobs_source="sampler", routing_replay="R3", use_vllm=use_vllm, vllm_mode="colocate",
+            output_dir=f"{work}/out",
+            use_cpu=device == "cpu",
+            bf16=device == "cuda",
+            learning_rate=1e-3,
+            max_steps=max_steps,
+            logging_steps=1,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            steps_per_generation=4,
+            max_completion_length=8,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            old_logprobs_source="sampler",
+            routing_replay="R3",
+            use_vllm=use_vllm,
+            vllm_mode="colocate",
             vllm_gpu_memory_utilization=0.3,
-        )  # fmt: skip
+        )
         trainer = GSPOTrainer(path, demo_reward, args=args, train_dataset=make_demo_dataset(64))
         use_console(trainer)  # one line per step in the part's log
         with _count_no_grad_forwards() as passes:
@@ -175,16 +214,20 @@ def vllm_colocate(use_vllm: bool = True, device: str = "cuda", max_steps: int = 
     def values(key):
         return [row[key] for row in rows if key in row]
 
-    found = {"steps": len(rows), "pi_old_passes": passes[0],
-             "sampler_logp_abs_diff": max(values("sampler/logp_abs_diff/mean"), default=None),
-             "r3_sampler_mismatch": max(values("moe/r3/sampler_mismatch"), default=None),
-             "replay_coverage": min(values("moe/replay/coverage"), default=None), "engine": "vllm" if use_vllm else
-             "transformers generate"}  # fmt: skip
+    found = {
+        "steps": len(rows),
+        "pi_old_passes": passes[0],
+        "sampler_logp_abs_diff": max(values("sampler/logp_abs_diff/mean"), default=None),
+        "r3_sampler_mismatch": max(values("moe/r3/sampler_mismatch"), default=None),
+        "replay_coverage": min(values("moe/replay/coverage"), default=None),
+        "engine": "vllm" if use_vllm else "transformers generate",
+    }
     problems = [f"{max_steps - len(rows)} steps not logged"] if len(rows) != max_steps else []
     problems += ["a loss is not finite"] if not all(math.isfinite(row["loss"]) for row in rows) else []
     problems += [f"TRL's pi_old pass ran {passes[0]} times (sampler log-probs not reused)"] if passes[0] else []
-    problems += [f"{key} never logged" for key in ("sampler_logp_abs_diff", "r3_sampler_mismatch")
-                 if found[key] is None]  # fmt: skip
+    problems += [
+        f"{key} never logged" for key in ("sampler_logp_abs_diff", "r3_sampler_mismatch") if found[key] is None
+    ]
     problems += ["routing replay covered no completion token"] if not found["replay_coverage"] else []
     return {"status": "failed" if problems else "ok", "problems": problems, **found}
 
@@ -203,10 +246,28 @@ def zero_command(stage: int, output_dir: str, num_processes: int = 2) -> list[st
     from trl_gspo.cli.shipped import resolve_shipped
 
     config = resolve_shipped(f"zero{stage}", "accelerate config")
-    launch = ["--config_file", str(config), "--num_processes", str(num_processes), "--main_process_port",
-              str(_free_port())]  # fmt: skip
-    demo = ["--use_cpu", "false", "--bf16", "true", "--max_steps", str(ZERO_STEPS), "--logging_steps", "10",
-            "--num_eval_prompts", "50", "--output_dir", output_dir]  # fmt: skip
+    launch = [
+        "--config_file",
+        str(config),
+        "--num_processes",
+        str(num_processes),
+        "--main_process_port",
+        str(_free_port()),
+    ]
+    demo = [
+        "--use_cpu",
+        "false",
+        "--bf16",
+        "true",
+        "--max_steps",
+        str(ZERO_STEPS),
+        "--logging_steps",
+        "10",
+        "--num_eval_prompts",
+        "50",
+        "--output_dir",
+        output_dir,
+    ]
     return [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "trl_gspo", "demo", *demo]
 
 
@@ -246,8 +307,9 @@ def zero(stage: int) -> dict:
     """The 2-GPU ZeRO demo; its output streams into the part's log while it runs."""
     with tempfile.TemporaryDirectory(prefix=f"gpu-check-zero{stage}-") as work:
         out = os.path.join(work, "run")
-        proc = subprocess.Popen(zero_command(stage, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, cwd=REPO_ROOT)  # fmt: skip
+        proc = subprocess.Popen(
+            zero_command(stage, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT
+        )
         lines = []
         for line in proc.stdout:
             print(line, end="", flush=True)
@@ -258,12 +320,22 @@ def zero(stage: int) -> dict:
     if code != 0 and (problems or TEARDOWN_ABORT not in log):  # a teardown abort after a complete run is tolerated
         problems.insert(0, f"launcher exited {code}")
     held_out = re.search(r"before (\S+) -> after (\S+)", log)
-    return {"status": "failed" if problems else "ok", "problems": problems, "steps": ZERO_STEPS, "exit_code": code,
-            "held_out": f"{held_out[1]} -> {held_out[2]}" if held_out else None}  # fmt: skip
+    return {
+        "status": "failed" if problems else "ok",
+        "problems": problems,
+        "steps": ZERO_STEPS,
+        "exit_code": code,
+        "held_out": f"{held_out[1]} -> {held_out[2]}" if held_out else None,
+    }
 
 
-IN_PROCESS = {"parity_bf16": parity_bf16, "demo_cuda": demo_cuda, "vllm_colocate": vllm_colocate,
-              "zero2": lambda: zero(2), "zero3": lambda: zero(3)}  # fmt: skip
+IN_PROCESS = {
+    "parity_bf16": parity_bf16,
+    "demo_cuda": demo_cuda,
+    "vllm_colocate": vllm_colocate,
+    "zero2": lambda: zero(2),
+    "zero3": lambda: zero(3),
+}
 
 
 def run_part(name: str, result_path: str) -> int:

@@ -26,7 +26,7 @@ def main(argv=None):
     parser.add_argument("--stop", type=int, default=15, help="step after which the interrupted run saved and stopped")
     args = parser.parse_args(argv)
 
-    from fault_utils import PROMPTS, make_trainer, weights
+    from helpers.fault_utils import PROMPTS, make_trainer, weights
     from trl import GRPOTrainer
 
     from trl_gspo import GSPOTrainer
@@ -35,13 +35,19 @@ def main(argv=None):
         def _get_train_sampler(self, *a, **k):
             return GRPOTrainer._get_train_sampler(self, *a, **k)
 
-    settings = dict(prompts=PROMPTS[: args.prompts], max_steps=args.max_steps, num_generations=4,
-                    per_device_train_batch_size=4, steps_per_generation=4)  # fmt: skip
+    settings = dict(
+        prompts=PROMPTS[: args.prompts],
+        max_steps=args.max_steps,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        steps_per_generation=4,
+    )
     result = {"prompts": args.prompts, "max_steps": args.max_steps, "stop": args.stop}
     with tempfile.TemporaryDirectory() as tmp:
         for name, cls in (("trl_gspo", GSPOTrainer), ("stock_sampler", StockSampler)):
-            straight = make_trainer(os.path.join(tmp, name), trainer_cls=cls, save_strategy="steps",
-                                    save_steps=args.stop, **settings)  # fmt: skip
+            straight = make_trainer(
+                os.path.join(tmp, name), trainer_cls=cls, save_strategy="steps", save_steps=args.stop, **settings
+            )
             straight.train()
             resumed = make_trainer(os.path.join(tmp, name + "-resumed"), trainer_cls=cls, **settings)
             resumed.train(resume_from_checkpoint=os.path.join(tmp, name, f"checkpoint-{args.stop}"))

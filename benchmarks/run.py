@@ -88,8 +88,16 @@ from scenarios.workload import (  # noqa: E402
 #: bf16 tensor-core figures with 2:4 sparsity; dense is half: H100 SXM and H200 SXM 1,979 -> 989, H100 NVL and H200
 #: NVL 1,671 -> 835, H100 PCIe 1,513 -> 756. A100 312, L40S 362 and A10G 70 are dense already. Override with
 #: --peak-tflops.
-BF16_PEAK_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-                   "A100": 312e12, "L40S": 362e12, "A10G": 70e12}  # fmt: skip
+BF16_PEAK_FLOPS = {
+    "H200 NVL": 835e12,
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+}
 
 
 def bf16_peak_flops(device_name: str) -> float | None:
@@ -104,9 +112,15 @@ def _worker(spec: dict) -> dict:
     torch.manual_seed(0)
     if spec["task"] == "train":
         return run_training(
-            spec["kind"], spec["source"], spec["shape"], spec["device"], spec["out_dir"], spec["gradient_checkpointing"],
-            spec.get("settings"), spec.get("long_tail", False),
-        )  # fmt: skip
+            spec["kind"],
+            spec["source"],
+            spec["shape"],
+            spec["device"],
+            spec["out_dir"],
+            spec["gradient_checkpointing"],
+            spec.get("settings"),
+            spec.get("long_tail", False),
+        )
     if spec["task"] == "loss_path":
         return loss_path(spec["shape"], spec["device"], spec["iters"])
     if spec["task"] == "async":
@@ -117,8 +131,14 @@ def _worker(spec: dict) -> dict:
 def _summary(sc: dict) -> dict:
     """Ratios of a scenario (layout scenarios: per shape and variant)."""
     if all(isinstance(v, dict) and "variants" in v for v in sc.values()):
-        return {key: {v: {k: x for k, x in sub[v].items() if k.startswith("ratio") or k == "prompt_tokens_saved_per_step"}
-                      for v in sub["variants"] if v != "stock"} for key, sub in sc.items()}  # fmt: skip
+        return {
+            key: {
+                v: {k: x for k, x in sub[v].items() if k.startswith("ratio") or k == "prompt_tokens_saved_per_step"}
+                for v in sub["variants"]
+                if v != "stock"
+            }
+            for key, sub in sc.items()
+        }
     keep = (*ASYNC_VARIANTS, "floor_ratio", "generation_share")
     return {k: v for k, v in sc.items() if k.startswith(("ratio", "stock_old")) or k == "mfu" or k in keep}
 
@@ -133,12 +153,18 @@ def main(argv=None):
         default="loss_path,equal_settings,equal_settings_no_diagnostics,sampler_logprobs,logprob_memory,long_tail,"
         "long_prompt",
     )
-    parser.add_argument("--no-gradient-checkpointing", action="store_true",
-                        help="train both trainers without activation checkpointing (TRL's default is on)")  # fmt: skip
+    parser.add_argument(
+        "--no-gradient-checkpointing",
+        action="store_true",
+        help="train both trainers without activation checkpointing (TRL's default is on)",
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak for MFU (TFLOP/s)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/<device>.json)")
-    parser.add_argument("--variants", default=None,
-                        help="comma-separated subset of the layout scenarios' variants to run (default: all)")  # fmt: skip
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated subset of the layout scenarios' variants to run (default: all)",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -184,8 +210,12 @@ def main(argv=None):
         "gradient_checkpointing": gradient_checkpointing,
         "loss_settings": LOSS_SETTINGS,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "versions": {"torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},  # fmt: skip
+        "versions": {
+            "torch": torch.__version__,
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "scenarios": {},
     }
@@ -206,8 +236,10 @@ def main(argv=None):
         spec = dict(task="loss_path", shape=shape, device=args.device, iters=iters)
         report["scenarios"]["loss_path"] = driver.run_worker(spec)
         lp = report["scenarios"]["loss_path"]
-        log(f"  ratio ours/stock: {lp['ratio_cpu_seconds']:.4f}, diagnostics off: "
-            f"{lp['ratio_cpu_seconds_no_diagnostics']:.4f}, untrimmed: {lp['ratio_untrimmed_cpu_seconds']:.4f} (cpu time)")
+        log(
+            f"  ratio ours/stock: {lp['ratio_cpu_seconds']:.4f}, diagnostics off: "
+            f"{lp['ratio_cpu_seconds_no_diagnostics']:.4f}, untrimmed: {lp['ratio_untrimmed_cpu_seconds']:.4f} (cpu time)"
+        )
         save()
     if "equal_settings" in wanted:
         log("equal_settings (old_logprobs_source='recompute')")
@@ -218,9 +250,16 @@ def main(argv=None):
     if "equal_settings_no_diagnostics" in wanted:
         log("equal_settings_no_diagnostics (old_logprobs_source='recompute', diagnostics=False)")
         report["scenarios"]["equal_settings_no_diagnostics"] = compare(
-            "equal_settings_no_diagnostics", "recompute", shape, args.device, reps, work_dir, log,
-            gradient_checkpointing, diagnostics=False,
-        )  # fmt: skip
+            "equal_settings_no_diagnostics",
+            "recompute",
+            shape,
+            args.device,
+            reps,
+            work_dir,
+            log,
+            gradient_checkpointing,
+            diagnostics=False,
+        )
         save()
     if "sampler_logprobs" in wanted:
         log("sampler_logprobs (old_logprobs_source='sampler')")
@@ -239,18 +278,32 @@ def main(argv=None):
         report["scenarios"][name] = {}
         for key in LAYOUT_SHAPES[name]:
             sc_shape = {**shape, **shape["long_tail"], **shape[key]}  # long_tail's entry is every scenario's base
-            log(f"{name} / {key} (identical rollouts: prompts of {sc_shape['prompt_range']} tokens, completions "
+            log(
+                f"{name} / {key} (identical rollouts: prompts of {sc_shape['prompt_range']} tokens, completions "
                 f"lognormal up to {sc_shape['completion']}; {sc_shape['batch']} rows x {sc_shape['accumulation']} "
-                f"micro-batches per optimizer step, {STEPS_PER_GENERATION} optimizer steps per rollout)")
+                f"micro-batches per optimizer step, {STEPS_PER_GENERATION} optimizer steps per rollout)"
+            )
             report["scenarios"][name][key] = layout_scenario(
-                key, sc_shape, args.device, args.reps or sc_shape["reps"], work_dir, log, gradient_checkpointing,
-                {k: v for k, v in LAYOUT_VARIANTS[name].items() if args.variants is None or k in args.variants.split(",")},
-            )  # fmt: skip
+                key,
+                sc_shape,
+                args.device,
+                args.reps or sc_shape["reps"],
+                work_dir,
+                log,
+                gradient_checkpointing,
+                {
+                    k: v
+                    for k, v in LAYOUT_VARIANTS[name].items()
+                    if args.variants is None or k in args.variants.split(",")
+                },
+            )
             save()
     if "async" in wanted:
         a_shape = dict(ASYNC_SHAPES["tiny" if args.tiny else args.device])
-        log(f"async (sync vs async_generation staleness 1 and 2, transformers generator; {a_shape['batch']} rows x "
-            f"{STEPS_PER_GENERATION} mini-batches per rollout, {a_shape['completion']}-token completions)")
+        log(
+            f"async (sync vs async_generation staleness 1 and 2, transformers generator; {a_shape['batch']} rows x "
+            f"{STEPS_PER_GENERATION} mini-batches per rollout, {a_shape['completion']}-token completions)"
+        )
         report["scenarios"]["async"] = async_scenario(a_shape, args.device, args.reps or a_shape["reps"], work_dir, log)
         save()
     if "logprob_memory" in wanted:
@@ -258,9 +311,7 @@ def main(argv=None):
         # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.
         report["scenarios"]["logprob_memory"] = memory_scenario(shape, args.device, min(reps, 2), log)
     save()
-    summary = {
-        name: _summary(sc) for name, sc in report["scenarios"].items()
-    }
+    summary = {name: _summary(sc) for name, sc in report["scenarios"].items()}
     log(json.dumps(summary, indent=2))
     print(json.dumps({"out": out, "device_name": device_name, "ratios": summary}))  # last stdout line: machine-readable
     return report

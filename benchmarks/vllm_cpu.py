@@ -32,11 +32,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the real-vLLM set's model and server helpers
 
 SHAPES = {
-    "short": dict(per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=1,
-                  max_completion_length=32, prompt_words=(3, 9)),
-    "long": dict(per_device_train_batch_size=8, num_generations=8, gradient_accumulation_steps=4,
-                 max_completion_length=128, prompt_words=(200, 260)),
-}  # fmt: skip
+    "short": dict(
+        per_device_train_batch_size=8,
+        num_generations=4,
+        gradient_accumulation_steps=1,
+        max_completion_length=32,
+        prompt_words=(3, 9),
+    ),
+    "long": dict(
+        per_device_train_batch_size=8,
+        num_generations=8,
+        gradient_accumulation_steps=4,
+        max_completion_length=128,
+        prompt_words=(200, 260),
+    ),
+}
 
 
 def prompts(words: tuple[int, int], count: int = 64) -> list[str]:
@@ -61,12 +71,28 @@ def one_run(model_dir: str, url: str | None, shape: str, rollouts: int, out: str
         vllm = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
     else:
         vllm = dict(use_vllm=False)
-    args = GSPOConfig(output_dir=out, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                      learning_rate=1e-5, max_steps=4 * (1 + rollouts), logging_steps=1, disable_tqdm=True, **settings, **vllm)  # fmt: skip
+    args = GSPOConfig(
+        output_dir=out,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        learning_rate=1e-5,
+        max_steps=4 * (1 + rollouts),
+        logging_steps=1,
+        disable_tqdm=True,
+        **settings,
+        **vllm,
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trainer = GSPOTrainer(model_dir, lambda completions, **k: [float(len(c.split()) % 4) for c in completions],
-                          args=args, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": prompts(words)}))  # fmt: skip
+    trainer = GSPOTrainer(
+        model_dir,
+        lambda completions, **k: [float(len(c.split()) % 4) for c in completions],
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompts(words)}),
+    )
     generation, step_times, generate = [], [], trainer._generate
 
     def timed_generate(*a, **k):
@@ -98,8 +124,13 @@ def one_run(model_dir: str, url: str | None, shape: str, rollouts: int, out: str
 
         del trainer, generate
         release_colocated_engine()
-    return {"step_s": step_s, "generation_s": gen_s, "generation_share": gen_s / step_s,
-            "completion_mean_length": statistics.mean(lengths), "steps_s_and_generation_s": [list(t) for t in step_times]}  # fmt: skip
+    return {
+        "step_s": step_s,
+        "generation_s": gen_s,
+        "generation_share": gen_s / step_s,
+        "completion_mean_length": statistics.mean(lengths),
+        "steps_s_and_generation_s": [list(t) for t in step_times],
+    }
 
 
 def main():
@@ -117,13 +148,20 @@ def main():
     import vllm
     from real_vllm.conftest import colocated_engine_dtype, running_server, save_served_model
 
-    colocated_engine_dtype("float32")  # the colocated engine in fp32, like the server and the trainer (module docstring)
+    colocated_engine_dtype(
+        "float32"
+    )  # the colocated engine in fp32, like the server and the trainer (module docstring)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     work = tempfile.mkdtemp(prefix="gspo-vllm-cpu-")
     model_dir = save_served_model(os.path.join(work, "model"))  # the tiny Qwen3 of tests/real_vllm
-    results = {"command": " ".join(["benchmarks/vllm_cpu.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d"),
-               "vllm": vllm.__version__, "shapes": {k: dict(v) for k, v in SHAPES.items()}, "runs": []}  # fmt: skip
+    results = {
+        "command": " ".join(["benchmarks/vllm_cpu.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d"),
+        "vllm": vllm.__version__,
+        "shapes": {k: dict(v) for k, v in SHAPES.items()},
+        "runs": [],
+    }
     with running_server(model_dir, max_model_len=512) as (server_url, _):
         for shape in cli.shapes:
             backends = ["transformers", "vllm_server", "vllm_colocate"]
@@ -132,19 +170,25 @@ def main():
                 url = {"vllm_server": server_url, "vllm_colocate": "colocate"}.get(backend)
                 run = one_run(model_dir, url, shape, cli.rollouts, os.path.join(work, f"{shape}-{index}"))
                 results["runs"].append({"shape": shape, "backend": backend, **run})
-                print(f"{shape:6s} {backend:14s} step {run['step_s']:.3f} s  generation {run['generation_s']:.3f} s "
-                      f"({100 * run['generation_share']:.0f}%)  mean length {run['completion_mean_length']:.1f}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{shape:6s} {backend:14s} step {run['step_s']:.3f} s  generation {run['generation_s']:.3f} s "
+                    f"({100 * run['generation_share']:.0f}%)  mean length {run['completion_mean_length']:.1f}",
+                    flush=True,
+                )
     for shape in cli.shapes:
-        by = {b: [r for r in results["runs"] if r["shape"] == shape and r["backend"] == b]
-              for b in ("transformers", "vllm_server", "vllm_colocate")}  # fmt: skip
+        by = {
+            b: [r for r in results["runs"] if r["shape"] == shape and r["backend"] == b]
+            for b in ("transformers", "vllm_server", "vllm_colocate")
+        }
         summary = {}
         for backend, runs in by.items():
             summary[f"{backend}_step_s"] = statistics.median(r["step_s"] for r in runs)
             summary[f"{backend}_generation_s"] = statistics.median(r["generation_s"] for r in runs)
             summary[f"{backend}_generation_share"] = statistics.median(r["generation_share"] for r in runs)
         for backend in ("vllm_server", "vllm_colocate"):
-            summary[f"step_ratio_{backend}_over_transformers"] = summary[f"{backend}_step_s"] / summary["transformers_step_s"]
+            summary[f"step_ratio_{backend}_over_transformers"] = (
+                summary[f"{backend}_step_s"] / summary["transformers_step_s"]
+            )
         results.setdefault("summary", {})[shape] = summary
     os.makedirs(os.path.dirname(os.path.abspath(cli.out)), exist_ok=True)
     with open(cli.out, "w") as f:

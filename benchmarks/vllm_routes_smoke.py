@@ -45,25 +45,35 @@ def stand_in_engine(model, hooks, tokenizer, max_tokens: int):
         batch = torch.tensor([[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
         with torch.no_grad(), hooks.log_calls() as log:
-            out = model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=max_tokens, do_sample=True,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+            out = model.generate(
+                input_ids=batch,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                do_sample=True,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
         completions = []
         for row in out[:, width:].tolist():
             end = next((i + 1 for i, t in enumerate(row) if t == tokenizer.eos_token_id), len(row))
             completions.append(row[:end])
         routes = routes_from_generate(log, len(ids), [len(x) for x in ids], [len(c) for c in completions])
         return [
-            types.SimpleNamespace(prompt_token_ids=x, outputs=[types.SimpleNamespace(
-                token_ids=c, routed_experts=r[:-1].numpy().astype(np.int32))])  # vLLM: P + C - 1 rows
+            types.SimpleNamespace(
+                prompt_token_ids=x,
+                outputs=[types.SimpleNamespace(token_ids=c, routed_experts=r[:-1].numpy().astype(np.int32))],
+            )  # vLLM: P + C - 1 rows
             for x, c, r in zip(ids, completions, routes)
-        ]  # fmt: skip
+        ]
 
     return types.SimpleNamespace(generate=generate)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="MoE model folder or Hub id (default: tiny Qwen3-MoE from config)")
+    parser.add_argument(
+        "--model", default=None, help="MoE model folder or Hub id (default: tiny Qwen3-MoE from config)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="CPU stand-in engine instead of vLLM")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", help="vLLM and trainer dtype (fp32 in --dry-run)")
@@ -73,9 +83,9 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_gspo.cli.tiny import save_tiny_model
     from trl_gspo.moe.route_sources import routes_from_engine, vllm_routes_from_outputs
     from trl_gspo.moe.routing import RouterHooks
+    from trl_gspo.testing import save_tiny_model
 
     model_dir = args.model or save_tiny_model(tempfile.mkdtemp(prefix="tiny-moe-"), moe=True)
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
@@ -92,23 +102,40 @@ def main(argv=None) -> dict:
     else:
         import vllm
 
-        engine = vllm.LLM(model=model_dir, dtype=args.dtype, enable_return_routed_experts=True, enforce_eager=True,
-                          gpu_memory_utilization=0.3, logprobs_mode="processed_logprobs")  # fmt: skip
+        engine = vllm.LLM(
+            model=model_dir,
+            dtype=args.dtype,
+            enable_return_routed_experts=True,
+            enforce_eager=True,
+            gpu_memory_utilization=0.3,
+            logprobs_mode="processed_logprobs",
+        )
         params, version = vllm.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, logprobs=0), vllm.__version__
     outputs = engine.generate(prompts, params)
     raw = vllm_routes_from_outputs(outputs)
 
     config = model.config.get_text_config()
     layers = [r.decoder_layer for r in hooks.routers]
-    report = {"engine": version, "model": args.model or "tiny Qwen3-MoE (from config)", "dtype": str(dtype),
-              "moe_layers": len(layers), "top_k": hooks.top_k, "completions": []}  # fmt: skip
+    report = {
+        "engine": version,
+        "model": args.model or "tiny Qwen3-MoE (from config)",
+        "dtype": str(dtype),
+        "moe_layers": len(layers),
+        "top_k": hooks.top_k,
+        "completions": [],
+    }
     mismatch = [0, 0, 0, 0]  # differing (token, layer) pairs, pairs, tokens differing in any layer, tokens
     for request, r in zip(outputs, raw):
         completion = request.outputs[0].token_ids
         p, c = len(request.prompt_token_ids), len(completion)
         shape = getattr(r, "shape", None)
-        entry = {"prompt_tokens": p, "completion_tokens": c, "type": type(r).__name__,
-                 "dtype": str(getattr(r, "dtype", "")), "shape": list(shape) if shape is not None else None}  # fmt: skip
+        entry = {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "type": type(r).__name__,
+            "dtype": str(getattr(r, "dtype", "")),
+            "shape": list(shape) if shape is not None else None,
+        }
         routes = routes_from_engine(r, p, c, layers, config.num_hidden_layers, hooks.top_k, hooks.num_experts, "vLLM")
         ids = torch.tensor([list(request.prompt_token_ids) + list(completion)], device=device)
         with torch.no_grad(), hooks.forward_pass(1, p + c) as observed:

@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from trl_gspo.cli.tiny import build_tokenizer
+    from trl_gspo.testing import build_tokenizer
 
     return build_tokenizer()
 
@@ -23,13 +23,26 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny dense Qwen3 + tokenizer saved once per session, loadable with from_pretrained."""
-    from trl_gspo.cli.tiny import save_tiny_model
+    from trl_gspo.testing import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory):
-    from trl_gspo.cli.tiny import save_tiny_model
+    from trl_gspo.testing import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), moe=True)
+
+
+@pytest.fixture(scope="session")
+def trainer_factory(tokenizer):
+    """The tests' trainers (tests/helpers/trainers.py `build_trainer`) with the shared tokenizer fixture:
+    `trainer_factory(defaults, output_dir=..., **settings)`, `defaults` a test file's dict of `build_trainer` arguments
+    (reward, prompts, config fields), each of which `settings` may replace."""
+    from helpers.trainers import build_trainer
+
+    def make(defaults=None, /, output_dir=None, **settings):
+        return build_trainer(output_dir, tokenizer=tokenizer, **{**(defaults or {}), **settings})
+
+    return make

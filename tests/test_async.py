@@ -29,12 +29,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from datasets import Dataset
-from fault_utils import PROMPTS, length_reward, make_trainer
+from helpers.fault_utils import PROMPTS, length_reward, make_trainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer, losses
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.guards import checkpointing
 from trl_gspo.rollout.async_backends import GeneratorThreadError, TransformersGenerator
+from trl_gspo.testing import build_tiny_model
 
 U = 2  # fault_utils: steps_per_generation=2, one micro-batch per optimizer step -> 2 optimizer steps per rollout
 
@@ -88,8 +88,12 @@ def test_behaviour_weights_against_loops(bound):
 def test_length_normalized_weight_keeps_long_answers():
     """TRL's exp(sum) passes the cap of 3 for a 1e-3 per-token gap over 2,048 tokens; the geometric mean stays ~1."""
     prox, mu, mask = torch.zeros(1, 2048), torch.full((1, 2048), -1e-3), torch.ones(1, 2048)
-    summed, _ = losses.bounded_behaviour_weights(losses.behaviour_log_weights(prox, mu, mask, True, False), "mask", None, 3.0)
-    mean, _ = losses.bounded_behaviour_weights(losses.behaviour_log_weights(prox, mu, mask, True, True), "mask", None, 3.0)
+    summed, _ = losses.bounded_behaviour_weights(
+        losses.behaviour_log_weights(prox, mu, mask, True, False), "mask", None, 3.0
+    )
+    mean, _ = losses.bounded_behaviour_weights(
+        losses.behaviour_log_weights(prox, mu, mask, True, True), "mask", None, 3.0
+    )
     assert summed.item() == 0.0 and mean.item() == pytest.approx(1.001, abs=1e-4)
 
 
@@ -105,10 +109,12 @@ def test_length_normalized_is_the_default_for_sequence_levels(tmp_path):
     assert config(vllm_importance_sampling_length_normalized=False).vllm_importance_sampling_length_normalized is False
 
 
-def test_sync_vllm_flow_uses_length_normalized_correction_by_default(tokenizer, tmp_path):
+def test_sync_vllm_flow_uses_length_normalized_correction_by_default(tokenizer, tmp_path, trainer_factory):
     from test_sampler_logprobs import _fake_vllm, _first_rollout
 
-    trainer = _fake_vllm(tokenizer, tmp_path, is_correction=True, old_logprobs_source="recompute")
+    trainer = _fake_vllm(
+        tokenizer, tmp_path, is_correction=True, old_logprobs_source="recompute", trainer_factory=trainer_factory
+    )
     assert trainer.args.vllm_importance_sampling_mode == "sequence_mask"  # TRL's default mode, left alone
     for batch in _first_rollout(trainer):
         m = batch["completion_mask"].float()
@@ -124,7 +130,11 @@ def _naive_decoupled_loss(model, batch, level, bound, lo, hi, eps_low, eps_high,
     width = batch["completion_ids"].size(1)
     logits = model(input_ids=ids, attention_mask=att).logits[:, -width - 1 : -1].double() / temperature
     lp = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None])[..., 0]
-    old, mu, mask = batch["old_per_token_logps"].double(), batch["sampling_per_token_logps"].double(), batch["completion_mask"]
+    old, mu, mask = (
+        batch["old_per_token_logps"].double(),
+        batch["sampling_per_token_logps"].double(),
+        batch["completion_mask"],
+    )
     total = 0.0
     for i in range(ids.size(0)):
         valid = [t for t in range(width) if mask[i, t] > 0]
@@ -156,11 +166,25 @@ def _naive_decoupled_loss(model, batch, level, bound, lo, hi, eps_low, eps_high,
 
 def _scored_batch(tokenizer, tmp_path, level, **overrides):
     clip = dict(epsilon=0.2, epsilon_high=0.28) if level == "token" else dict(epsilon=3e-4, epsilon_high=4e-4)
-    args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                      max_steps=1, disable_tqdm=True, per_device_train_batch_size=8, num_generations=4,
-                      steps_per_generation=4, max_completion_length=6, temperature=0.9, seed=0,
-                      importance_sampling_level=level, async_generation=True, gradient_checkpointing=False,
-                      **{**clip, **overrides})  # fmt: skip
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        max_steps=1,
+        disable_tqdm=True,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        steps_per_generation=4,
+        max_completion_length=6,
+        temperature=0.9,
+        seed=0,
+        importance_sampling_level=level,
+        async_generation=True,
+        gradient_checkpointing=False,
+        **{**clip, **overrides},
+    )
     model = build_tiny_model(tokenizer, seed=0)
     dataset = Dataset.from_dict({"prompt": [f"copy {a} {b} :" for a in range(4) for b in range(4)]})
     trainer = GSPOTrainer(model, length_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
@@ -174,31 +198,41 @@ def _scored_batch(tokenizer, tmp_path, level, **overrides):
     batch["old_per_token_logps"] = batch["old_per_token_logps"] + 0.02 * torch.randn(m.shape, generator=g)
     batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + 0.25 * torch.randn(m.shape, generator=g)
     batch["advantages"] = torch.randn(batch["advantages"].shape, generator=g)
-    return trainer, {k: v[:8] if isinstance(v, torch.Tensor) and v.dim() and v.size(0) == m.size(0) else v
-                     for k, v in batch.items()}  # fmt: skip
+    return trainer, {
+        k: v[:8] if isinstance(v, torch.Tensor) and v.dim() and v.size(0) == m.size(0) else v for k, v in batch.items()
+    }
 
 
 @pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
 @pytest.mark.parametrize("bound", ["truncate", "mask"])
 def test_decoupled_loss_and_gradients_match_naive_reference(tokenizer, tmp_path, level, bound):
     lo, hi = 0.9, 1.1  # tight bounds so some weights are truncated / masked
-    trainer, batch = _scored_batch(tokenizer, tmp_path, level, vllm_importance_sampling_mode=f"sequence_{bound}",
-                                   vllm_importance_sampling_clip_min=lo, vllm_importance_sampling_clip_max=hi)  # fmt: skip
+    trainer, batch = _scored_batch(
+        tokenizer,
+        tmp_path,
+        level,
+        vllm_importance_sampling_mode=f"sequence_{bound}",
+        vllm_importance_sampling_clip_min=lo,
+        vllm_importance_sampling_clip_max=hi,
+    )
     model = trainer.model
     loss = trainer._compute_loss(model, batch)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    ref = _naive_decoupled_loss(model, batch, level, bound, lo, hi, trainer.epsilon_low, trainer.epsilon_high,
-                                trainer.temperature)  # fmt: skip
+    ref = _naive_decoupled_loss(
+        model, batch, level, bound, lo, hi, trainer.epsilon_low, trainer.epsilon_high, trainer.temperature
+    )
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), abs=1e-6, rel=1e-5)
     assert grads and all(torch.isfinite(g).all() for g in grads.values())
     for name, param in model.named_parameters():
         torch.testing.assert_close(grads[name].double(), param.grad.double(), atol=1e-6, rtol=1e-4, msg=name)
-    window = trainer._diagnostics["train"].flush()
+    window = trainer.diagnostics.windows["train"].flush()
     assert 0 < window["async/behaviour_weight/outside_frac"] < 1  # the bounds acted on some weights, not all
-    assert window["async/behaviour_weight/max"] > hi or window["async/behaviour_weight/min"] < lo  # logged before bounds
+    assert (
+        window["async/behaviour_weight/max"] > hi or window["async/behaviour_weight/min"] < lo
+    )  # logged before bounds
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -227,8 +261,13 @@ def test_staleness_zero_ends_at_the_synchronous_weights(sync_run, tmp_path):
     """max_staleness=0 generates each batch when due: the generator copy samples what the trainer would have (same
     global RNG draws, same weights), so without the behaviour weight the run is the synchronous one bit for bit; with
     it, the weight is pi_prox / mu at equal weights, 1 up to the two forwards' float rounding."""
-    exact = make_trainer(tmp_path / "exact", max_steps=N, async_generation=True, max_staleness=0,
-                         vllm_importance_sampling_correction=False)  # fmt: skip
+    exact = make_trainer(
+        tmp_path / "exact",
+        max_steps=N,
+        async_generation=True,
+        max_staleness=0,
+        vllm_importance_sampling_correction=False,
+    )
     exact.train()
     assert _max_diff(_weights(exact), sync_run) == 0.0
     corrected = make_trainer(tmp_path / "corrected", max_steps=N, async_generation=True, max_staleness=0)
@@ -256,7 +295,7 @@ class _Probe:
     def __init__(self, monkeypatch):
         self.at_sync, self.at_request, self.trained, self.model_threads = {}, {}, [], set()
         probe = self
-        push, generate = TransformersGenerator.push_weights, TransformersGenerator._generate
+        push, generate = TransformersGenerator.push_weights, TransformersGenerator._generate_batch
 
         def push_weights(self, busy):
             model = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -268,7 +307,7 @@ class _Probe:
             return generate(self, prompt_ids, rollout, sampled_at)
 
         monkeypatch.setattr(TransformersGenerator, "push_weights", push_weights)
-        monkeypatch.setattr(TransformersGenerator, "_generate", _generate)
+        monkeypatch.setattr(TransformersGenerator, "_generate_batch", _generate)
 
     def attach(self, trainer):
         probe = self
@@ -310,7 +349,7 @@ def test_versions_follow_the_schedule_and_generator_weights_match_at_sync_points
 def test_overlap_training_runs_while_a_generation_is_in_flight(tmp_path, monkeypatch, staleness):
     """Event order, not timing thresholds: with a slow generator, optimizer steps start and end between a
     generation's start and end only when the generator works ahead (max_staleness=1)."""
-    events, generate = [], TransformersGenerator._generate
+    events, generate = [], TransformersGenerator._generate_batch
 
     def slow(self, prompt_ids, rollout, sampled_at):
         events.append(("gen_start", rollout))
@@ -319,7 +358,7 @@ def test_overlap_training_runs_while_a_generation_is_in_flight(tmp_path, monkeyp
         events.append(("gen_end", rollout))
         return out
 
-    monkeypatch.setattr(TransformersGenerator, "_generate", slow)
+    monkeypatch.setattr(TransformersGenerator, "_generate_batch", slow)
     from transformers import TrainerCallback  # after trl (peft 0.17 of the oldest set fails when imported first)
 
     class Steps(TrainerCallback):
@@ -347,14 +386,14 @@ def test_overlap_training_runs_while_a_generation_is_in_flight(tmp_path, monkeyp
 
 
 def test_generator_failure_surfaces_at_the_next_micro_step_with_its_traceback(tmp_path, monkeypatch):
-    generate = TransformersGenerator._generate
+    generate = TransformersGenerator._generate_batch
 
     def broken(self, prompt_ids, rollout, sampled_at):
         if rollout == 2:
             raise ValueError("generator exploded on purpose")
         return generate(self, prompt_ids, rollout, sampled_at)
 
-    monkeypatch.setattr(TransformersGenerator, "_generate", broken)
+    monkeypatch.setattr(TransformersGenerator, "_generate_batch", broken)
     trainer = make_trainer(tmp_path, max_steps=8, async_generation=True, max_staleness=1)
     with pytest.raises(GeneratorThreadError, match="rollout batch 2 failed.*generator exploded on purpose") as err:
         trainer.train()
@@ -369,13 +408,13 @@ def test_generator_failure_surfaces_at_the_next_micro_step_with_its_traceback(tm
 
 def test_generation_stops_when_training_ends_with_batches_queued(tmp_path, monkeypatch):
     """max_steps ends mid-queue: nothing is sent past the last rollout, and close() stops what is in flight."""
-    generate, calls = TransformersGenerator._generate, []
+    generate, calls = TransformersGenerator._generate_batch, []
 
     def counting(self, prompt_ids, rollout, sampled_at):
         calls.append(rollout)
         return generate(self, prompt_ids, rollout, sampled_at)
 
-    monkeypatch.setattr(TransformersGenerator, "_generate", counting)
+    monkeypatch.setattr(TransformersGenerator, "_generate_batch", counting)
     trainer = make_trainer(tmp_path, max_steps=3, async_generation=True, max_staleness=4)
     trainer.train()
     assert sorted(calls) == [0, 1]  # 3 steps = rollouts 0 and 1 only
@@ -406,10 +445,11 @@ def test_checkpoint_saves_the_batches_in_flight_and_resume_is_exact(async_straig
 def test_sigterm_with_a_generation_in_flight_saves_and_resume_matches(async_straight_run, tmp_path):
     _, final = async_straight_run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
     base = [sys.executable, script, "--output_dir", str(tmp_path / "run"), "--max_steps", str(N), "--async_generation"]
-    proc = subprocess.Popen([*base, "--generation_delay", "1.0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [*base, "--generation_delay", "1.0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     lines = []
     for line in proc.stdout:  # step 1 ends while rollout 1 (sent at step 0, 1 s to generate) is still in flight
         lines.append(line)
@@ -423,8 +463,13 @@ def test_sigterm_with_a_generation_in_flight_saves_and_resume_matches(async_stra
     assert step <= U, log  # rollout 0's steps: rollout 1 (1 s to generate) was still in flight when it saved
     saved = torch.load(os.path.join(checkpoint, "gspo_rollout_state_rank0.pt"), weights_only=True)
     assert sorted(saved["source"]["jobs"]) == [1]  # the generation in flight was waited for and saved
-    resume = subprocess.run([*base, "--resume", "--weights_out", str(tmp_path / "w.pt")], capture_output=True,
-                            text=True, env=env, timeout=120)  # fmt: skip
+    resume = subprocess.run(
+        [*base, "--resume", "--weights_out", str(tmp_path / "w.pt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert resume.returncode == 0, resume.stdout + resume.stderr
     assert f"STEP {step + 1} " in resume.stdout and f"STEP {step} " not in resume.stdout
     assert _max_diff(torch.load(tmp_path / "w.pt", weights_only=True), final) == 0.0
@@ -485,9 +530,17 @@ class StandInServer:
                     length = int(torch.randint(1, body["max_tokens"] + 1, (1,), generator=g))
                     ids = torch.randint(4, self.vocab, (length,), generator=g).tolist()
                     logps = (-1.0 - torch.rand(length, generator=g)).tolist()
-                    choices.append({"prompt_token_ids": prompt, "token_ids": ids, "logprobs": {
-                        "tokens": [f"token_id:{t}" for t in ids], "token_logprobs": logps,
-                        "top_logprobs": [None] * length}})  # fmt: skip
+                    choices.append(
+                        {
+                            "prompt_token_ids": prompt,
+                            "token_ids": ids,
+                            "logprobs": {
+                                "tokens": [f"token_id:{t}" for t in ids],
+                                "token_logprobs": logps,
+                                "top_logprobs": [None] * length,
+                            },
+                        }
+                    )
             time.sleep(0.05)
             with self.lock:
                 if self.version != version:
@@ -546,13 +599,30 @@ def _server_trainer(tokenizer, tmp_path, server, monkeypatch, **overrides):
     client.communicator, client._updating_weights = object(), False
     generation = VLLMGeneration.__new__(VLLMGeneration)
     generation.__dict__.update(
-        model=trainer.model, accelerator=trainer.accelerator, _dist=DistributedBackend(trainer.accelerator),
-        processing_class=tokenizer, mode="server", structured_outputs_regex=None, enable_sleep_mode=False,
-        repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
-        max_completion_length=trainer.args.max_completion_length, logprobs=0, generation_kwargs={},
-        _weight_metadata=None, vllm_client=client,
-    )  # fmt: skip
-    trainer.use_vllm, trainer.vllm_mode, trainer.vllm_generation, trainer._last_loaded_step = True, "server", generation, -1
+        model=trainer.model,
+        accelerator=trainer.accelerator,
+        _dist=DistributedBackend(trainer.accelerator),
+        processing_class=tokenizer,
+        mode="server",
+        structured_outputs_regex=None,
+        enable_sleep_mode=False,
+        repetition_penalty=1.0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        max_completion_length=trainer.args.max_completion_length,
+        logprobs=0,
+        generation_kwargs={},
+        _weight_metadata=None,
+        vllm_client=client,
+    )
+    trainer.use_vllm, trainer.vllm_mode, trainer.vllm_generation, trainer._last_loaded_step = (
+        True,
+        "server",
+        generation,
+        -1,
+    )
     trainer.vllm_importance_sampling_correction = True
     return trainer
 
@@ -593,8 +663,11 @@ def test_vllm_server_that_stops_answering_times_out(tokenizer, tmp_path, monkeyp
     try:
         trainer = _server_trainer(tokenizer, tmp_path, server, monkeypatch, max_steps=4, async_generation_timeout=2)
         start = time.perf_counter()
-        with pytest.raises(TimeoutError, match=rf"rollout batch 0 was not generated within async_generation_timeout=2 "
-                                               rf"s by {server.url}"):  # fmt: skip
+        with pytest.raises(
+            TimeoutError,
+            match=rf"rollout batch 0 was not generated within async_generation_timeout=2 "
+            rf"s by {server.url}",
+        ):
             trainer.train()
         assert time.perf_counter() - start < 30
     finally:
@@ -608,7 +681,7 @@ def test_vllm_server_that_stops_answering_times_out(tokenizer, tmp_path, monkeyp
 def test_a_batch_saved_in_flight_is_answered_by_a_server_at_another_address_but_not_for_another_request():
     """After a resume the server may run elsewhere (or serve the model under another name): the batch saved in flight
     still answers TRL's request. A request that differs otherwise (sampling parameters, prompts) raises."""
-    from trl_gspo.rollout.async_backends import _ServerRequests
+    from trl_gspo.rollout.async_server import _ServerRequests
 
     class Session:
         def post(self, url, **kwargs):
@@ -640,8 +713,11 @@ def test_rollout_func_runs_in_the_generator_thread(tmp_path):
         threads.append(threading.current_thread().name)
         tok = trainer.processing_class
         ids = [tok(p)["input_ids"] for p in prompts]
-        return {"prompt_ids": ids, "completion_ids": [[5, 6, tok.eos_token_id][: 1 + i % 3] for i in range(len(ids))],
-                "logprobs": [[-1.5] * (1 + i % 3) for i in range(len(ids))]}  # fmt: skip
+        return {
+            "prompt_ids": ids,
+            "completion_ids": [[5, 6, tok.eos_token_id][: 1 + i % 3] for i in range(len(ids))],
+            "logprobs": [[-1.5] * (1 + i % 3) for i in range(len(ids))],
+        }
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     trainer = make_trainer(tmp_path, max_steps=4, async_generation=True, rollout_func=rollout_func)
@@ -654,8 +730,12 @@ def test_lora_pushes_only_the_adapters(tmp_path, monkeypatch):
     from peft import LoraConfig
 
     probe = _Probe(monkeypatch)
-    trainer = make_trainer(tmp_path, max_steps=4, async_generation=True,
-                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        max_steps=4,
+        async_generation=True,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     trainer.train()
     backend_trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert backend_trained and all("lora_" in n for n in backend_trained)
@@ -665,13 +745,32 @@ def test_lora_pushes_only_the_adapters(tmp_path, monkeypatch):
 
 
 def test_moe_r3_routes_travel_with_the_rollout(tokenizer, tmp_path):
-    args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                      max_steps=4, disable_tqdm=True, per_device_train_batch_size=4, num_generations=2,
-                      steps_per_generation=2, max_completion_length=6, learning_rate=1e-3, seed=0, logging_steps=1,
-                      routing_replay="R3", async_generation=True)  # fmt: skip
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        max_steps=4,
+        disable_tqdm=True,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        steps_per_generation=2,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        seed=0,
+        logging_steps=1,
+        routing_replay="R3",
+        async_generation=True,
+    )
     model = build_tiny_model(tokenizer, moe=True, seed=0)
-    trainer = GSPOTrainer(model, length_reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                          processing_class=tokenizer)  # fmt: skip
+    trainer = GSPOTrainer(
+        model,
+        length_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+    )
     trainer.train()
     assert "old_routes" in trainer._buffered_inputs[0]
     coverage = [h["moe/replay/coverage"] for h in trainer.state.log_history if "moe/replay/coverage" in h]
@@ -680,8 +779,15 @@ def test_moe_r3_routes_travel_with_the_rollout(tokenizer, tmp_path):
 
 def test_evaluation_stays_synchronous(tmp_path):
     eval_set = Dataset.from_dict({"prompt": PROMPTS[:4]})
-    trainer = make_trainer(tmp_path, max_steps=4, async_generation=True, eval_strategy="steps", eval_steps=2,
-                           per_device_eval_batch_size=4, eval_dataset=eval_set)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        max_steps=4,
+        async_generation=True,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+        eval_dataset=eval_set,
+    )
     trainer.train()
     assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 4]
 

@@ -12,7 +12,7 @@ thread generates sampling rounds ahead, the main thread fills each rollout batch
 
 import pytest
 import torch
-from test_dynamic_sampling import PROMPTS, G, _trainer, has_signal
+from test_dynamic_sampling import PROMPTS, TRAINER, G, has_signal
 
 from trl_gspo.rollout.async_rollouts import AsyncRollouts
 from trl_gspo.rollout.prompt_stream import PromptStream
@@ -34,7 +34,7 @@ class Spy:
 
     def __init__(self, trainer, tokenizer):
         self.rounds, self.trained = [], []
-        source = trainer._rollouts
+        source = trainer.rollout_source
         assert isinstance(source, AsyncRollouts) and source.filler is not None
         sample_round, compute = source._sample_round, trainer._compute_loss
 
@@ -51,21 +51,31 @@ class Spy:
         source._sample_round, trainer._compute_loss = recording_sample_round, recording_loss
 
 
-def test_staleness_zero_is_synchronous_dynamic_sampling(tokenizer, tmp_path):
-    sync = _trainer(tokenizer, tmp_path / "sync", max_steps=6)
+def test_staleness_zero_is_synchronous_dynamic_sampling(tokenizer, tmp_path, trainer_factory):
+    sync = trainer_factory(TRAINER, output_dir=tmp_path / "sync", max_steps=6)
     sync.train()
-    exact = _trainer(tokenizer, tmp_path / "async", max_steps=6, async_generation=True, max_staleness=0,
-                     vllm_importance_sampling_correction=False)  # fmt: skip
+    exact = trainer_factory(
+        TRAINER,
+        output_dir=tmp_path / "async",
+        max_steps=6,
+        async_generation=True,
+        max_staleness=0,
+        vllm_importance_sampling_correction=False,
+    )
     exact.train()
     assert _max_diff(_weights(exact), _weights(sync)) == 0.0
-    assert exact._rollouts.filler.cursor == sync._rollouts.cursor > 3  # the same rounds, more than one per batch
+    assert (
+        exact.rollout_source.filler.cursor == sync.rollout_source.cursor > 3
+    )  # the same rounds, more than one per batch
 
 
 @pytest.mark.parametrize("staleness", [1, 2])
-def test_filled_from_rounds_generated_ahead_within_the_bound(tokenizer, tmp_path, staleness):
+def test_filled_from_rounds_generated_ahead_within_the_bound(tokenizer, tmp_path, staleness, trainer_factory):
     runs = []
     for name in ("a", "b"):
-        trainer = _trainer(tokenizer, tmp_path / name, max_steps=8, async_generation=True, max_staleness=staleness)
+        trainer = trainer_factory(
+            TRAINER, output_dir=tmp_path / name, max_steps=8, async_generation=True, max_staleness=staleness
+        )
         spy = Spy(trainer, tokenizer)
         trainer.train()
         runs.append((trainer, spy))
@@ -88,18 +98,20 @@ def test_filled_from_rounds_generated_ahead_within_the_bound(tokenizer, tmp_path
     assert any(h.get("dynamic_sampling/rounds", 0) > 1 for h in trainer.state.log_history)
 
 
-def test_a_round_that_became_too_stale_is_generated_again(tokenizer, tmp_path):
+def test_a_round_that_became_too_stale_is_generated_again(tokenizer, tmp_path, trainer_factory):
     """The first round's prompts all score the same, so batch 0 takes two rounds and the look-ahead at the next sync
     point sends 2 x (1 + 1) rounds; the following batches (in the first epoch) take one round each, so the last rounds
     sent there would be trained more than one batch later: they are generated again at the current weights."""
-    args = _trainer(tokenizer, tmp_path / "probe", max_steps=10).args
+    args = trainer_factory(TRAINER, output_dir=tmp_path / "probe", max_steps=10).args
     stream = PromptStream(PROMPTS, 4, G, 16, 0, args.seed, shuffle=True)
     first = {PROMPTS[i] for i in stream.prompt_indices(0)}
 
     def reward(prompts, completions, **kwargs):
         return [1.0 if p in first else (i % G) / G for i, p in enumerate(prompts)]
 
-    trainer = _trainer(tokenizer, tmp_path / "run", reward=reward, max_steps=10, async_generation=True, max_staleness=1)
+    trainer = trainer_factory(
+        TRAINER, output_dir=tmp_path / "run", reward=reward, max_steps=10, async_generation=True, max_staleness=1
+    )
     spy = Spy(trainer, tokenizer)
     trainer.train()
     positions = [position for _, position, _ in spy.rounds]
@@ -110,15 +122,17 @@ def test_a_round_that_became_too_stale_is_generated_again(tokenizer, tmp_path):
         assert U * (batch - 1) <= sampled_at <= U * batch, (batch, sampled_at)
 
 
-def test_resume_in_the_middle_of_a_filled_batch_with_rounds_in_flight(tokenizer, tmp_path):
+def test_resume_in_the_middle_of_a_filled_batch_with_rounds_in_flight(tokenizer, tmp_path, trainer_factory):
     settings = dict(max_steps=6, async_generation=True, max_staleness=1)
-    straight = _trainer(tokenizer, tmp_path / "straight", save_strategy="steps", save_steps=3, **settings)
+    straight = trainer_factory(
+        TRAINER, output_dir=tmp_path / "straight", save_strategy="steps", save_steps=3, **settings
+    )
     straight.train()
     state = torch.load(tmp_path / "straight" / "checkpoint-3" / "gspo_rollout_state_rank0.pt", weights_only=True)
     source = state["source"]
     assert source["jobs"] and min(source["jobs"]) >= source["filler"]["cursor"]  # rounds sent ahead, saved
-    resumed = _trainer(tokenizer, tmp_path / "resumed", **settings)
+    resumed = trainer_factory(TRAINER, output_dir=tmp_path / "resumed", **settings)
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-3"))
     assert resumed.state.global_step == 6
-    assert resumed._rollouts.filler.cursor == straight._rollouts.filler.cursor
+    assert resumed.rollout_source.filler.cursor == straight.rollout_source.filler.cursor
     assert _max_diff(_weights(resumed), _weights(straight)) <= 1e-6

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from fault_utils import make_trainer
+from helpers.fault_utils import make_trainer
 from torch import nn
 
 from trl_gspo.guards.rewards_guard import RewardFunctionError, check_reward_matrix, guard_reward_function
@@ -17,8 +17,15 @@ COMPLETIONS = ["3", "seven", "11"]
 
 def _call(func, policy="error", on_nonfinite=None, completions=COMPLETIONS):
     guarded = guard_reward_function(func, func.__name__, policy, on_nonfinite)
-    return guarded(prompts=PROMPTS, completions=completions, completion_ids=[[1]] * 3, trainer_state=None,
-                   log_extra=None, log_metric=None, answer=["3", "7", "11"])
+    return guarded(
+        prompts=PROMPTS,
+        completions=completions,
+        completion_ids=[[1]] * 3,
+        trainer_state=None,
+        log_extra=None,
+        log_metric=None,
+        answer=["3", "7", "11"],
+    )
 
 
 def fails_on_words(completions, answer, **kwargs):
@@ -26,8 +33,11 @@ def fails_on_words(completions, answer, **kwargs):
 
 
 def test_raising_reward_names_function_and_failing_sample():
-    with pytest.raises(RewardFunctionError, match=r"'fails_on_words' raised on sample 1 \(prompt='add 3 4 =', "
-                       r"completion='seven'\): ValueError: invalid literal") as info:
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"'fails_on_words' raised on sample 1 \(prompt='add 3 4 =', "
+        r"completion='seven'\): ValueError: invalid literal",
+    ) as info:
         _call(fails_on_words)
     assert isinstance(info.value.__cause__, ValueError)  # the original traceback is kept
 
@@ -40,11 +50,14 @@ def test_wrong_number_of_values():
         _call(short)
 
 
-@pytest.mark.parametrize("output,match", [
-    (0.5, r"'bad' returned float \(0.5\); it must return a list of 3 floats"),
-    (["1", 0.0, 1.0], r"'bad' returned '1' of type str for sample 0 \(prompt='add 1 2 ='.*allowed: a real number"),
-    ([[1.0], 0.0, 1.0], r"'bad' returned \[1.0\] of type list for sample 0"),
-])
+@pytest.mark.parametrize(
+    "output,match",
+    [
+        (0.5, r"'bad' returned float \(0.5\); it must return a list of 3 floats"),
+        (["1", 0.0, 1.0], r"'bad' returned '1' of type str for sample 0 \(prompt='add 1 2 ='.*allowed: a real number"),
+        ([[1.0], 0.0, 1.0], r"'bad' returned \[1.0\] of type list for sample 0"),
+    ],
+)
 def test_values_that_are_not_numbers(output, match):
     def bad(completions, **kwargs):
         return output
@@ -71,8 +84,11 @@ def test_nonfinite_reward_is_an_error_by_default(value):
     def nonfinite(completions, **kwargs):
         return [1.0, value, 0.0]
 
-    with pytest.raises(RewardFunctionError, match=rf"'nonfinite' returned {value} for sample 1 \(prompt='add 3 4 =', "
-                       r"completion='seven'\).*nonfinite_reward='none'"):
+    with pytest.raises(
+        RewardFunctionError,
+        match=rf"'nonfinite' returned {value} for sample 1 \(prompt='add 3 4 =', "
+        r"completion='seven'\).*nonfinite_reward='none'",
+    ):
         _call(nonfinite)
 
 
@@ -143,8 +159,11 @@ def test_trainer_none_rewards_follow_trl_convention(tmp_path):
     def all_nan(completions, **kwargs):
         return [float("nan")] * len(completions)
 
-    for name, funcs, extra in [("half", half_none, {}), ("all", all_none, {}),
-                               ("nan", all_nan, {"nonfinite_reward": "none"})]:
+    for name, funcs, extra in [
+        ("half", half_none, {}),
+        ("all", all_none, {}),
+        ("nan", all_nan, {"nonfinite_reward": "none"}),
+    ]:
         trainer = make_trainer(tmp_path / name, reward_funcs=funcs, max_steps=2, **extra)
         trainer.train()
         logs = [h for h in trainer.state.log_history if "nonfinite/microbatches" in h]

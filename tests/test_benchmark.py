@@ -20,8 +20,12 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--tiny", "--reps", "2", "--out", str(out)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(out)
@@ -30,14 +34,20 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
 
     padding_path = fused_head.available()  # TRL < 1.15: padding removal is off, so long_tail is skipped (logged)
     layouts = {"long_tail", "long_prompt"} if padding_path else set()
-    assert set(report["scenarios"]) == {"loss_path", "equal_settings", "equal_settings_no_diagnostics",
-                                        "sampler_logprobs", "logprob_memory"} | layouts
+    assert (
+        set(report["scenarios"])
+        == {"loss_path", "equal_settings", "equal_settings_no_diagnostics", "sampler_logprobs", "logprob_memory"}
+        | layouts
+    )
     lp = report["scenarios"]["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
     assert _positive(lp["ratio_seconds_no_diagnostics"]) and _positive(lp["ratio_cpu_seconds_no_diagnostics"])
     assert _positive(lp["ratio_untrimmed_cpu_seconds"])
-    runs = (("equal_settings", "recompute", True), ("equal_settings_no_diagnostics", "recompute", False),
-            ("sampler_logprobs", "sampler", True))  # fmt: skip
+    runs = (
+        ("equal_settings", "recompute", True),
+        ("equal_settings_no_diagnostics", "recompute", False),
+        ("sampler_logprobs", "sampler", True),
+    )
     for name, source, diagnostics in runs:
         sc = report["scenarios"][name]
         assert sc["old_logprobs_source"] == source and sc["diagnostics"] is diagnostics
@@ -60,8 +70,10 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
         assert "long_tail skipped" in proc.stderr + proc.stdout
         return
     shapes = {"long_tail": ("long_tail", "long_tail_one_micro_batch"), "long_prompt": ("long_prompt",)}
-    variants = {"long_tail": {"defaults", "trim_sort", "packed", "no_sharing"},
-                "long_prompt": {"shared", "group_minibatches", "no_sharing"}}  # fmt: skip
+    variants = {
+        "long_tail": {"defaults", "trim_sort", "packed", "no_sharing"},
+        "long_prompt": {"shared", "group_minibatches", "no_sharing"},
+    }
     for scenario, keys in shapes.items():
         assert set(report["scenarios"][scenario]) == set(keys)
         for key in keys:
@@ -80,7 +92,10 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
             # identical rollouts: every run of every trainer saw the same completion tokens
             assert len({(r["completion_tokens"], r["train_tokens"]) for runs in lt["runs"].values() for r in runs}) == 1
         if scenario == "long_prompt":  # the no-grad pass shares each group's prompt; with sharing off nothing is saved
-            assert lt["shared"]["prompt_tokens_saved_per_step"] > 0 and lt["no_sharing"]["prompt_tokens_saved_per_step"] == 0
+            assert (
+                lt["shared"]["prompt_tokens_saved_per_step"] > 0
+                and lt["no_sharing"]["prompt_tokens_saved_per_step"] == 0
+            )
 
 
 def test_mfu_peak_tells_form_factors_apart():
@@ -90,9 +105,15 @@ def test_mfu_peak_tells_form_factors_apart():
     spec = importlib.util.spec_from_file_location("bench_run", os.path.join(ROOT, "benchmarks", "run.py"))
     run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run)
-    expected = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 PCIe": 756e12,
-                "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
-                "NVIDIA GeForce RTX 4090": None}  # fmt: skip
+    expected = {
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA H100 NVL": 835e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA H200": 989e12,
+        "NVIDIA H200 NVL": 835e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+        "NVIDIA GeForce RTX 4090": None,
+    }
     assert {name: run.bf16_peak_flops(name) for name in expected} == expected
 
 
@@ -100,9 +121,23 @@ def test_tiny_async_scenario_writes_ratios_and_the_floor(tmp_path):
     out = tmp_path / "async.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--tiny", "--scenarios", "async", "--reps", "1",
-         "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "run.py"),
+            "--tiny",
+            "--scenarios",
+            "async",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sc = json.loads(out.read_text())["scenarios"]["async"]
     assert set(sc["runs"]) == {"sync", "async_staleness1", "async_staleness2"}
@@ -110,7 +145,10 @@ def test_tiny_async_scenario_writes_ratios_and_the_floor(tmp_path):
     assert sc["median"]["sync"]["generation_seconds_per_step"] > 0  # measured inside the synchronous step
     for kind in ("async_staleness1", "async_staleness2"):
         # generation left the main thread: TRL's generation call there only hands over the finished completions
-        assert sc["median"][kind]["generation_seconds_per_step"] < 0.1 * sc["median"]["sync"]["generation_seconds_per_step"]
+        assert (
+            sc["median"][kind]["generation_seconds_per_step"]
+            < 0.1 * sc["median"]["sync"]["generation_seconds_per_step"]
+        )
         assert _positive(sc[kind]["ratio_seconds_per_step"]) and "meets_target" in sc[kind]
         ratio = sc["median"][kind]["seconds_per_step"] / sc["median"]["sync"]["seconds_per_step"]
         assert math.isclose(sc[kind]["ratio_seconds_per_step"], ratio)

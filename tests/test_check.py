@@ -55,7 +55,10 @@ def test_check_fails_naming_the_parameter_when_only_a_gradient_changes(monkeypat
 
 
 def test_version_gate_refuses_older_and_warns_on_newer_trl():
-    with pytest.raises(trl_compat.UnsupportedTRLVersionError, match=r"supports TRL >=1\.10\.0,<1\.17 .*installed TRL is 1\.9\.2.*pip show trl"):
+    with pytest.raises(
+        trl_compat.UnsupportedTRLVersionError,
+        match=r"supports TRL >=1\.10\.0,<1\.17 .*installed TRL is 1\.9\.2.*pip show trl",
+    ):
         trl_compat.check_trl_version("1.9.2")
     for newer in ("1.17.0", "1.17.0.dev0", "2.0.0"):
         with pytest.warns(UserWarning, match=rf"TRL {newer} is newer .*run `trl-gspo check`"):

@@ -50,8 +50,20 @@ def test_demo_dataset_held_out_digits_never_appear_in_training():
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_demo_runs_two_steps_through_the_cli_and_writes_its_outputs(tmp_path, capsys, moe):
     out = tmp_path / "demo"
-    argv = ["demo", "--config", "demo", "--output_dir", str(out), *FAST,  # a shipped recipe, by name
-            "--num_train_prompts", "32", "--num_eval_prompts", "16", "--moe", str(moe).lower()]  # fmt: skip
+    argv = [
+        "demo",
+        "--config",
+        "demo",
+        "--output_dir",
+        str(out),
+        *FAST,  # a shipped recipe, by name
+        "--num_train_prompts",
+        "32",
+        "--num_eval_prompts",
+        "16",
+        "--moe",
+        str(moe).lower(),
+    ]
     assert main(argv) == 0
     assert "held-out reward (greedy, 16 unseen prompts): before" in capsys.readouterr().out
     model, tokenizer = _load(out)
@@ -91,10 +103,21 @@ def copy_jsonl(tmp_path):
 
 
 def _train_recipe(tmp_path, model_dir, data, **extra):
-    keys = dict(model_name_or_path=model_dir, dataset_name=data, reward_funcs=["demo_reward"],
-                output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, learning_rate=1e-3,
-                per_device_train_batch_size=8, num_generations=4, max_completion_length=4, report_to="none",
-                save_strategy="no", max_steps=5)  # fmt: skip
+    keys = dict(
+        model_name_or_path=model_dir,
+        dataset_name=data,
+        reward_funcs=["demo_reward"],
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        learning_rate=1e-3,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        report_to="none",
+        save_strategy="no",
+        max_steps=5,
+    )
     return _write_recipe(tmp_path / "recipe.yaml", **{**keys, **extra})
 
 
@@ -116,7 +139,9 @@ def test_train_runs_from_every_local_dataset_form(tmp_path, tiny_model_dir, copy
     model, _ = _load(tmp_path / "out")
     assert model.config.model_type == "qwen3"
     card = (tmp_path / "out" / "README.md").read_text()  # a local base model is named by its folder, not "[None]"
-    assert f"fine-tuned version of `{Path(tiny_model_dir).name}` (a local model folder)" in card and "[None]" not in card
+    assert (
+        f"fine-tuned version of `{Path(tiny_model_dir).name}` (a local model folder)" in card and "[None]" not in card
+    )
 
 
 BESIDE_RECIPE = """
@@ -132,14 +157,19 @@ class BesideRecipeTrainer(GSPOTrainer):
 """
 
 
-def test_trainer_class_next_to_the_recipe_runs_when_launched_from_elsewhere(tmp_path, tiny_model_dir, copy_jsonl,
-                                                                            monkeypatch):  # fmt: skip
+def test_trainer_class_next_to_the_recipe_runs_when_launched_from_elsewhere(
+    tmp_path, tiny_model_dir, copy_jsonl, monkeypatch
+):
     recipe_dir, elsewhere = tmp_path / "my_recipes", tmp_path / "elsewhere"
     recipe_dir.mkdir(), elsewhere.mkdir()
     (recipe_dir / "beside_recipe.py").write_text(BESIDE_RECIPE)
     keys = yaml.safe_load(open(_train_recipe(tmp_path, tiny_model_dir, copy_jsonl)))
-    recipe = _write_recipe(recipe_dir / "gspo_token.yaml", **keys, importance_sampling_level="sequence_token",
-                           trainer_class="beside_recipe.BesideRecipeTrainer")  # fmt: skip
+    recipe = _write_recipe(
+        recipe_dir / "gspo_token.yaml",
+        **keys,
+        importance_sampling_level="sequence_token",
+        trainer_class="beside_recipe.BesideRecipeTrainer",
+    )
     monkeypatch.chdir(elsewhere)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the recipe's folder on it; undone after the test
     monkeypatch.delitem(sys.modules, "beside_recipe", raising=False)
@@ -178,14 +208,29 @@ def test_accelerate_config_relaunches_under_accelerate_with_the_shipped_file(mon
     argv = ["--config", "demo", "--accelerate_config", "zero2", "--num_processes", "2", "--max_steps", "3"]
     assert main(["demo", *argv]) == 0
     (cmd,) = calls
-    assert cmd[1:] == ["-m", "accelerate.commands.launch", "--config_file", str(SHIPPED["accelerate config"] / "zero2.yaml"),
-                       "--num_processes", "2", "-m", "trl_gspo", "demo", "--config", "demo", "--max_steps", "3"]  # fmt: skip
+    assert cmd[1:] == [
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(SHIPPED["accelerate config"] / "zero2.yaml"),
+        "--num_processes",
+        "2",
+        "-m",
+        "trl_gspo",
+        "demo",
+        "--config",
+        "demo",
+        "--max_steps",
+        "3",
+    ]
 
 
 def test_recipes_command_copies_out_lists_and_refuses_to_overwrite(tmp_path, capsys):
     assert main(["recipes", str(tmp_path)]) == 0
     shipped = {p.name for kind in SHIPPED.values() for p in kind.iterdir() if p.suffix in (".yaml", ".py")}
-    copied = {p.name for p in (tmp_path / "recipes").iterdir()} | {p.name for p in (tmp_path / "accelerate_configs").iterdir()}
+    copied = {p.name for p in (tmp_path / "recipes").iterdir()} | {
+        p.name for p in (tmp_path / "accelerate_configs").iterdir()
+    }
     assert copied == shipped and "per_token_advantages.py" in copied
     (tmp_path / "recipes" / "demo.yaml").write_text("edited")
     assert main(["recipes", str(tmp_path)]) == 2
@@ -200,8 +245,14 @@ def test_python_dash_m_entry_point(tmp_path):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "trl_gspo", "trian"], capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_gspo", "trian"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert result.returncode == 2 and "Did you mean 'train'?" in result.stderr
 
 
@@ -216,8 +267,19 @@ def test_help_lists_every_group_of_keys(capsys):
         main(["train", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for key in ("--importance_sampling_level", "--epsilon_high", "--reward_funcs", "--trainer_class", "--dataset_name",
-                "--lora_r", "--use_peft", "--model_name_or_path", "--datasets", "--learning_rate", "--use_vllm"):
+    for key in (
+        "--importance_sampling_level",
+        "--epsilon_high",
+        "--reward_funcs",
+        "--trainer_class",
+        "--dataset_name",
+        "--lora_r",
+        "--use_peft",
+        "--model_name_or_path",
+        "--datasets",
+        "--learning_rate",
+        "--use_vllm",
+    ):
         assert key in text, key
 
 
@@ -240,21 +302,31 @@ NO_MODEL = "/nonexistent/model"  # a check that ran after model loading would fa
         ({"reward_funcs": ["accuracy_reward"]}, "reward 'accuracy_reward' needs dataset column(s) ['solution']"),
         ({"trainer_class": "trl_gspo.GSPOConfig"}, "trainer_class='trl_gspo.GSPOConfig' is not a subclass"),
         ({"dataset_train_split": "validation"}, "dataset_train_split='validation' not found"),
-        ({"dataset_test_split": "validation"}, "dataset_test_split='validation' not found; the dataset has splits "
-                                               "['train']"),
-        ({"eval_strategy": "steps", "eval_steps": 1},
-         "eval_strategy='steps' needs an evaluation set, but the dataset has no 'test' split (dataset_test_split; "
-         "splits found: ['train']). Give an eval file or dataset with eval_dataset_name, set dataset_test_split to one "
-         "of ['train'], or set eval_strategy: 'no'."),
-        ({"eval_dataset_name": "eval.jsonl"}, "eval_dataset_name='eval.jsonl' is set but eval_strategy is 'no', so "
-                                              "nothing would evaluate on it"),
-        ({"remove_unused_columns": True},
-         "remove_unused_columns=True removes the dataset column(s) ['target'] that reward 'demo_reward' reads "
-         "(GRPOTrainer keeps only ['prompt', 'image', 'images']); set remove_unused_columns: false"),
-        ({"num_generations": 3},
-         "num_generations=3 must divide the generation batch of 32 completions = per_device_train_batch_size 8 x 1 "
-         "process(es) x steps_per_generation 4 (the default: 4 x gradient_accumulation_steps=1, the paper's 4 "
-         "mini-batches per rollout)"),
+        (
+            {"dataset_test_split": "validation"},
+            "dataset_test_split='validation' not found; the dataset has splits ['train']",
+        ),
+        (
+            {"eval_strategy": "steps", "eval_steps": 1},
+            "eval_strategy='steps' needs an evaluation set, but the dataset has no 'test' split (dataset_test_split; "
+            "splits found: ['train']). Give an eval file or dataset with eval_dataset_name, set dataset_test_split to one "
+            "of ['train'], or set eval_strategy: 'no'.",
+        ),
+        (
+            {"eval_dataset_name": "eval.jsonl"},
+            "eval_dataset_name='eval.jsonl' is set but eval_strategy is 'no', so nothing would evaluate on it",
+        ),
+        (
+            {"remove_unused_columns": True},
+            "remove_unused_columns=True removes the dataset column(s) ['target'] that reward 'demo_reward' reads "
+            "(GRPOTrainer keeps only ['prompt', 'image', 'images']); set remove_unused_columns: false",
+        ),
+        (
+            {"num_generations": 3},
+            "num_generations=3 must divide the generation batch of 32 completions = per_device_train_batch_size 8 x 1 "
+            "process(es) x steps_per_generation 4 (the default: 4 x gradient_accumulation_steps=1, the paper's 4 "
+            "mini-batches per rollout)",
+        ),
         ({}, f"model_name_or_path={NO_MODEL!r}: no such folder"),  # the last check: every other key here is valid
     ],
     ids=lambda x: str(x)[:40],
@@ -300,8 +372,13 @@ def test_parse_raises_recipe_error_for_library_use(tmp_path, copy_jsonl):
 
 # ---------------------------------------------------------------------------------------------- rewards
 def test_math_accuracy_reward_with_math_verify():
-    completions = ["so the answer is \\boxed{42}", "it is 41", [{"role": "assistant", "content": "$x=\\frac{1}{2}$"}],
-                   "The answer is 0.5", "whatever"]  # fmt: skip
+    completions = [
+        "so the answer is \\boxed{42}",
+        "it is 41",
+        [{"role": "assistant", "content": "$x=\\frac{1}{2}$"}],
+        "The answer is 0.5",
+        "whatever",
+    ]
     golds = ["Natalia sold 48/2 = 24 ... #### 42", "#### 42", "\\frac{1}{2}", "1/2", "no math here ???"]
     assert math_accuracy_reward(completions, answer=golds) == [1.0, 0.0, 1.0, 1.0, None]
     assert math_accuracy_reward(["\\boxed{3}"], solution=["$3$"]) == [1.0]
@@ -374,12 +451,19 @@ def recipe_module(monkeypatch):
     sys.modules.pop("first_hour", None)
 
 
-def test_recipe_paths_resolve_next_to_the_recipe_first_then_the_working_directory(tmp_path, tiny_model_dir, monkeypatch,
-                                                                                   recipe_module):  # fmt: skip
+def test_recipe_paths_resolve_next_to_the_recipe_first_then_the_working_directory(
+    tmp_path, tiny_model_dir, monkeypatch, recipe_module
+):
     """Model folder, data file and module next to the recipe are found when launched from elsewhere, and win over
     a same-named file in the working directory; the eval file exists only in the working directory."""
-    recipe = _recipe_folder(tmp_path, tiny_model_dir, eval_dataset_name="eval.jsonl", eval_strategy="steps",
-                            eval_steps=1, per_device_eval_batch_size=8)  # fmt: skip
+    recipe = _recipe_folder(
+        tmp_path,
+        tiny_model_dir,
+        eval_dataset_name="eval.jsonl",
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=8,
+    )
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "data").mkdir(parents=True)
     (elsewhere / "data" / "copy.jsonl").write_text('{"question": "not the recipe\'s data"}\n')  # would fail the checks
@@ -395,24 +479,40 @@ def test_eval_file_split_choice():
 
     assert pick_eval_split("e.jsonl", "test", ["train"]) == "train"  # a single file loads as "train"
     assert pick_eval_split("org/data", "test", ["train", "test"]) == "test"
-    with pytest.raises(RecipeError, match=r"eval_dataset_name='org/data' has splits \['train', 'dev'\] and none is "
-                       r"dataset_test_split='test'; set dataset_test_split"):  # fmt: skip
+    with pytest.raises(
+        RecipeError,
+        match=r"eval_dataset_name='org/data' has splits \['train', 'dev'\] and none is "
+        r"dataset_test_split='test'; set dataset_test_split",
+    ):
         pick_eval_split("org/data", "test", ["train", "dev"])
 
 
-@pytest.mark.parametrize("model, message", [
-    ("empty_folder", "model_name_or_path='{path}' is a folder without config.json (not a saved model); give the "
-                     "folder save_pretrained wrote, or a Hub id."),
-    ("./models/qwen-typo", "model_name_or_path='./models/qwen-typo': no such folder next to the recipe ({dir}) or in "
-                           "the working directory ({cwd}); give an existing model folder (relative paths: next to the "
-                           "recipe, then the working directory) or a Hub id."),
-    ("not a hub id", "model_name_or_path='not a hub id': no such folder, and not a valid Hub id (org/name)"),
-    ("some-org/not-cached-model", "model_name_or_path='some-org/not-cached-model': not a local folder (next to the "
-                                  "recipe ({dir}) or in the working directory), and HF_HUB_OFFLINE is set but the "
-                                  "Hugging Face cache holds no copy of it; download it first"),
-])  # fmt: skip
-def test_model_that_cannot_load_fails_in_one_line_before_loading(tmp_path, copy_jsonl, capsys, monkeypatch, model,
-                                                                 message):  # fmt: skip
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (
+            "empty_folder",
+            "model_name_or_path='{path}' is a folder without config.json (not a saved model); give the "
+            "folder save_pretrained wrote, or a Hub id.",
+        ),
+        (
+            "./models/qwen-typo",
+            "model_name_or_path='./models/qwen-typo': no such folder next to the recipe ({dir}) or in "
+            "the working directory ({cwd}); give an existing model folder (relative paths: next to the "
+            "recipe, then the working directory) or a Hub id.",
+        ),
+        ("not a hub id", "model_name_or_path='not a hub id': no such folder, and not a valid Hub id (org/name)"),
+        (
+            "some-org/not-cached-model",
+            "model_name_or_path='some-org/not-cached-model': not a local folder (next to the "
+            "recipe ({dir}) or in the working directory), and HF_HUB_OFFLINE is set but the "
+            "Hugging Face cache holds no copy of it; download it first",
+        ),
+    ],
+)
+def test_model_that_cannot_load_fails_in_one_line_before_loading(
+    tmp_path, copy_jsonl, capsys, monkeypatch, model, message
+):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as a machine without the Hub runs
@@ -431,29 +531,42 @@ def test_precision_rules():
 
     # no CUDA: fp32, naming what is ignored; nothing to say when nothing asked for mixed precision
     assert reconcile_precision("bf16", False, False, False, cuda=False) == (
-        "no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch.")
+        "no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch."
+    )
     assert reconcile_precision(None, None, False, False, cuda=False) == (
         "no CUDA device: training in fp32, ignoring the recipe's bf16 (GRPOConfig's default when neither bf16 nor "
-        "fp16 is set).")
+        "fp16 is set)."
+    )
     assert reconcile_precision("no", False, False, True, cuda=True) is None
     assert reconcile_precision("fp16", False, False, True, cuda=True).startswith("use_cpu is set: training in fp32")
     # GPU: accelerate and the recipe agree, or accelerate is off (the recipe decides): nothing to do
-    for accelerate, bf16, fp16 in (("bf16", True, False), ("bf16", None, False), ("fp16", False, True), ("no", True,
-                                                                                                          False),
-                                   (None, False, False)):  # fmt: skip
+    for accelerate, bf16, fp16 in (
+        ("bf16", True, False),
+        ("bf16", None, False),
+        ("fp16", False, True),
+        ("no", True, False),
+        (None, False, False),
+    ):
         assert reconcile_precision(accelerate, bf16, fp16, False, cuda=True) is None
-    with pytest.raises(RecipeError, match=r"mixed precision: accelerate launch asks for mixed_precision='bf16' \(the "
-                       r"accelerate config or --mixed_precision\) but the recipe trains in no \(bf16: false, fp16: "
-                       r"false \(fp32\)\)\. Make them agree: set bf16: true in the recipe, or pass --mixed_precision "
-                       r"no"):  # fmt: skip
+    with pytest.raises(
+        RecipeError,
+        match=r"mixed precision: accelerate launch asks for mixed_precision='bf16' \(the "
+        r"accelerate config or --mixed_precision\) but the recipe trains in no \(bf16: false, fp16: "
+        r"false \(fp32\)\)\. Make them agree: set bf16: true in the recipe, or pass --mixed_precision "
+        r"no",
+    ):
         reconcile_precision("bf16", False, False, False, cuda=True)
-    with pytest.raises(RecipeError, match=r"asks for mixed_precision='fp16' .* trains in bf16 \(bf16 \(GRPOConfig's "
-                       r"default"):  # fmt: skip
+    with pytest.raises(
+        RecipeError,
+        match=r"asks for mixed_precision='fp16' .* trains in bf16 \(bf16 \(GRPOConfig's "
+        r"default",
+    ):
         reconcile_precision("fp16", None, False, False, cuda=True)
 
 
-def test_accelerate_bf16_on_a_cpu_machine_trains_fp32_and_says_so(tmp_path, tiny_model_dir, monkeypatch, capsys,
-                                                                  recipe_module):  # fmt: skip
+def test_accelerate_bf16_on_a_cpu_machine_trains_fp32_and_says_so(
+    tmp_path, tiny_model_dir, monkeypatch, capsys, recipe_module
+):
     """What `accelerate launch` with a bf16 config exports, and a recipe that leaves bf16 to TRL's default (True):
     without CUDA the run is fp32 (TrainingArguments would otherwise take bf16 from the environment)."""
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
@@ -464,8 +577,10 @@ def test_accelerate_bf16_on_a_cpu_machine_trains_fp32_and_says_so(tmp_path, tiny
     assert main(["train", "--config", recipe, "--disable_tqdm", "true"]) == 0
     assert recipe_module() == {"bf16": False, "mixed_precision": "no"}
     err = capsys.readouterr().err
-    note = ("trl-gspo train: no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch "
-            "and the recipe's bf16 (GRPOConfig's default when neither bf16 nor fp16 is set).")  # fmt: skip
+    note = (
+        "trl-gspo train: no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch "
+        "and the recipe's bf16 (GRPOConfig's default when neither bf16 nor fp16 is set)."
+    )
     assert err.count(note) == 1, err
 
 
@@ -494,8 +609,10 @@ def test_version_is_one_line_with_the_library_versions(capsys):
 
     assert main(["--version"]) == 0
     out = capsys.readouterr().out
-    assert out == (f"trl-gspo {trl_gspo.__version__} (trl {metadata.version('trl')}, transformers "
-                   f"{metadata.version('transformers')}, torch {metadata.version('torch')})\n")  # fmt: skip
+    assert out == (
+        f"trl-gspo {trl_gspo.__version__} (trl {metadata.version('trl')}, transformers "
+        f"{metadata.version('transformers')}, torch {metadata.version('torch')})\n"
+    )
 
 
 def test_gradient_checkpointing_deprecation_noise_is_filtered_in_the_cli_only(tmp_path, tiny_model_dir, copy_jsonl):
@@ -504,8 +621,11 @@ def test_gradient_checkpointing_deprecation_noise_is_filtered_in_the_cli_only(tm
     from trl_gspo import GSPOConfig
 
     def deprecations(caught):
-        return [str(w.message) for w in caught if "gradient_checkpointing" in str(w.message) and "deprecated" in str(
-            w.message)]  # fmt: skip
+        return [
+            str(w.message)
+            for w in caught
+            if "gradient_checkpointing" in str(w.message) and "deprecated" in str(w.message)
+        ]
 
     recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl, gradient_checkpointing=True)
     with warnings.catch_warnings(record=True) as caught:

@@ -23,9 +23,13 @@ def _fake_vllm(monkeypatch, *, cpu: bool, reload: bool, version: str = "0.21.0+c
     if reload:
         loader = types.ModuleType("vllm.model_executor.model_loader.reload")
         loader.initialize_layerwise_reload = loader.finalize_layerwise_reload = lambda *a, **k: None
-        modules.update({"vllm.model_executor": types.ModuleType("vllm.model_executor"),
-                        "vllm.model_executor.model_loader": types.ModuleType("vllm.model_executor.model_loader"),
-                        "vllm.model_executor.model_loader.reload": loader})  # fmt: skip
+        modules.update(
+            {
+                "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+                "vllm.model_executor.model_loader": types.ModuleType("vllm.model_executor.model_loader"),
+                "vllm.model_executor.model_loader.reload": loader,
+            }
+        )
     else:
         modules["vllm.model_executor"] = None  # `import vllm.model_executor...` raises ImportError
     for name, module in modules.items():
@@ -34,17 +38,23 @@ def _fake_vllm(monkeypatch, *, cpu: bool, reload: bool, version: str = "0.21.0+c
 
 def test_a_cpu_build_without_the_layerwise_reload_is_refused_naming_setting_and_version(monkeypatch):
     _fake_vllm(monkeypatch, cpu=True, reload=False)
-    with pytest.raises(ValueError, match=r"vllm_mode='colocate' on vLLM's CPU build \(0\.21\.0\+cpu\).*layer-wise "
-                                         r"reload.*vllm_mode='server'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"vllm_mode='colocate' on vLLM's CPU build \(0\.21\.0\+cpu\).*layer-wise "
+        r"reload.*vllm_mode='server'",
+    ):
         colocate_cpu_sync.check_cpu_colocate_supported(True, "colocate")
 
 
-@pytest.mark.parametrize("cpu, reload, use_vllm, mode", [
-    (True, True, True, "colocate"),  # the CPU build with the reload: supported
-    (False, False, True, "colocate"),  # a CUDA build: TRL's sync works as it is
-    (True, False, True, "server"),  # server mode: the server loads the weights
-    (True, False, False, "colocate"),  # no vLLM generation at all
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cpu, reload, use_vllm, mode",
+    [
+        (True, True, True, "colocate"),  # the CPU build with the reload: supported
+        (False, False, True, "colocate"),  # a CUDA build: TRL's sync works as it is
+        (True, False, True, "server"),  # server mode: the server loads the weights
+        (True, False, False, "colocate"),  # no vLLM generation at all
+    ],
+)
 def test_what_is_not_refused(monkeypatch, cpu, reload, use_vllm, mode):
     _fake_vllm(monkeypatch, cpu=cpu, reload=reload)
     colocate_cpu_sync.check_cpu_colocate_supported(use_vllm, mode)
@@ -60,8 +70,9 @@ def test_without_vllm_nothing_is_checked_or_wrapped(monkeypatch):
     assert colocate_cpu_sync.enable_cpu_colocate_sync(trainer) is False and generation.sync_weights is original
 
 
-@pytest.mark.parametrize("cpu, mode, wrapped", [(True, "colocate", True), (False, "colocate", False),
-                                                (True, "server", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "cpu, mode, wrapped", [(True, "colocate", True), (False, "colocate", False), (True, "server", False)]
+)
 def test_only_a_colocated_cpu_engine_gets_the_wrapped_sync(monkeypatch, cpu, mode, wrapped):
     _fake_vllm(monkeypatch, cpu=cpu, reload=True)
     generation = types.SimpleNamespace(sync_weights=lambda: None)
@@ -102,7 +113,8 @@ def test_trls_sync_runs_inside_the_reload_which_is_finalized_even_when_the_sync_
     model.own_head = ParallelLMHead(torch.nn.Parameter(torch.zeros(4, 2)))
     for name in ("tied_head", "own_head"):
         getattr(model, name).quant_method = types.SimpleNamespace(
-            process_weights_after_loading=lambda layer, name=name: events.append(("repack", name)))
+            process_weights_after_loading=lambda layer, name=name: events.append(("repack", name))
+        )
     model.experts = torch.nn.Module()
     model.experts.quant_method = types.SimpleNamespace(moe_kernel="built at load")
 
@@ -112,11 +124,15 @@ def test_trls_sync_runs_inside_the_reload_which_is_finalized_even_when_the_sync_
             raise RuntimeError("gather failed")
 
     runner = types.SimpleNamespace(model=model, model_config="model config")
-    llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_executor=types.SimpleNamespace(
-        driver_worker=types.SimpleNamespace(model_runner=runner))))  # fmt: skip
+    llm = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(
+            model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(model_runner=runner))
+        )
+    )
     generation = types.SimpleNamespace(sync_weights=trl_sync, llm=llm)
-    colocate_cpu_sync.enable_cpu_colocate_sync(types.SimpleNamespace(use_vllm=True, vllm_mode="colocate",
-                                                                     vllm_generation=generation))  # fmt: skip
+    colocate_cpu_sync.enable_cpu_colocate_sync(
+        types.SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_generation=generation)
+    )
     if trl_sync_fails:
         with pytest.raises(RuntimeError, match="gather failed"):
             generation.sync_weights()

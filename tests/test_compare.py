@@ -22,8 +22,26 @@ def _compare_module():
 def test_compare_runs_end_to_end_and_writes_plots_and_data(tmp_path):
     compare = _compare_module()
     out = tmp_path / "cmp"
-    compare.main(["--output-dir", str(out), "--seeds", "0", "1", "--moe-seeds", "0", "--max-steps", "4", "--tiny",
-                  "--num-prompts", "16", "--eval-prompts", "8", "--max-completion-length", "6"])  # fmt: skip
+    compare.main(
+        [
+            "--output-dir",
+            str(out),
+            "--seeds",
+            "0",
+            "1",
+            "--moe-seeds",
+            "0",
+            "--max-steps",
+            "4",
+            "--tiny",
+            "--num-prompts",
+            "16",
+            "--eval-prompts",
+            "8",
+            "--max-completion-length",
+            "6",
+        ]
+    )
 
     for name in ("reward.png", "clip_fraction.png", "ratio_dispersion.png", "routing_shift.png"):
         path = out / name
@@ -61,8 +79,21 @@ def test_routing_replay_experiment_smoke_run_writes_its_table(tmp_path):
     every completion token under R2, all but the last sampled token under R3), and the table and plot are written."""
     compare = _compare_module()
     out = tmp_path / "rr"
-    compare.main(["--output-dir", str(out), "--experiment", "routing-replay", "--moe-seeds", "0", "--max-steps", "2",
-                  "--tiny", "--eval-prompts", "8"])  # fmt: skip
+    compare.main(
+        [
+            "--output-dir",
+            str(out),
+            "--experiment",
+            "routing-replay",
+            "--moe-seeds",
+            "0",
+            "--max-steps",
+            "2",
+            "--tiny",
+            "--eval-prompts",
+            "8",
+        ]
+    )
     summary = json.loads((out / "summary.json").read_text())["results"]
     assert set(summary) == {f"moe/{v}" for v in compare.ROUTING_EXPERIMENT["variants"]}
     assert summary["moe/GRPO+R2"]["replay_coverage_mean"] == 1.0
@@ -86,8 +117,9 @@ def test_dynamic_sampling_experiment_smoke_run_writes_its_table_and_plot(tmp_pat
     plain arm trains on all it generates, and the table, plot and --replot work."""
     compare = _compare_module()
     out = tmp_path / "ds"
-    compare.main(["--output-dir", str(out), "--experiment", "dynamic-sampling", "--seeds", "0", "--max-steps", "4",
-                  "--tiny"])  # fmt: skip
+    compare.main(
+        ["--output-dir", str(out), "--experiment", "dynamic-sampling", "--seeds", "0", "--max-steps", "4", "--tiny"]
+    )
     summary = json.loads((out / "summary.json").read_text())["results"]
     assert set(summary) == {"copy3", "copy5"} and all(set(s) == {"GSPO", "GSPO+DS"} for s in summary.values())
     for task in summary.values():
@@ -111,7 +143,21 @@ def test_async_experiment_smoke_writes_table_and_plot(tmp_path):
     """`--experiment async` on one seed and a few steps: every arm trains, the table names degradation per arm."""
     compare = _compare_module()
     out = tmp_path / "async"
-    compare.main(["--output-dir", str(out), "--experiment", "async", "--seeds", "0", "--max-steps", "12", "--tiny", "--eval-prompts", "8"])
+    compare.main(
+        [
+            "--output-dir",
+            str(out),
+            "--experiment",
+            "async",
+            "--seeds",
+            "0",
+            "--max-steps",
+            "12",
+            "--tiny",
+            "--eval-prompts",
+            "8",
+        ]
+    )
     summary = json.loads((out / "async_summary.json").read_text())["results"]
     assert set(summary) == set(compare.async_experiment.ARMS)
     assert summary["GSPO async s2"]["staleness_mean"] > summary["GSPO async s1"]["staleness_mean"] > 0

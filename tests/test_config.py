@@ -1,6 +1,5 @@
 """GSPOConfig: the paper's defaults, opt-ins and warnings (bad values: test_bad_config.py)."""
 
-
 from trl_gspo import GSPOConfig
 
 

@@ -20,15 +20,35 @@ LINE = re.compile(
     r"\| len \d+\.\d \| grad [\d.e+-]+ \| \d+\.\d+ s/step$"
 )
 #: Metrics the compact line leaves out but every logger must still get (TRL's, GSPO's diagnostics, throughput).
-FULL = {"loss", "learning_rate", "reward", "clip_ratio/region_mean", "clip_fraction/token/total", "seq_ratio/p95",
-        "ratio_dispersion/token_logratio_std", "completions/max_length", "throughput/padding_fraction"}  # fmt: skip
+FULL = {
+    "loss",
+    "learning_rate",
+    "reward",
+    "clip_ratio/region_mean",
+    "clip_fraction/token/total",
+    "seq_ratio/p95",
+    "ratio_dispersion/token_logratio_std",
+    "completions/max_length",
+    "throughput/padding_fraction",
+}
 
 
 # ----------------------------------------------------------------------------------------------- the line
-LOG = {"loss": 0.0054, "grad_norm": 0.8583, "learning_rate": 3e-4, "reward": 0.4125, "reward_std": 0.2131,
-       "entropy": 3.846, "clip_ratio/region_mean": 0.25, "clip_fraction/sequence/total": 0.10625,
-       "clip_fraction/token/total": 0.10434, "completions/mean_length": 2.943, "step_time": 0.02038,
-       "seq_ratio/mean": 1.001, "epoch": 0.01}  # fmt: skip
+LOG = {
+    "loss": 0.0054,
+    "grad_norm": 0.8583,
+    "learning_rate": 3e-4,
+    "reward": 0.4125,
+    "reward_std": 0.2131,
+    "entropy": 3.846,
+    "clip_ratio/region_mean": 0.25,
+    "clip_fraction/sequence/total": 0.10625,
+    "clip_fraction/token/total": 0.10434,
+    "completions/mean_length": 2.943,
+    "step_time": 0.02038,
+    "seq_ratio/mean": 1.001,
+    "epoch": 0.01,
+}
 
 
 def test_line_holds_the_watched_numbers_in_order():
@@ -62,8 +82,13 @@ def test_eval_summary_and_unknown_logs():
 
 def test_use_console_swaps_only_the_printing_callbacks_and_rejects_bad_modes(tmp_path):
     model, tokenizer = build_demo_model()
-    trainer = GSPOTrainer(model, demo_reward, args=demo_config(str(tmp_path), max_steps=1, report_to=[]),
-                          train_dataset=make_demo_dataset(16), processing_class=tokenizer)  # fmt: skip
+    trainer = GSPOTrainer(
+        model,
+        demo_reward,
+        args=demo_config(str(tmp_path), max_steps=1, report_to=[]),
+        train_dataset=make_demo_dataset(16),
+        processing_class=tokenizer,
+    )
     before = [type(cb) for cb in trainer.callback_handler.callbacks]
     use_console(trainer, "stock")
     assert [type(cb) for cb in trainer.callback_handler.callbacks] == before
@@ -102,8 +127,14 @@ def test_one_line_per_logging_step_while_the_logger_gets_every_metric(tmp_path, 
     model, tokenizer = build_demo_model()
     recorder = Recorder()
     args = demo_config(str(tmp_path), max_steps=6, logging_steps=2, steps_per_generation=2, disable_tqdm=disable_tqdm)
-    trainer = GSPOTrainer(model, demo_reward, args=args, train_dataset=make_demo_dataset(64),
-                          processing_class=tokenizer, callbacks=[recorder])  # fmt: skip
+    trainer = GSPOTrainer(
+        model,
+        demo_reward,
+        args=args,
+        train_dataset=make_demo_dataset(64),
+        processing_class=tokenizer,
+        callbacks=[recorder],
+    )
     use_console(trainer, "compact")
     capsys.readouterr()
     trainer.train()
@@ -118,8 +149,19 @@ def test_one_line_per_logging_step_while_the_logger_gets_every_metric(tmp_path, 
 
 
 def test_demo_cli_console_compact_and_stock(tmp_path, capsys):
-    argv = ["demo", "--max_steps", "4", "--logging_steps", "2", "--steps_per_generation", "2",
-            "--num_train_prompts", "32", "--num_eval_prompts", "8"]  # fmt: skip
+    argv = [
+        "demo",
+        "--max_steps",
+        "4",
+        "--logging_steps",
+        "2",
+        "--steps_per_generation",
+        "2",
+        "--num_train_prompts",
+        "32",
+        "--num_eval_prompts",
+        "8",
+    ]
     assert main([*argv, "--output_dir", str(tmp_path / "compact")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [int(m[1]) for m in map(LINE.match, out) if m] == [2, 4], out
@@ -140,13 +182,38 @@ def test_demo_cli_console_compact_and_stock(tmp_path, capsys):
 def test_train_cli_prints_compact_lines(tmp_path, tiny_model_dir, capsys):
     data = tmp_path / "copy.jsonl"
     make_demo_dataset(64).to_json(str(data))
-    argv = ["train", "--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--reward_funcs",
-            "demo_reward", "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--bf16", "false",
-            "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "4",
-            "--report_to", "none", "--save_strategy", "no", "--max_steps", "3", "--logging_steps", "1",
-            "--steps_per_generation", "1"]  # fmt: skip
+    argv = [
+        "train",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--dataset_name",
+        str(data),
+        "--reward_funcs",
+        "demo_reward",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--use_cpu",
+        "true",
+        "--bf16",
+        "false",
+        "--per_device_train_batch_size",
+        "8",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "4",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--steps_per_generation",
+        "1",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert [int(m[1]) for m in map(LINE.match, out) if m] == [1, 2, 3], out
     assert not any(line.startswith("{") for line in out), out
-

@@ -29,19 +29,33 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not fused_head.available(), r
 ARCHITECTURES = {
     "qwen2": (dict(), True),
     "qwen3": (dict(head_dim=8), True),
-    "qwen3_moe": (dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                       output_router_logits=False), True),  # fmt: skip
+    "qwen3_moe": (
+        dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=False),
+        True,
+    ),
     "llama": (dict(head_dim=8), True),
     "mistral": (dict(head_dim=8, sliding_window=None), True),
     "phi3": (dict(), True),
     "olmo2": (dict(), True),
-    "glm4_moe": (dict(head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      first_k_dense_replace=1, n_group=1, topk_group=1), True),  # fmt: skip
+    "glm4_moe": (
+        dict(
+            head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        True,
+    ),
     "gemma2": (dict(head_dim=8, sliding_window=16), False),  # sliding-window layers
     "gemma3_text": (dict(head_dim=8, sliding_window=16), False),
     "cohere2": (dict(sliding_window=16), False),
-    "gpt_oss": (dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
-                     output_router_logits=False), False),  # fmt: skip
+    "gpt_oss": (
+        dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, output_router_logits=False),
+        False,
+    ),
 }
 
 
@@ -64,9 +78,10 @@ def _multi_turn_rollouts(prompts, trainer):
 
 def _generate(model, ids, n, tokenizer):
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=True, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=-1)  # fmt: skip
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=-1
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def add(a: int, b: int) -> int:
@@ -88,8 +103,10 @@ SETTINGS = {
     "no_gradient_checkpointing": dict(gradient_checkpointing=False),  # GSPOConfig keeps TRL's default, True
     # Token-sum loss types at the sequence level weight sequences by length: an error unless opted in (its message
     # says so); vespo computes its own sequence weights and asks for the token level.
-    **{f"loss_type={name}": dict(loss_type=name, allow_token_sum_with_sequence_level=True)
-       for name in ("dapo", "bnpo", "dr_grpo", "cispo", "luspo", "sapo")},  # fmt: skip
+    **{
+        f"loss_type={name}": dict(loss_type=name, allow_token_sum_with_sequence_level=True)
+        for name in ("dapo", "bnpo", "dr_grpo", "cispo", "luspo", "sapo")
+    },
     "loss_type=vespo": dict(loss_type="vespo", importance_sampling_level="token"),
     "scale_rewards=batch": dict(scale_rewards="batch"),
     "scale_rewards=none": dict(scale_rewards="none"),
@@ -110,24 +127,42 @@ TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool
 def tokenizer():
     """A byte-level BPE tokenizer trained here on a few lines, with TRL's Qwen3 chat template (read from the installed
     TRL): its text round-trips exactly, so TRL can render tools and parse the tool calls a model makes."""
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
-               "</tool_response>", "<think>", "</think>"]  # fmt: skip
+    special = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+    ]
     template = (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text()
 
     def train(corpus, vocab_size):
         bpe = Tokenizer(models.BPE(unk_token=None))
         bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-        bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
-                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                            show_progress=False))  # fmt: skip
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<|endoftext|>", eos_token="<|im_end|>",
-                                            clean_up_tokenization_spaces=False)  # fmt: skip
+        bpe.train_from_iterator(
+            corpus,
+            trainers.BpeTrainer(
+                vocab_size=vocab_size,
+                special_tokens=special,
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                show_progress=False,
+            ),
+        )
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=bpe, pad_token="<|endoftext|>", eos_token="<|im_end|>", clean_up_tokenization_spaces=False
+        )
         tokenizer.chat_template = template
         return tokenizer
 
     corpus = ["user assistant system tool what is 1 + 2 ? add 4 and 5 result", TOOL_CALL]
     # Trained again on the prompt that lists the tool (its JSON schema), so that prompt stays short in tokens.
-    rendered = train(corpus, 300).apply_chat_template(PROMPTS[0], tools=[add], add_generation_prompt=True, tokenize=False)
+    rendered = train(corpus, 300).apply_chat_template(
+        PROMPTS[0], tools=[add], add_generation_prompt=True, tokenize=False
+    )
     return train(corpus + [rendered], 600)
 
 
@@ -145,11 +180,20 @@ def model_dirs(tmp_path_factory, tokenizer):
     dirs = {}
     for name, (overrides, _) in ARCHITECTURES.items():
         config = AutoConfig.for_model(
-            name, vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-            tie_word_embeddings=True, **overrides,
-        )  # fmt: skip
+            name,
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+            tie_word_embeddings=True,
+            **overrides,
+        )
         torch.manual_seed(0)
         path = tmp_path_factory.mktemp(name)
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -180,9 +224,21 @@ def test_defaults_plus_one_setting_train(arch, setting, model_dirs, tokenizer, t
         changes["generation_kwargs"] = {"sequence_bias": [[[tokenizer.eos_token_id], 4.5]]}
     elif extra == "tools":
         changes["generation_kwargs"] = {"sequence_bias": tool_call_bias(tokenizer)}
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=4, num_generations=2, max_completion_length=6, learning_rate=1e-2,
-                    max_steps=2, logging_steps=1, disable_tqdm=True)  # fmt: skip
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        learning_rate=1e-2,
+        max_steps=2,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     args = GSPOConfig(**{**settings, **changes})
     kwargs = {}
     if extra == "lora":
@@ -202,10 +258,13 @@ def test_defaults_plus_one_setting_train(arch, setting, model_dirs, tokenizer, t
         return
 
     with caplog.at_level(logging.WARNING, logger="trl_gspo"):
-        trainer = GSPOTrainer(model_dirs[arch], _reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-                              **kwargs)  # fmt: skip
+        trainer = GSPOTrainer(
+            model_dirs[arch], _reward, args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs
+        )
         initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        ref_initial = None if trainer.ref_model is None else [p.detach().clone() for p in trainer.ref_model.parameters()]
+        ref_initial = (
+            None if trainer.ref_model is None else [p.detach().clone() for p in trainer.ref_model.parameters()]
+        )
         batches = []
         score = trainer._generate_and_score_completions
         trainer._generate_and_score_completions = lambda inputs: batches.append(score(inputs)) or batches[-1]
@@ -222,7 +281,7 @@ def test_defaults_plus_one_setting_train(arch, setting, model_dirs, tokenizer, t
 
     # The forward pipeline's decision for this architecture, said once per model where segment layouts are off.
     routable = ARCHITECTURES[arch][1]
-    support = trainer._segment_support(trainer.model)
+    support = trainer.logprob_forward.segment_support(trainer.model)
     assert (support.problem is None) == routable, support.problem
     fallbacks = [r for r in caplog.records if "cannot take packed or shared-prefix layouts" in r.getMessage()]
     models = 1 + (trainer.ref_model is not None)

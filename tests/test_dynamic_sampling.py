@@ -29,12 +29,12 @@ from datasets import Dataset
 from trl import GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.common import trl_compat
 from trl_gspo.common.trl_compat import fused_logprob_head_module
 from trl_gspo.guards import checkpointing
 from trl_gspo.rollout.dynamic_sampling import DynamicSampling, prefilter_reward_metrics
 from trl_gspo.rollout.group_filling import GroupFilling, batch_unit, deal, keep_groups
+from trl_gspo.testing import build_tiny_model
 
 G = 4
 PROMPTS = [f"copy {a} {b} :" for a in range(4) for b in range(4)]  # 16 prompts
@@ -66,28 +66,46 @@ def mean_above_half(rewards):
     return bool(rewards[:, 0].mean() > 0.5)
 
 
+#: The config fields of this file's runs (`_config`, and the trainers: `TRAINER`).
+SETTINGS = dict(
+    seed=0,
+    per_device_train_batch_size=4,
+    num_generations=G,
+    steps_per_generation=4,
+    gradient_accumulation_steps=2,
+    max_completion_length=4,
+    learning_rate=1e-3,
+    max_steps=4,
+    logging_steps=1,
+    disable_tqdm=True,
+    dynamic_sampling=True,
+    max_sampling_rounds=4,
+)
+
+
 def _config(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=4, num_generations=G, steps_per_generation=4,
-                    gradient_accumulation_steps=2, max_completion_length=4, learning_rate=1e-3, max_steps=4,
-                    logging_steps=1, disable_tqdm=True, dynamic_sampling=True, max_sampling_rounds=4)  # fmt: skip
-    return GSPOConfig(**{**settings, **overrides})
+    return GSPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        **{**SETTINGS, **overrides},
+    )
 
 
-def _trainer(tokenizer, tmp_path, reward=known_reward, prompts=PROMPTS, cls=GSPOTrainer, model=None, **overrides):
-    args = _config(tmp_path, **overrides)
-    model = model if model is not None else build_tiny_model(tokenizer, seed=0)
-    return cls(model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
-               processing_class=tokenizer)  # fmt: skip
+#: The trainers of this file (`trainer_factory`).
+TRAINER = dict(reward=known_reward, prompts=PROMPTS, **SETTINGS)
 
 
 class Recorder:
-    """Spies on one trainer: the prompts of every sampling round, the reward matrices `_score` received (one per
-    rollout batch), and the prompts of every loss micro-batch."""
+    """Spies on one trainer: the prompts of every sampling round, the reward matrices its rollout pipeline's `score`
+    received (one per rollout batch), and the prompts of every loss micro-batch."""
 
     def __init__(self, trainer, tokenizer):
         self.sampled, self.scored, self.rounds_per_batch, self.loss_prompts = [], [], [], []
-        sample, score, compute = trainer._sample, trainer._score, trainer._compute_loss
+        pipeline = trainer.rollout
+        sample, score, compute = pipeline.sample, pipeline.score, trainer._compute_loss
         rounds = [0]
 
         def recording_sample(inputs):
@@ -106,7 +124,7 @@ class Recorder:
             self.loss_prompts += tokenizer.batch_decode(inputs["prompt_ids"], skip_special_tokens=True)
             return compute(model, inputs)
 
-        trainer._sample, trainer._score, trainer._compute_loss = recording_sample, recording_score, recording_loss
+        pipeline.sample, pipeline.score, trainer._compute_loss = recording_sample, recording_score, recording_loss
 
 
 def _dataloader_order(trainer, epochs: int) -> list[list[str]]:
@@ -123,13 +141,25 @@ def _dataloader_order(trainer, epochs: int) -> list[list[str]]:
 # --------------------------------------------------------------------------------------------------- policy
 def test_reward_std_rule_and_user_filter():
     weights = torch.tensor([1.0, 0.5])
-    rewards = torch.tensor([
-        [1.0, 0.0], [1.0, 0.0], [1.0, 0.0],                      # constant
-        [1.0, 0.0], [0.0, 2.0], [1.0, 0.0],                      # weighted sums 1, 1, 1: all equal, functions differ
-        [0.0, 0.0], [1.0, 0.0], [float("nan"), float("nan")],    # spread among the scored ones
-        [float("nan")] * 2, [float("nan")] * 2, [0.5, 0.0],     # one scored completion: no spread
-        [0.2, 0.0], [0.2 + 1e-9, 0.0], [0.2, 0.0],               # differ below TRL's isclose: equal
-    ])  # fmt: skip
+    rewards = torch.tensor(
+        [
+            [1.0, 0.0],
+            [1.0, 0.0],
+            [1.0, 0.0],  # constant
+            [1.0, 0.0],
+            [0.0, 2.0],
+            [1.0, 0.0],  # weighted sums 1, 1, 1: all equal, functions differ
+            [0.0, 0.0],
+            [1.0, 0.0],
+            [float("nan"), float("nan")],  # spread among the scored ones
+            [float("nan")] * 2,
+            [float("nan")] * 2,
+            [0.5, 0.0],  # one scored completion: no spread
+            [0.2, 0.0],
+            [0.2 + 1e-9, 0.0],
+            [0.2, 0.0],  # differ below TRL's isclose: equal
+        ]
+    )
     keep, spread = keep_groups(rewards, weights, 3)
     assert keep.tolist() == [False, False, True, False, False]
     assert spread[0] == 0 and torch.isnan(spread[3]) and spread[2] > 0
@@ -195,8 +225,8 @@ def test_prefilter_metrics_are_trls_formulas():
 
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
-def filled_run(tokenizer, tmp_path_factory):
-    trainer = _trainer(tokenizer, tmp_path_factory.mktemp("filled"), max_steps=6)
+def filled_run(tokenizer, tmp_path_factory, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path_factory.mktemp("filled"), max_steps=6)
     record = Recorder(trainer, tokenizer)
     trainer.train()
     return trainer, record
@@ -241,13 +271,18 @@ def test_metrics_match_hand_counts(filled_run):
     assert logged[-1]["dynamic_sampling/data_epoch"] == pytest.approx(len(record.sampled) / 4)
 
 
-def test_round_cap_and_underfill(tokenizer, tmp_path):
+def test_round_cap_and_underfill(tokenizer, tmp_path, trainer_factory):
     def constant(completions, **kwargs):
         return [1.0] * len(completions)
 
     for underfill, rows in (("shrink", 4), ("pad", 16)):
-        trainer = _trainer(tokenizer, tmp_path / underfill, reward=constant, max_sampling_rounds=2,
-                           dynamic_sampling_underfill=underfill)  # fmt: skip
+        trainer = trainer_factory(
+            TRAINER,
+            output_dir=tmp_path / underfill,
+            reward=constant,
+            max_sampling_rounds=2,
+            dynamic_sampling_underfill=underfill,
+        )
         record = Recorder(trainer, tokenizer)
         trainer.train()
         assert record.rounds_per_batch == [2, 2]  # the cap, exactly
@@ -259,13 +294,23 @@ def test_round_cap_and_underfill(tokenizer, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- normalisation
-NORM_PROMPTS = ["copy 0 0 :", "copy 1 1 :", "copy 0 1 :", "copy 2 0 :", "copy 2 1 :", "copy 3 0 :", "copy 3 1 :",
-                "copy 2 2 :"]  # fmt: skip  (3 constant, 5 with signal)
+NORM_PROMPTS = [
+    "copy 0 0 :",
+    "copy 1 1 :",
+    "copy 0 1 :",
+    "copy 2 0 :",
+    "copy 2 1 :",
+    "copy 3 0 :",
+    "copy 3 1 :",
+    "copy 2 2 :",
+]  # (3 constant, 5 with signal)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 @pytest.mark.parametrize("underfill", ["shrink", "pad"])
-def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(tokenizer, tmp_path, loss_type, underfill):
+def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(
+    tokenizer, tmp_path, loss_type, underfill, trainer_factory
+):
     """G=2, 4 micro-batches of 4 rows per rollout, 2 per optimizer step: a full batch is 8 groups, one round holds 5
     passing ones. `shrink` trains on 4 (whole micro-batches: 4 x 2 rows), `pad` on all 8 (3 zero-advantage groups).
     The trainer's loss and gradients over the first optimizer step must equal the hand computation over that step's
@@ -273,12 +318,23 @@ def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(tokenizer
     per optimizer step (num tokens of the whole kept batch / optimizer steps per rollout)."""
     ga, spg = 2, 4
     extra = dict(allow_token_sum_with_sequence_level=True) if loss_type == "dapo" else {}
-    trainer = _trainer(tokenizer, tmp_path, reward=make_known_reward(2), prompts=NORM_PROMPTS, num_generations=2,
-                       max_sampling_rounds=1, dynamic_sampling_underfill=underfill, loss_type=loss_type,
-                       learning_rate=0.0, epsilon=0.2, epsilon_high=0.2, **extra)  # fmt: skip
+    trainer = trainer_factory(
+        TRAINER,
+        output_dir=tmp_path,
+        reward=make_known_reward(2),
+        prompts=NORM_PROMPTS,
+        num_generations=2,
+        max_sampling_rounds=1,
+        dynamic_sampling_underfill=underfill,
+        loss_type=loss_type,
+        learning_rate=0.0,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        **extra,
+    )
     trainer.model.train()
     trainer._prepare_inputs(None)
-    plan = trainer._rollouts.last.plan
+    plan = trainer.rollout_source.last.plan
     expected_groups = 4 if underfill == "shrink" else 8
     assert len(plan.groups) == expected_groups and plan.passed == 5
     batches = trainer._buffered_inputs
@@ -291,8 +347,17 @@ def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(tokenizer
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
     trainer.model.zero_grad()
-    step = {key: torch.cat([batches[k][key] for k in range(ga)]) for key in ("prompt_ids", "prompt_mask",
-            "completion_ids", "completion_mask", "advantages", "old_per_token_logps")}  # fmt: skip
+    step = {
+        key: torch.cat([batches[k][key] for k in range(ga)])
+        for key in (
+            "prompt_ids",
+            "prompt_mask",
+            "completion_ids",
+            "completion_mask",
+            "advantages",
+            "old_per_token_logps",
+        )
+    }
     ids = torch.cat([step["prompt_ids"], step["completion_ids"]], 1)
     attention = torch.cat([step["prompt_mask"], step["completion_mask"]], 1)
     width = step["completion_ids"].size(1)
@@ -306,7 +371,7 @@ def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(tokenizer
     if loss_type == "grpo":
         hand = per_sequence.mean()
     else:
-        kept_tokens = sum(len(ids) for ids in trainer._rollouts.last.generation.outputs[1])
+        kept_tokens = sum(len(ids) for ids in trainer.rollout_source.last.generation.outputs[1])
         hand = (per_sequence * lengths).sum() / (kept_tokens / (spg // ga))
     hand.backward()
     torch.testing.assert_close(trained.detach(), hand.detach(), rtol=1e-5, atol=1e-6)
@@ -338,26 +403,28 @@ class StockPrepare(GSPOTrainer):
     _prepare_inputs = GRPOTrainer._prepare_inputs
 
 
-def test_off_is_trls_own_path_bit_for_bit(tokenizer, tmp_path):
+def test_off_is_trls_own_path_bit_for_bit(tokenizer, tmp_path, trainer_factory):
     common = dict(reward=_varied, dynamic_sampling=False, sort_by_length="never")
-    ours = _trainer(tokenizer, tmp_path / "ours", **common)
+    ours = trainer_factory(TRAINER, output_dir=tmp_path / "ours", **common)
     ours.train()
-    stock = _trainer(tokenizer, tmp_path / "stock", cls=StockPrepare, **common)
+    stock = trainer_factory(TRAINER, output_dir=tmp_path / "stock", cls=StockPrepare, **common)
     stock.train()
     _assert_equal_weights(_weights(ours), _weights(stock))
-    assert type(ours._rollouts).__name__ == "SynchronousRollouts"
+    assert type(ours.rollout_source).__name__ == "SynchronousRollouts"
 
 
-def test_a_filter_that_keeps_everything_changes_nothing(tokenizer, tmp_path):
-    off = _trainer(tokenizer, tmp_path / "off", dynamic_sampling=False)
+def test_a_filter_that_keeps_everything_changes_nothing(tokenizer, tmp_path, trainer_factory):
+    off = trainer_factory(TRAINER, output_dir=tmp_path / "off", dynamic_sampling=False)
     off.train()
-    keep = _trainer(tokenizer, tmp_path / "keep", dynamic_sampling_filter="test_dynamic_sampling.keep_all")
+    keep = trainer_factory(
+        TRAINER, output_dir=tmp_path / "keep", dynamic_sampling_filter="test_dynamic_sampling.keep_all"
+    )
     keep.train()
-    assert keep._rollouts.last.plan.rounds == 1
+    assert keep.rollout_source.last.plan.rounds == 1
     _assert_equal_weights(_weights(off), _weights(keep))
-    control = _trainer(tokenizer, tmp_path / "filter")  # the real filter changes the batches
+    control = trainer_factory(TRAINER, output_dir=tmp_path / "filter")  # the real filter changes the batches
     control.train()
-    assert control._rollouts.last.plan.generated > control._rollouts.last.plan.target
+    assert control.rollout_source.last.plan.generated > control.rollout_source.last.plan.target
     assert any(not torch.equal(v, off.model.state_dict()[k]) for k, v in _weights(control).items())
 
 
@@ -367,25 +434,27 @@ def _length_reward(completions, **kwargs):  # equal lengths in a group are commo
 
 
 @pytest.fixture(scope="module")
-def straight_filled(tokenizer, tmp_path_factory):
+def straight_filled(tokenizer, tmp_path_factory, trainer_factory):
     out = tmp_path_factory.mktemp("straight-ds")
-    trainer = _trainer(tokenizer, out, reward=_length_reward, max_steps=6, save_strategy="steps", save_steps=3)
+    trainer = trainer_factory(
+        TRAINER, output_dir=out, reward=_length_reward, max_steps=6, save_strategy="steps", save_steps=3
+    )
     trainer.train()
     return out, _weights(trainer), trainer
 
 
-def test_resume_in_the_middle_of_a_filled_batch_is_exact(tokenizer, straight_filled, tmp_path):
+def test_resume_in_the_middle_of_a_filled_batch_is_exact(tokenizer, straight_filled, tmp_path, trainer_factory):
     out, final, straight = straight_filled
     state = torch.load(out / "checkpoint-3" / "gspo_rollout_state_rank0.pt", weights_only=True)
     assert state["step"] == 6 and state["source"]["cursor"] > 2  # mid-rollout; more batches drawn than trained
-    resumed = _trainer(tokenizer, tmp_path, reward=_length_reward, max_steps=6)
+    resumed = trainer_factory(TRAINER, output_dir=tmp_path, reward=_length_reward, max_steps=6)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
-    assert resumed.state.global_step == 6 and resumed._rollouts.cursor == straight._rollouts.cursor
+    assert resumed.state.global_step == 6 and resumed.rollout_source.cursor == straight.rollout_source.cursor
     for name, value in _weights(resumed).items():
         torch.testing.assert_close(value, final[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_resume_without_the_sources_cursor_differs(tokenizer, straight_filled, tmp_path):
+def test_resume_without_the_sources_cursor_differs(tokenizer, straight_filled, tmp_path, trainer_factory):
     """Control: without the saved cursor the source restarts at TRL's schedule position and draws other prompts."""
     out, final, _ = straight_filled
     copy = tmp_path / "checkpoint-3"
@@ -395,54 +464,62 @@ def test_resume_without_the_sources_cursor_differs(tokenizer, straight_filled, t
     state["source"] = {}
     torch.save(state, path)
     checkpointing.mark_complete(str(copy))
-    resumed = _trainer(tokenizer, tmp_path / "run", reward=_length_reward, max_steps=6)
+    resumed = trainer_factory(TRAINER, output_dir=tmp_path / "run", reward=_length_reward, max_steps=6)
     resumed.train(resume_from_checkpoint=str(copy))
     diff = max((resumed.model.state_dict()[k] - v).abs().max().item() for k, v in final.items())
     assert diff > 1e-5
 
 
 # ---------------------------------------------------------------------------------------- evaluation, epochs
-def test_evaluation_never_filters(tokenizer, tmp_path):
+def test_evaluation_never_filters(tokenizer, tmp_path, trainer_factory):
     eval_set = Dataset.from_dict({"prompt": PROMPTS})
-    trainer = _trainer(tokenizer, tmp_path, per_device_eval_batch_size=16)
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, per_device_eval_batch_size=16)
     trainer.eval_dataset = eval_set
     called = []
-    trainer._sample = lambda inputs: called.append(inputs)
-    trainer._rollouts.next_batch = lambda batch: called.append(batch)
+    trainer.rollout.sample = lambda inputs: called.append(inputs)
+    trainer.rollout_source.next_batch = lambda batch: called.append(batch)
     metrics = trainer.evaluate()
     assert not called
     assert metrics["eval_frac_reward_zero_std"] == pytest.approx(0.5)  # half the prompts are constant, all kept
 
 
-def test_epoch_bounded_run_stops_when_the_data_is_used_up(tokenizer, tmp_path):
-    trainer = _trainer(tokenizer, tmp_path, max_steps=-1, num_train_epochs=1)
+def test_epoch_bounded_run_stops_when_the_data_is_used_up(tokenizer, tmp_path, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, max_steps=-1, num_train_epochs=1)
     record = Recorder(trainer, tokenizer)
     trainer.train()
     drawn = [p for batch in record.sampled for p in batch[::G]]
     assert sorted(drawn) == sorted(PROMPTS)  # one pass over the data, every prompt once
-    assert trainer._rollouts.cursor == 4
+    assert trainer.rollout_source.cursor == 4
     hf_steps = 4 * 4 // 2  # TRL's schedule: 4 rollout batches of 4 micro-batches, 2 per optimizer step
     assert trainer.state.global_step == 2 * len(record.scored) < hf_steps  # stopped after the last filled batch
 
 
-def test_environment_factory_is_refused(tokenizer, tmp_path):
-    trainer = _trainer(tokenizer, tmp_path)
+def test_environment_factory_is_refused(tokenizer, tmp_path, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path)
     trainer.environment_factories = {None: object}
     with pytest.raises(ValueError, match="dynamic_sampling=True does not support environment_factory"):
-        DynamicSampling(trainer)
+        DynamicSampling(trainer, trainer.rollout)
 
 
 def test_streaming_dataset_is_refused_at_construction(tokenizer, tmp_path):
     streamed = Dataset.from_dict({"prompt": PROMPTS}).to_iterable_dataset()
     with pytest.raises(ValueError, match="needs an indexable \\(map-style\\) training dataset; got a streaming one"):
-        GSPOTrainer(build_tiny_model(tokenizer, seed=0), known_reward, args=_config(tmp_path), train_dataset=streamed,
-                    processing_class=tokenizer)  # fmt: skip
+        GSPOTrainer(
+            build_tiny_model(tokenizer, seed=0),
+            known_reward,
+            args=_config(tmp_path),
+            train_dataset=streamed,
+            processing_class=tokenizer,
+        )
 
 
-def test_bad_filter_path_fails_at_construction(tokenizer, tmp_path):
-    with pytest.raises(ValueError, match=r"dynamic_sampling_filter: module 'test_dynamic_sampling' has no attribute "
-                       "'nope'"):  # fmt: skip
-        _trainer(tokenizer, tmp_path, dynamic_sampling_filter="test_dynamic_sampling.nope")
+def test_bad_filter_path_fails_at_construction(tokenizer, tmp_path, trainer_factory):
+    with pytest.raises(
+        ValueError,
+        match=r"dynamic_sampling_filter: module 'test_dynamic_sampling' has no attribute "
+        "'nope'",
+    ):
+        trainer_factory(TRAINER, output_dir=tmp_path, dynamic_sampling_filter="test_dynamic_sampling.nope")
 
 
 # ------------------------------------------------------------------------------------------ compositions
@@ -455,11 +532,11 @@ class ShiftedSampler(GSPOTrainer):
         return completion_ids, [[x - 0.25 for x in row] for row in logprobs]
 
 
-def test_sampler_logprobs_of_kept_rows_are_pi_old(tokenizer, tmp_path):
-    trainer = _trainer(tokenizer, tmp_path, cls=ShiftedSampler, old_logprobs_source="sampler")
+def test_sampler_logprobs_of_kept_rows_are_pi_old(tokenizer, tmp_path, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, cls=ShiftedSampler, old_logprobs_source="sampler")
     trainer.model.train()
-    batch = trainer._rollouts.next_batch(None)
-    filled = trainer._rollouts.last
+    batch = trainer.rollout_source.next_batch(None)
+    filled = trainer.rollout_source.last
     assert len(batch["advantages"]) == 16 < sum(len(r.generation) for r in filled.rounds)  # groups were dropped
     ids, mask = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1), batch["completion_mask"]
     with torch.no_grad():  # each row's own log-probs, recomputed: the sampler's are these minus the gap
@@ -505,11 +582,16 @@ def test_rollout_func_with_env_mask_and_packed_forwards(tokenizer, tmp_path):
     rollouts = EnvRollouts(tokenizer)
     packed = fused_logprob_head_module() is not None  # packing needs TRL's fused head (TRL >= 1.15)
     args = _config(tmp_path, padding_free=packed, max_completion_length=8)
-    trainer = GSPOTrainer(build_tiny_model(tokenizer, seed=0), _env_reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
-                          rollout_func=rollouts)  # fmt: skip
+    trainer = GSPOTrainer(
+        build_tiny_model(tokenizer, seed=0),
+        _env_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+        rollout_func=rollouts,
+    )
     trainer.model.train()
-    batch = trainer._rollouts.next_batch(None)
+    batch = trainer.rollout_source.next_batch(None)
     for ids, mask, tool in zip(batch["completion_ids"], batch["completion_mask"], batch["tool_mask"]):
         key = tuple(ids[mask.bool()].tolist())
         env, difficulty = rollouts.made[key]
@@ -520,18 +602,16 @@ def test_rollout_func_with_env_mask_and_packed_forwards(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
-def test_r3_routes_follow_the_kept_rows(tokenizer, tmp_path, mode):
-    """vLLM stand-ins whose routes are a function of each row's own prompt and completion (tests/vllm_stand_in.py;
+def test_r3_routes_follow_the_kept_rows(tokenizer, tmp_path, mode, trainer_factory):
+    """vLLM stand-ins whose routes are a function of each row's own prompt and completion (tests/helpers/vllm_stand_in.py;
     server mode runs TRL's own `VLLMGeneration` / `VLLMClient` code): every trained row carries its own routes, so
     the routes of dropped groups went with them."""
-    import vllm_stand_in
+    from helpers import vllm_stand_in
     from test_routing_replay import StandInVLLM
 
-    from trl_gspo.moe.routing_replay import _capture_vllm_routes
-
     model = build_tiny_model(tokenizer, moe=True, seed=0, num_experts=8)
-    trainer = _trainer(tokenizer, tmp_path, model=model, routing_replay="R3", max_completion_length=6)
-    hooks = trainer._router_hooks
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, model=model, routing_replay="R3", max_completion_length=6)
+    hooks = trainer.moe_routing.hooks
     layers = len(hooks.routers)
 
     class TokenRoutedVLLM(StandInVLLM):  # colocate: routes from the tokens, as the stand-in server computes them
@@ -552,11 +632,11 @@ def test_r3_routes_follow_the_kept_rows(tokenizer, tmp_path, mode):
     else:
         trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, TokenRoutedVLLM(mode, None), -1
         trainer.vllm_importance_sampling_correction = False
-        _capture_vllm_routes(trainer)
+        trainer.moe_routing.capture_vllm_routes(trainer.vllm_generation, trainer.accelerator)
     checked = vllm_stand_in.check_rollout_routes(trainer, layers, hooks.top_k, hooks.num_experts)
     trainer.model.train()
-    batch = trainer._rollouts.next_batch(None)
-    filled = trainer._rollouts.last
+    batch = trainer.rollout_source.next_batch(None)
+    filled = trainer.rollout_source.last
     assert len(batch["advantages"]) == checked["rows"] == 16 < sum(len(r.generation) for r in filled.rounds)
     assert filled.plan.rounds > 1  # groups were dropped and more prompts generated
     if mode == "server":
@@ -566,7 +646,7 @@ def test_r3_routes_follow_the_kept_rows(tokenizer, tmp_path, mode):
 
 
 # ----------------------------------------------------------------------------------------- 2 processes
-WORKER = Path(__file__).with_name("dynamic_sampling_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "dynamic_sampling_worker.py"
 
 
 @pytest.mark.slow
@@ -575,8 +655,18 @@ def test_two_processes_agree_on_kept_groups_with_a_rank_dependent_reward(tmp_pat
     its own groups. On the gathered rewards both keep exactly the groups rank 1 generated, and each trains an equal
     share of them (rows move from rank 1 to rank 0)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(WORKER), "--output_dir", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(WORKER),
+        "--output_dir",
+        str(tmp_path),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     log = run.stdout + run.stderr
     reports = {}

@@ -10,7 +10,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
+from trl_gspo.testing import build_tiny_model
 from trl_gspo.token_advantages import discounted_turn_advantages
 
 PROMPTS = ["add 1 2 =", "copy a b c :", "count 1 2 3 :", "what is 4 + 5 ?"]

@@ -28,12 +28,27 @@ def _script(tmp_path, name, body: str):
 
 # ----------------------------------------------------------------------------------------------- dry run
 def test_dry_run_lists_every_part_with_its_skip_reason_on_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out-dir", str(tmp_path)],
-                          cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out-dir", str(tmp_path)],
+        cwd=ROOT,
+        env=CPU_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = [part.name for part in gpu_check.PARTS]
-    assert {"parity_bf16", "demo_cuda", "benchmark", "loss_path", "packing", "vllm_routes", "vllm_colocate", "zero2",
-            "zero3"} == set(names)  # fmt: skip
+    assert {
+        "parity_bf16",
+        "demo_cuda",
+        "benchmark",
+        "loss_path",
+        "packing",
+        "vllm_routes",
+        "vllm_colocate",
+        "zero2",
+        "zero3",
+    } == set(names)
     one_gpu = [part.budget_s for part in gpu_check.PARTS if not part.name.startswith("zero")]
     assert sum(one_gpu) <= 28 * 60  # the whole check fits 30 minutes on one GPU, set-up included
     listed = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
@@ -57,34 +72,68 @@ def test_every_reason_is_listed_when_several_things_are_missing():
     assert reasons["zero3"] == ["needs 2 GPUs, 1 visible", "deepspeed not installed"]
     # an image with an older transformers and no TRL: every part says so
     env.update(gpus=[], versions={**env["versions"], "trl": None, "transformers": "5.16.0", "datasets": None})
-    assert gpu_check.PARTS[0].missing(env) == ["no CUDA GPU visible", "trl not installed",
-                                               "transformers 5.16.0 outside the supported >=5.17.0,<6",
-                                               "datasets not installed"]  # fmt: skip
+    assert gpu_check.PARTS[0].missing(env) == [
+        "no CUDA GPU visible",
+        "trl not installed",
+        "transformers 5.16.0 outside the supported >=5.17.0,<6",
+        "datasets not installed",
+    ]
 
 
 # ------------------------------------------------------------------------------------------- the driver
 def test_driver_records_crash_failure_timeout_and_goes_on(tmp_path):
     parts = [
-        Part("crash", "exits 3", 60, lambda env: [],
-             _script(tmp_path, "crash", "import os; print('about to fail in', os.getcwd(), "
-                                        "'/usr/lib/python3/site-packages/x.py'); sys.exit(3)")),
-        Part("slow", "sleeps past its budget", 2, lambda env: [],
-             _script(tmp_path, "slow", "json.dump({'status': 'ok', 'x': 1}, open(out, 'w')); time.sleep(120)")),
-        Part("failed", "its check fails", 60, lambda env: [],
-             _script(tmp_path, "failed", "json.dump({'status': 'failed', 'problems': ['gap 0.3']}, open(out, 'w')); "
-                                         "sys.exit(1)")),
-        Part("good", "passes", 60, lambda env: [], _script(tmp_path, "good", "json.dump({'status': 'ok', 'x': 2.5}, "
-                                                                            "open(out, 'w'))"),
-             headline=lambda r: {"x": r["x"]}),
+        Part(
+            "crash",
+            "exits 3",
+            60,
+            lambda env: [],
+            _script(
+                tmp_path,
+                "crash",
+                "import os; print('about to fail in', os.getcwd(), '/usr/lib/python3/site-packages/x.py'); sys.exit(3)",
+            ),
+        ),
+        Part(
+            "slow",
+            "sleeps past its budget",
+            2,
+            lambda env: [],
+            _script(tmp_path, "slow", "json.dump({'status': 'ok', 'x': 1}, open(out, 'w')); time.sleep(120)"),
+        ),
+        Part(
+            "failed",
+            "its check fails",
+            60,
+            lambda env: [],
+            _script(
+                tmp_path,
+                "failed",
+                "json.dump({'status': 'failed', 'problems': ['gap 0.3']}, open(out, 'w')); sys.exit(1)",
+            ),
+        ),
+        Part(
+            "good",
+            "passes",
+            60,
+            lambda env: [],
+            _script(tmp_path, "good", "json.dump({'status': 'ok', 'x': 2.5}, open(out, 'w'))"),
+            headline=lambda r: {"x": r["x"]},
+        ),
         Part("absent", "needs what is missing", 60, lambda env: ["no widget"], lambda out: ["false"]),
-    ]  # fmt: skip
+    ]
     env = {"gpus": ["GPU"], "cuda": "13.0", "versions": {"torch": "x"}, "modules": {}}  # parts with own needs only
     start = time.perf_counter()
     report = gpu_check.run(parts, env, str(tmp_path / "out"), log=lambda *a, **k: None)
     assert time.perf_counter() - start < 60  # the sleeping part was stopped at its budget, not waited for
     entries = report["parts"]
     assert {name: e["status"] for name, e in entries.items()} == {
-        "crash": "error", "slow": "timeout", "failed": "failed", "good": "ok", "absent": "skipped"}  # fmt: skip
+        "crash": "error",
+        "slow": "timeout",
+        "failed": "failed",
+        "good": "ok",
+        "absent": "skipped",
+    }
     assert "exit code 3" in entries["crash"]["error"] and "about to fail" in entries["crash"]["log_tail"]
     assert "2 s budget (partial result kept)" in entries["slow"]["error"] and entries["slow"]["result"]["x"] == 1
     assert entries["failed"]["error"] == "gap 0.3"
@@ -109,18 +158,31 @@ def test_the_whole_run_has_a_time_cap(tmp_path):
 
 
 def test_benchmark_headline_reads_run_py_ratios_and_mfu():
-    result = {"attention": "sdpa", "scenarios": {
-        "equal_settings": {"ratio_seconds_per_step": 0.9712, "mfu": {"stock": 0.31, "ours": 0.33}},
-        "loss_path": {"ratio_seconds": 1.02, "ratio_cpu_seconds": 1.5},
-        "long_tail": {"long_tail": {"trim_sort": {"ratio_seconds_per_step": 0.61},
-                                    "median": {"stock": {"seconds_per_step": 2.0}}},
-                      "long_tail_one_micro_batch": {"packed": {"ratio_seconds_per_step": 0.52}}},
-        "logprob_memory": {"ratio_ours_over_stock": 0.25}}}  # fmt: skip
+    result = {
+        "attention": "sdpa",
+        "scenarios": {
+            "equal_settings": {"ratio_seconds_per_step": 0.9712, "mfu": {"stock": 0.31, "ours": 0.33}},
+            "loss_path": {"ratio_seconds": 1.02, "ratio_cpu_seconds": 1.5},
+            "long_tail": {
+                "long_tail": {
+                    "trim_sort": {"ratio_seconds_per_step": 0.61},
+                    "median": {"stock": {"seconds_per_step": 2.0}},
+                },
+                "long_tail_one_micro_batch": {"packed": {"ratio_seconds_per_step": 0.52}},
+            },
+            "logprob_memory": {"ratio_ours_over_stock": 0.25},
+        },
+    }
     assert gpu_check._bench_headline(result) == {
-        "equal_settings ours/stock": 0.971, "equal_settings MFU stock": 0.31, "equal_settings MFU ours": 0.33,
+        "equal_settings ours/stock": 0.971,
+        "equal_settings MFU stock": 0.31,
+        "equal_settings MFU ours": 0.33,
         "loss_path ours/stock": 1.02,
-        "long_tail.long_tail.trim_sort ours/stock": 0.61, "long_tail.long_tail_one_micro_batch.packed ours/stock": 0.52,
-        "logprob_memory ours/stock": 0.25, "attention": "sdpa"}  # fmt: skip
+        "long_tail.long_tail.trim_sort ours/stock": 0.61,
+        "long_tail.long_tail_one_micro_batch.packed ours/stock": 0.52,
+        "logprob_memory ours/stock": 0.25,
+        "attention": "sdpa",
+    }
 
 
 # -------------------------------------------------------------------------------- the parts' own checks, on CPU
@@ -145,9 +207,9 @@ def test_colocate_smoke_on_cpu_and_it_notices_when_pi_old_is_recomputed(monkeypa
     assert result["pi_old_passes"] == 0 and result["replay_coverage"] > 0.5
     assert result["sampler_logp_abs_diff"] < 1e-5  # same weights, same fp32 model: sampler == trainer
 
-    from trl_gspo.rollout.sampler_logprobs import SamplerLogprobReuse
+    from trl_gspo.rollout.sampler_logprobs import SamplerLogprobs
 
-    monkeypatch.setattr(SamplerLogprobReuse, "_reuses_sampler_logps", lambda self: False)
+    monkeypatch.setattr(SamplerLogprobs, "reuses", property(lambda self: False))
     broken = gpu_parts.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
     assert broken["status"] == "failed" and broken["pi_old_passes"] == 1
     assert "TRL's pi_old pass ran 1 times (sampler log-probs not reused)" in broken["problems"]
@@ -171,9 +233,20 @@ def test_saved_demo_check_and_zero_command(tmp_path):
 
 
 def test_make_target_runs_the_dry_run(tmp_path):
-    proc = subprocess.run(["make", "gpu-check", f"GPU_PYTHON={sys.executable}", f"WHEELS={tmp_path / 'none'}",
-                           f"GPU_CHECK_ARGS=--dry-run --out-dir {tmp_path}"],
-                          cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            "make",
+            "gpu-check",
+            f"GPU_PYTHON={sys.executable}",
+            f"WHEELS={tmp_path / 'none'}",
+            f"GPU_CHECK_ARGS=--dry-run --out-dir {tmp_path}",
+        ],
+        cwd=ROOT,
+        env=CPU_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "gpu-check.json").read_text())["parts"].keys() == {p.name for p in gpu_check.PARTS}
 
@@ -181,9 +254,24 @@ def test_make_target_runs_the_dry_run(tmp_path):
 def test_zero_part_streams_its_launch_and_checks_what_it_saved(monkeypatch, capsys):
     # the 2-GPU launch replaced by the one-process CPU demo: the same outputs for the part to check
     def cpu_demo(stage, output_dir):
-        return [sys.executable, "-m", "trl_gspo", "demo", "--output_dir", output_dir, "--max_steps",
-                str(gpu_parts.ZERO_STEPS), "--logging_steps", "10", "--num_train_prompts", "64", "--num_eval_prompts",
-                "8", "--disable_tqdm", "true"]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "trl_gspo",
+            "demo",
+            "--output_dir",
+            output_dir,
+            "--max_steps",
+            str(gpu_parts.ZERO_STEPS),
+            "--logging_steps",
+            "10",
+            "--num_train_prompts",
+            "64",
+            "--num_eval_prompts",
+            "8",
+            "--disable_tqdm",
+            "true",
+        ]
 
     monkeypatch.setattr(gpu_parts, "zero_command", cpu_demo)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))

@@ -1,14 +1,12 @@
 """The package's shape: no import circle, no function-level import inside the package, every public dotted path the
-docs and recipes name resolves, old flat module paths still import (with a DeprecationWarning), no long module
-without a stated reason. The layer contracts themselves are import-linter's (`make lint`, pyproject.toml)."""
+docs and recipes name resolves, no long module without a stated reason. The layer contracts themselves are
+import-linter's (`make lint`, pyproject.toml)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import re
-import sys
-import warnings
 from pathlib import Path
 
 import grimp
@@ -16,7 +14,6 @@ import pytest
 import yaml
 
 import trl_gspo
-from trl_gspo._moved import MOVED
 from trl_gspo.cli.commands import resolve_trainer_class
 from trl_gspo.cli.rewards import resolve_reward
 
@@ -82,12 +79,16 @@ def _function_level_imports(path: Path) -> list[int]:
 
 
 def test_no_function_level_import_inside_the_package():
-    found = [f"{p.relative_to(ROOT)}:{line}" for p in sorted(PACKAGE.rglob("*.py")) for line in _function_level_imports(p)]
+    found = [
+        f"{p.relative_to(ROOT)}:{line}" for p in sorted(PACKAGE.rglob("*.py")) for line in _function_level_imports(p)
+    ]
     assert found == [], "imports of trl_gspo inside functions (move them to the top, or the module down a layer)"
 
 
 def test_function_level_import_detector_detects(tmp_path):
-    (tmp_path / "m.py").write_text("import os\n\n\ndef f():\n    from .x import y\n    import trl_gspo.cli\n    import json\n")
+    (tmp_path / "m.py").write_text(
+        "import os\n\n\ndef f():\n    from .x import y\n    import trl_gspo.cli\n    import json\n"
+    )
     assert _function_level_imports(tmp_path / "m.py") == [5, 6]
 
 
@@ -97,8 +98,12 @@ FROM_IMPORT = re.compile(r"^\s*from (trl_gspo(?:\.\w+)*) import ([\w, ]+)", re.M
 
 
 def _doc_and_recipe_texts() -> dict[str, str]:
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(RECIPES.glob("*.yaml")),
-             *sorted(RECIPES.glob("*.py"))]  # fmt: skip
+    files = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted(RECIPES.glob("*.yaml")),
+        *sorted(RECIPES.glob("*.py")),
+    ]
     return {str(f.relative_to(ROOT)): f.read_text() for f in files}
 
 
@@ -127,15 +132,13 @@ def public_dotted_paths() -> list[str]:
 
 def test_the_collector_finds_the_paths_users_type():
     paths = public_dotted_paths()
-    for expected in ("trl_gspo.tiny", "trl_gspo.cli.main", "trl_gspo.token_advantages"):
+    for expected in ("trl_gspo.testing", "trl_gspo.cli.main", "trl_gspo.token_advantages"):
         assert any(p == expected or p.startswith(expected + ".") for p in paths), expected
 
 
 @pytest.mark.parametrize("dotted", public_dotted_paths())
 def test_public_dotted_path_resolves(dotted):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # old flat paths: tested below
-        _resolve(dotted)
+    _resolve(dotted)
 
 
 def test_resolver_fails_on_a_missing_name():
@@ -159,23 +162,6 @@ def test_recipe_names_resolve(name):
     rule = recipe.get("dynamic_sampling_filter")
     if rule and rule != "reward_std":
         assert callable(_resolve(rule))
-
-
-# ---------------------------------------------------------------------------- old flat paths
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_path_imports_the_moved_module_with_a_warning(old):
-    new = importlib.import_module(MOVED[old])
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {MOVED[old]}")):
-        module = importlib.import_module(old)
-    assert module is new
-
-
-def test_moved_paths_are_the_old_flat_modules_only():
-    """No old path hides a module that exists (the finder only answers names nothing else finds)."""
-    for old, new in MOVED.items():
-        assert not (PACKAGE / (old.split(".")[-1] + ".py")).exists(), old
-        assert (PACKAGE / Path(*new.split(".")[1:])).with_suffix(".py").is_file(), new
 
 
 # ---------------------------------------------------------------------------- module length

@@ -9,9 +9,9 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.common import metrics
 from trl_gspo.moe.routing import RouterHooks, find_routers
+from trl_gspo.testing import build_tiny_model
 
 # Three sequences of lengths 3, 1, 0 (empty), with known token log-ratios.
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
@@ -188,20 +188,44 @@ LEVELS = {
     "sequence": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
     "sequence_token": dict(importance_sampling_level="sequence_token", epsilon=3e-4, epsilon_high=4e-4),
 }
-CORE = ["seq_ratio/mean", "seq_ratio/std", "seq_ratio/min", "seq_ratio/max", "seq_ratio/p5", "seq_ratio/p95",
-        "clip_fraction/token/low", "clip_fraction/token/high", "clip_fraction/token/total",
-        "clip_fraction/sequence/low", "clip_fraction/sequence/high", "clip_fraction/sequence/total",
-        "ratio_dispersion/token_logratio_std", "ratio_dispersion/seq_logratio_abs", "nonfinite/logps"]  # fmt: skip
+CORE = [
+    "seq_ratio/mean",
+    "seq_ratio/std",
+    "seq_ratio/min",
+    "seq_ratio/max",
+    "seq_ratio/p5",
+    "seq_ratio/p95",
+    "clip_fraction/token/low",
+    "clip_fraction/token/high",
+    "clip_fraction/token/total",
+    "clip_fraction/sequence/low",
+    "clip_fraction/sequence/high",
+    "clip_fraction/sequence/total",
+    "ratio_dispersion/token_logratio_std",
+    "ratio_dispersion/seq_logratio_abs",
+    "nonfinite/logps",
+]
 MOE = ["moe/routing_shift", "moe/routing_shift_any_layer", "moe/expert_change", "moe/expert_load_cv"]
 
 
 def _train(tokenizer, tmp_path, level, moe, **extra):
     model = build_tiny_model(tokenizer, moe=moe, seed=0)
     args = GSPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=3e-3,
-        max_steps=4, logging_steps=1, **LEVELS[level], **extra,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=3e-3,
+        max_steps=4,
+        logging_steps=1,
+        **LEVELS[level],
+        **extra,
+    )
     dataset = Dataset.from_dict({"prompt": ["copy 1 2 :", "add 3 4 =", "copy a b :", "count 5 6"] * 4})
 
     def reward(completions, **kwargs):
@@ -220,7 +244,7 @@ def test_metrics_reach_the_logs_for_every_variant(level, tokenizer, tmp_path):
         assert set(CORE) <= row.keys(), set(CORE) - row.keys()
         assert not any(k.startswith("moe/") for k in row)  # dense model: no MoE metrics
         assert row["nonfinite/logps"] == 0
-        # TRL's clip metric (aggregated separately, in trainer._log_loss_metrics, and checked against stock TRL by
+        # TRL's clip metric (aggregated separately, in trl_gspo.common.metrics.loss_metrics, and checked against stock TRL by
         # test_parity) counts tokens for per-token ratios and sequences for per-sequence ones; one micro-batch per
         # log step, so pooled == per-batch here
         ours = "clip_fraction/sequence/total" if level == "sequence" else "clip_fraction/token/total"
@@ -236,8 +260,14 @@ def test_metrics_reach_the_logs_for_every_variant(level, tokenizer, tmp_path):
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_diagnostics_false_switches_them_off_and_keeps_trls_metrics(moe, tokenizer, tmp_path):
     rows = _train(tokenizer, tmp_path, "sequence", moe=moe, diagnostics=False)
-    ours = [k for row in rows for k in row if k.startswith(("seq_ratio/", "clip_fraction/", "ratio_dispersion/",
-                                                            "logratio_by_len/", "moe/", "nonfinite/logps"))]  # fmt: skip
+    ours = [
+        k
+        for row in rows
+        for k in row
+        if k.startswith(
+            ("seq_ratio/", "clip_fraction/", "ratio_dispersion/", "logratio_by_len/", "moe/", "nonfinite/logps")
+        )
+    ]
     assert ours == []
     assert all({"clip_ratio/region_mean", "entropy", "loss", "nonfinite/microbatches"} <= row.keys() for row in rows)
     if moe:
@@ -253,7 +283,7 @@ def test_moe_metrics_only_for_moe_and_routing_moves_after_updates(tokenizer, tmp
     assert all(row["moe/expert_load_cv"] > 0 for row in rows)
 
 
-DISTRIBUTED_SCRIPT = '''
+DISTRIBUTED_SCRIPT = """
 import json, torch
 from accelerate import Accelerator
 from trl_gspo.common.metrics import MetricWindow
@@ -268,7 +298,7 @@ w.add_counts("c", torch.tensor([[1.0 + r, 0.0]]), lambda t: {"c0": t[0, 0].item(
 out = w.flush(acc)
 if acc.is_main_process:
     print("RESULT", json.dumps(out))
-'''
+"""
 
 
 def test_window_reduces_across_two_processes(tmp_path):
@@ -304,17 +334,33 @@ def test_routing_shift_uses_the_old_policy_forward_not_the_reference(tokenizer, 
 
     model = build_tiny_model(tokenizer, moe=True, seed=0)
     args = GSPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=5e-2,
-        max_steps=8, logging_steps=1, beta=0.04,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=5e-2,
+        max_steps=8,
+        logging_steps=1,
+        beta=0.04,
+    )
     dataset = Dataset.from_dict({"prompt": ["copy 1 2 :", "add 3 4 =", "copy a b :", "count 5 6"] * 4})
 
     def reward(completions, **kwargs):
         return [float(len(c.split()) % 3) for c in completions]
 
-    trainer = GSPOTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate"]))  # fmt: skip
+    trainer = GSPOTrainer(
+        model,
+        reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate"]),
+    )
     trainer.train()
     rows = [row for row in trainer.state.log_history if "moe/routing_shift" in row]
     assert [row["step"] for row in rows] == list(range(1, 9))

@@ -4,7 +4,7 @@ Each run uses the config file as shipped plus one launcher flag, `--num_processe
 files ask for bf16; without CUDA the CLI trains in fp32 and says so in one line (`recipe_inputs.reconcile_precision`),
 which each rank confirms by reporting accelerate's mixed precision. The demo's `use_cpu=True` keeps the tensors on
 CPU; the distributed type (DDP / DeepSpeed ZeRO-2 / ZeRO-3) comes from the config file, and each rank reports the one
-it ran under. Processes talk over gloo. `tests/cpu_launch.py` is the CLI with DeepSpeed's
+it ran under. Processes talk over gloo. `tests/helpers/cpu_launch.py` is the CLI with DeepSpeed's
 shared-memory all-reduce kernel turned off (it would be compiled on first use, ~45 s on a fresh machine).
 
 What the tests hold a run to: both ranks get through training, saving and `trainer.end()`; the saved model loads,
@@ -39,42 +39,88 @@ def _free_port() -> int:
 
 
 def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_DISABLED": "true"}  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch",
-           "--config_file", str(SHIPPED["accelerate config"] / config), "--num_processes", "2",
-           "--main_process_port", str(_free_port()),
-           str(ROOT / "tests" / "cpu_launch.py"), "demo", "--output_dir", str(output_dir), "--max_steps", "2",
-           "--num_train_prompts", "64", "--num_eval_prompts", "16", "--logging_steps", "1",
-           "--disable_tqdm", "true", *extra]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_DISABLED": "true",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(SHIPPED["accelerate config"] / config),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(_free_port()),
+        str(ROOT / "tests" / "helpers" / "cpu_launch.py"),
+        "demo",
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        "2",
+        "--num_train_prompts",
+        "64",
+        "--num_eval_prompts",
+        "16",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        *extra,
+    ]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config, distributed_type, extra",
-    [("multi_gpu.yaml", ("MULTI_CPU",), ()),
-     # max_grad_norm other than 1.0: DeepSpeed's gradient_clipping is left to it (a fixed value fails at start-up)
-     ("zero2.yaml", ("DEEPSPEED",), ("--max_grad_norm", "0.5")), ("zero3.yaml", ("DEEPSPEED",), ()),
-     ("multi_gpu.yaml", ("MULTI_CPU",), ("--moe", "true", "--routing_replay", "R2")),
-     # packed forwards (forward/padding.py): each rank packs its own rows, ZeRO-3 ranks still make the same model calls
-     # (longer completions, so rows end at different lengths and the ranks' packed widths differ)
-     ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12")),
-     # shared-prefix forwards with whole-group mini-batches: every pass (pi_old and loss) runs each prompt once
-     ("zero3.yaml", ("DEEPSPEED",), ("--shared_prefix", "true", "--group_minibatches", "true")),
-     # asynchronous generation (rollout/async_rollouts.py): a generator copy per rank, weights pushed (ZeRO-3: gathered) on
-     # every rank's main thread at the same sync points
-     # (one step per rollout batch, so the second step trains on a batch sent after the first push)
-     ("multi_gpu.yaml", ("MULTI_CPU",), ("--async_generation", "true", "--steps_per_generation", "1")),
-     ("zero3.yaml", ("DEEPSPEED",), ("--async_generation", "true", "--max_staleness", "2", "--steps_per_generation", "1")),
-     # both: the generator generates sampling rounds ahead, the ranks fill each batch on the gathered rewards
-     ("multi_gpu.yaml", ("MULTI_CPU",), ("--async_generation", "true", "--dynamic_sampling", "true",
-                                         "--steps_per_generation", "1")),
-     # the KL reference model under the default layouts, inside DeepSpeed's ZeRO-3 engine (TRL prepares it there)
-     ("zero3.yaml", ("DEEPSPEED",), ("--beta", "0.04", "--max_completion_length", "12"))],
-    ids=["ddp", "zero2", "zero3", "ddp-moe-r2", "zero3-packed", "zero3-shared-prefix", "ddp-async", "zero3-async",
-         "ddp-async-dynamic-sampling", "zero3-beta"],
-)  # fmt: skip
+    [
+        ("multi_gpu.yaml", ("MULTI_CPU",), ()),
+        # max_grad_norm other than 1.0: DeepSpeed's gradient_clipping is left to it (a fixed value fails at start-up)
+        ("zero2.yaml", ("DEEPSPEED",), ("--max_grad_norm", "0.5")),
+        ("zero3.yaml", ("DEEPSPEED",), ()),
+        ("multi_gpu.yaml", ("MULTI_CPU",), ("--moe", "true", "--routing_replay", "R2")),
+        # packed forwards (forward/padding.py): each rank packs its own rows, ZeRO-3 ranks still make the same model calls
+        # (longer completions, so rows end at different lengths and the ranks' packed widths differ)
+        ("zero3.yaml", ("DEEPSPEED",), ("--padding_free", "true", "--max_completion_length", "12")),
+        # shared-prefix forwards with whole-group mini-batches: every pass (pi_old and loss) runs each prompt once
+        ("zero3.yaml", ("DEEPSPEED",), ("--shared_prefix", "true", "--group_minibatches", "true")),
+        # asynchronous generation (rollout/async_rollouts.py): a generator copy per rank, weights pushed (ZeRO-3: gathered) on
+        # every rank's main thread at the same sync points
+        # (one step per rollout batch, so the second step trains on a batch sent after the first push)
+        ("multi_gpu.yaml", ("MULTI_CPU",), ("--async_generation", "true", "--steps_per_generation", "1")),
+        (
+            "zero3.yaml",
+            ("DEEPSPEED",),
+            ("--async_generation", "true", "--max_staleness", "2", "--steps_per_generation", "1"),
+        ),
+        # both: the generator generates sampling rounds ahead, the ranks fill each batch on the gathered rewards
+        (
+            "multi_gpu.yaml",
+            ("MULTI_CPU",),
+            ("--async_generation", "true", "--dynamic_sampling", "true", "--steps_per_generation", "1"),
+        ),
+        # the KL reference model under the default layouts, inside DeepSpeed's ZeRO-3 engine (TRL prepares it there)
+        ("zero3.yaml", ("DEEPSPEED",), ("--beta", "0.04", "--max_completion_length", "12")),
+    ],
+    ids=[
+        "ddp",
+        "zero2",
+        "zero3",
+        "ddp-moe-r2",
+        "zero3-packed",
+        "zero3-shared-prefix",
+        "ddp-async",
+        "zero3-async",
+        "ddp-async-dynamic-sampling",
+        "zero3-beta",
+    ],
+)
 def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type, extra):
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +136,9 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
     result = _launch(config, out, *extra)
     log = result.stdout + result.stderr
     # Ranks share the launcher's pipes, so a marker may not start its own line: match anywhere.
-    markers = re.findall(r"cpu_launch: rank (\d) finished with code (-?\d+) as (\w+ x\d) precision (no|fp16|bf16|fp8)", log)
+    markers = re.findall(
+        r"cpu_launch: rank (\d) finished with code (-?\d+) as (\w+ x\d) precision (no|fp16|bf16|fp8)", log
+    )
     assert len(markers) == 2, f"expected both ranks to finish, got {markers}\n{log[-4000:]}"
     assert sorted((rank, code) for rank, code, _, _ in markers) == [("0", "0"), ("1", "0")], markers
     assert all(how in {f"{t} x2" for t in distributed_type} for _, _, how, _ in markers), markers
@@ -130,4 +178,6 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
         assert [float(r["async/staleness/max"]) for r in rows] == [0.0, 1.0]  # step 2's batch: weights of step 0
         assert all(float(r["async/behaviour_weight/mean"]) > 0 for r in rows)
     if "--padding_free" in extra:  # packing ran and removed padding TRL would have computed
-        assert all(float(r["throughput/padding_fraction"]) < float(r["throughput/stock_padding_fraction"]) for r in rows)
+        assert all(
+            float(r["throughput/padding_fraction"]) < float(r["throughput/stock_padding_fraction"]) for r in rows
+        )

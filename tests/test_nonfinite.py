@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from fault_utils import make_trainer
+from helpers.fault_utils import make_trainer
 from transformers import TrainerCallback
 
 from trl_gspo import GSPOTrainer
@@ -131,8 +131,11 @@ def test_consecutive_nonfinite_steps_stop_with_checkpoint(tmp_path):
                 initial_step1 = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     trainer.add_callback(Keep())
-    with pytest.raises(NonFiniteTrainingError, match=r"3 consecutive optimizer steps .*max_consecutive_nonfinite=3.*"
-                       r"3 micro-batches dropped and 3 optimizer steps skipped.*checkpoint-4"):
+    with pytest.raises(
+        NonFiniteTrainingError,
+        match=r"3 consecutive optimizer steps .*max_consecutive_nonfinite=3.*"
+        r"3 micro-batches dropped and 3 optimizer steps skipped.*checkpoint-4",
+    ):
         trainer.train()
     ckpt = tmp_path / "checkpoint-4"
     assert checkpointing.checkpoint_problem(str(ckpt)) is None
@@ -150,12 +153,12 @@ def test_log_ratio_clamp_keeps_far_off_policy_batch_finite(tmp_path):
     clamped = make_trainer(tmp_path / "a")
     loss, grads = _loss_and_grads(clamped, batch)
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
-    assert clamped._nonfinite._dropped.item() == 0
+    assert clamped.nonfinite._dropped.item() == 0
 
     unclamped = make_trainer(tmp_path / "b", max_log_ratio=None)
     loss, grads = _loss_and_grads(unclamped, batch)
     assert loss.item() == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads.values())
-    assert unclamped._nonfinite._dropped.item() == 1
+    assert unclamped.nonfinite._dropped.item() == 1
 
 
 def _batch(old_shift=0.02, advantages=None, lengths=(6, 1, 0, 3), seed=0):
@@ -201,7 +204,7 @@ def test_zero_advantage_and_empty_completions_finite(tmp_path, level):
         assert all(torch.isfinite(g).all() for g in grads.values())
         if batch["advantages"].abs().sum() == 0 or batch["completion_mask"].sum() == 0:
             assert loss.item() == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads.values())
-    assert trainer._nonfinite._dropped.item() == 0
+    assert trainer.nonfinite._dropped.item() == 0
 
 
 def test_all_equal_rewards_train_finitely(tmp_path):
@@ -222,13 +225,26 @@ def test_sapo_keeps_the_log_ratio_clamp_where_stock_trl_gives_nan_gradients(tmp_
     ours = make_trainer(tmp_path / "a", loss_type="sapo", importance_sampling_level="token")
     loss, grads = _loss_and_grads(ours, batch)
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
-    assert ours._nonfinite._dropped.item() == 0
+    assert ours.nonfinite._dropped.item() == 0
 
     tokenizer_model = make_trainer(tmp_path / "c")  # same tiny model and tokenizer, in a stock trainer
-    args = GRPOConfig(output_dir=str(tmp_path / "b"), use_cpu=True, bf16=False, report_to=[], loss_type="sapo",
-                      per_device_train_batch_size=4, num_generations=2, max_completion_length=6)  # fmt: skip
-    stock = GRPOTrainer(tokenizer_model.model, tokenizer_model.reward_funcs, args=args,
-                        train_dataset=tokenizer_model.train_dataset, processing_class=tokenizer_model.processing_class)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "b"),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        loss_type="sapo",
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+    )
+    stock = GRPOTrainer(
+        tokenizer_model.model,
+        tokenizer_model.reward_funcs,
+        args=args,
+        train_dataset=tokenizer_model.train_dataset,
+        processing_class=tokenizer_model.processing_class,
+    )
     _, stock_grads = _loss_and_grads(stock, batch)
     assert any(not torch.isfinite(g).all() for g in stock_grads.values()), "stock TRL stayed finite: test is moot"
 
@@ -241,7 +257,7 @@ def test_vespo_loss_is_guarded_on_its_own_loss(tmp_path):
         loss, _ = _loss_and_grads(trainer, _batch())
     finally:
         NaNLogpsTrainer.nan_steps = ()
-    assert loss.item() == 0.0 and trainer._nonfinite._dropped.item() == 1
+    assert loss.item() == 0.0 and trainer.nonfinite._dropped.item() == 1
 
 
 def test_evaluation_losses_are_guarded_and_counted(tmp_path):
@@ -257,4 +273,4 @@ def test_evaluation_losses_are_guarded_and_counted(tmp_path):
             assert torch.isfinite(loss)
             assert trainer._metrics["eval"]["nonfinite/microbatches"][-1] == expect_dropped
     assert loss.item() == 0.0
-    assert trainer._nonfinite._seen == 0, "evaluation must not count toward the training step's micro-batches"
+    assert trainer.nonfinite._seen == 0, "evaluation must not count toward the training step's micro-batches"

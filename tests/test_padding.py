@@ -15,15 +15,33 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.forward import fused_head, layouts, padding
-from trl_gspo.forward.layouts import ForwardLayout, layouts_to_batch, plan_layouts, row_spans
+from trl_gspo.forward.layouts import ForwardLayout, layouts_to_batch, row_spans
+from trl_gspo.forward.planner import plan_forward
+from trl_gspo.testing import build_tiny_model
 
 
 def _mask_from_spans(spans, s):
     """[B, S] attention mask with ones on [first, end) of each row."""
     cols = torch.arange(s)
     return ((cols[None] >= spans[:, :1]) & (cols[None] < spans[:, 1:2])).long()
+
+
+def _fixed_plan(spans, batch_shape, prompt_width, chunk_rows, sort, pack):
+    """The planner with its choice forced: every chunk packed where it can be (`pack=True`), else trimmed."""
+    return plan_forward(
+        spans,
+        batch_shape,
+        prompt_width,
+        chunk_rows,
+        groups=[],
+        sort=sort,
+        trim=True,
+        pack=pack,
+        share=False,
+        one_row=False,
+        alpha=1e-3,
+    )
 
 
 # ----------------------------------------------------------------------------------------- layouts, by hand
@@ -41,7 +59,7 @@ def test_to_model_and_back_match_loops(pack):
     first = torch.randint(0, prompt_width, (b,), generator=g)
     end = torch.randint(prompt_width + 1, s + 1, (b,), generator=g)
     spans = torch.stack([first, end, end - first], 1)
-    layouts = plan_layouts(spans, (b, s), prompt_width, 3, sort=True, trim=True, pack=pack)
+    layouts = _fixed_plan(spans, (b, s), prompt_width, 3, sort=True, pack=pack)
     x = torch.randint(0, 100, (b, s, 2, 3), generator=g)
     for layout in layouts:
         y = layout.to_model(x, fill=-7)
@@ -59,7 +77,9 @@ def test_to_model_and_back_match_loops(pack):
     real = _mask_from_spans(spans, s).bool()
     assert covered[real].all()  # every real token is in some call
     assert torch.equal(back[covered], x[covered]) and (back[~covered] == -1).all()
-    completion = layouts_to_batch(layouts, [layout.to_model(x) for layout in layouts], fill=-1, columns_from=prompt_width)
+    completion = layouts_to_batch(
+        layouts, [layout.to_model(x) for layout in layouts], fill=-1, columns_from=prompt_width
+    )
     assert torch.equal(completion, back[:, prompt_width:])
 
 
@@ -99,8 +119,15 @@ def test_trimmed_layout_keeps_positions_and_one_column_each_side():
 
 def test_optimizer_step_groups_never_mix_steps():
     """Brute force: two buffer entries may be grouped only if every use of both falls in the same optimizer step."""
-    for spg, iters, accumulation, first in [(4, 1, 2, 0), (8, 2, 4, 0), (6, 1, 4, 0), (4, 3, 2, 4), (4, 1, 1, 0),
-                                            (6, 2, 4, 12), (4, 1, 2, 2)]:  # fmt: skip
+    for spg, iters, accumulation, first in [
+        (4, 1, 2, 0),
+        (8, 2, 4, 0),
+        (6, 1, 4, 0),
+        (4, 3, 2, 4),
+        (4, 1, 1, 0),
+        (6, 2, 4, 12),
+        (4, 1, 2, 2),
+    ]:
         groups = padding.optimizer_step_groups(first, spg, iters, accumulation)
         assert sorted(k for g in groups for k in g) == list(range(spg))
         last = (first // (spg * iters) + 1) * spg * iters
@@ -116,14 +143,16 @@ def test_sort_permutes_every_per_row_value_and_keeps_scalars():
     batches = []
     for i in range(2):
         lengths = torch.randint(0, 6, (3,), generator=g)
-        batches.append({
-            "prompt_mask": torch.ones(3, 2, dtype=torch.long),
-            "completion_mask": (torch.arange(6)[None] < lengths[:, None]).long(),
-            "row_id": torch.arange(3) + 3 * i,
-            "old_routes": (torch.arange(3) + 3 * i).view(3, 1, 1, 1).expand(3, 6, 2, 2),  # another mixin's key
-            "labels": [f"r{j + 3 * i}" for j in range(3)],
-            "num_items_in_batch": torch.tensor(17),
-        })  # fmt: skip
+        batches.append(
+            {
+                "prompt_mask": torch.ones(3, 2, dtype=torch.long),
+                "completion_mask": (torch.arange(6)[None] < lengths[:, None]).long(),
+                "row_id": torch.arange(3) + 3 * i,
+                "old_routes": (torch.arange(3) + 3 * i).view(3, 1, 1, 1).expand(3, 6, 2, 2),  # another mixin's key
+                "labels": [f"r{j + 3 * i}" for j in range(3)],
+                "num_items_in_batch": torch.tensor(17),
+            }
+        )
     out = padding.sort_rows_by_length(batches)
     ids = torch.cat([b["row_id"] for b in out])
     assert sorted(ids.tolist()) == list(range(6))
@@ -136,17 +165,24 @@ def test_sort_permutes_every_per_row_value_and_keeps_scalars():
 
 
 # --------------------------------------------------------------------------- forwards through the trainer
-def _trainer(model, tokenizer, tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                    per_device_train_batch_size=4, num_generations=2, max_completion_length=9, logging_steps=1,
-                    epsilon=3e-3, epsilon_high=4e-3, seed=0)  # fmt: skip
-    args = GSPOConfig(**{**settings, **overrides})
-    dataset = Dataset.from_dict({"prompt": ["add 1 2 ="] * 8})
-    trainer = GSPOTrainer(model, lambda completions, **k: [0.0] * len(completions), args=args, train_dataset=dataset,
-                          processing_class=tokenizer)  # fmt: skip
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 2
-    return trainer
+def _no_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+#: The trainers of this file's forward tests (`trainer_factory`), in training mode, two micro-batches per step.
+TRAINER = dict(
+    reward=_no_reward,
+    prompts=["add 1 2 ="] * 8,
+    train=True,
+    accumulation=2,
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=9,
+    logging_steps=1,
+    epsilon=3e-3,
+    epsilon_high=4e-3,
+    seed=0,
+)
 
 
 def _long_tail_batch(vocab, seed=0, b=6, p=7, t=9):
@@ -170,9 +206,14 @@ def _forward(trainer, batch, chunk=None, grad=True):
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     with torch.set_grad_enabled(grad):
         return trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, mask, batch["completion_ids"].size(1), batch_size=chunk, compute_entropy=True,
+            trainer.model,
+            ids,
+            mask,
+            batch["completion_ids"].size(1),
+            batch_size=chunk,
+            compute_entropy=True,
             compute_aux_loss=trainer.aux_loss_enabled,
-        )  # fmt: skip
+        )
 
 
 def _naive_logps(model, batch):
@@ -193,7 +234,7 @@ def _naive_logps(model, batch):
 needs_fused_head = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: no fused log-prob head")
 
 
-def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch, caplog):
+def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch, caplog, trainer_factory):
     """Without TRL's fused head (TRL < 1.15; simulated here on any TRL): a warning, TRL's own forward bit for bit, no
     sorting, and padding_free=True refused naming the TRL version."""
     from trl import GRPOTrainer
@@ -201,9 +242,9 @@ def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch
     monkeypatch.setattr(fused_head, "available", lambda: False)
     model = build_tiny_model(tokenizer, moe=True, seed=3)
     with caplog.at_level("WARNING", logger="trl_gspo.forward.padding"):
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path)
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path)
     assert "no fused log-prob head" in caplog.text and "trim_padding and sort_by_length are off" in caplog.text
-    assert not trainer._sort_micro_batches and not trainer._sort_no_grad
+    assert not trainer.padding.sort_micro_batches and not trainer.padding.sort_no_grad
     batch = _long_tail_batch(model.config.vocab_size)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
@@ -213,9 +254,12 @@ def test_old_trl_falls_back_to_trls_padded_loop(tokenizer, tmp_path, monkeypatch
             trainer, trainer.model, ids, mask, 9, compute_entropy=True, compute_aux_loss=trainer.aux_loss_enabled
         )
     assert all(torch.equal(a, b) for a, b in zip(ours, stock) if a is not None)
-    with pytest.raises(ValueError, match=r"padding_free=True needs TRL's fused log-prob head \(TRL >= 1.15\); the "
-                                         r"installed TRL is [\d.]+"):  # fmt: skip
-        _trainer(copy.deepcopy(model), tokenizer, tmp_path / "packed", padding_free=True)
+    with pytest.raises(
+        ValueError,
+        match=r"padding_free=True needs TRL's fused log-prob head \(TRL >= 1.15\); the "
+        r"installed TRL is [\d.]+",
+    ):
+        trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / "packed", padding_free=True)
 
 
 CONFIGS = {
@@ -228,7 +272,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
 @needs_fused_head
-def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer, tmp_path):
+def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer, tmp_path, trainer_factory):
     """Log-probs, entropies and aux loss of every variant equal the full padded forward (which is TRL's own loop,
     bit for bit) and the naive per-row reference, with grad (loss forward) and without (pi_old pass, chunked)."""
     from trl import GRPOTrainer
@@ -237,9 +281,11 @@ def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer,
     batch = _long_tail_batch(model.config.vocab_size)
     results = {}
     for name, settings in CONFIGS.items():
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
         results[name] = [_forward(trainer, batch, chunk, grad) for chunk, grad in ((None, True), (2, False))]
-    stock = _trainer(copy.deepcopy(model), tokenizer, tmp_path / "stock", trim_padding=False, sort_by_length="never")
+    stock = trainer_factory(
+        TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / "stock", trim_padding=False, sort_by_length="never"
+    )
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     trl_logps, trl_ent, trl_aux = GRPOTrainer._get_per_token_logps_and_entropies(
@@ -266,14 +312,14 @@ def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer,
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
 @needs_fused_head
-def test_packed_and_trimmed_gradients_match_the_padded_ones(moe, tokenizer, tmp_path):
+def test_packed_and_trimmed_gradients_match_the_padded_ones(moe, tokenizer, tmp_path, trainer_factory):
     """Every parameter gradient of a loss on the log-probs and entropies is the padded forward's."""
     model = build_tiny_model(tokenizer, moe=moe, seed=4)
     batch = _long_tail_batch(model.config.vocab_size, seed=1)
     weights = torch.randn(6, 9, generator=torch.Generator().manual_seed(2))
     grads = {}
     for name, settings in CONFIGS.items():
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
         logps, entropies, _ = _forward(trainer, batch)
         ((logps * weights).sum() + 0.1 * entropies.sum()).backward()
         grads[name] = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -307,20 +353,22 @@ def _row_logps(call, ids, position_ids):
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
 @needs_fused_head
-def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
+def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path, trainer_factory):
     """Changing the tokens of sequence A must leave sequence B, packed right after it in the same row, exactly as it
     was: through the trainer's packed path and through a direct call on the packed row with its segment plan. The
     same row through the plain model (causal over the whole row, what a lost plan would give) does see the change,
     so this check can fail; `_call_model` refuses an attention_mask on a packed call."""
     model = build_tiny_model(tokenizer, moe=moe, seed=5).eval()
-    trainer = _trainer(model, tokenizer, tmp_path, padding_free=True)
+    trainer = trainer_factory(TRAINER, model=model, output_dir=tmp_path, padding_free=True)
     trainer.model.eval()
     batch = _packed_pair_batch(model.config.vocab_size)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    layout = plan_layouts(row_spans(mask), tuple(ids.shape), 7, 3, sort=False, trim=True, pack=True)[0]
+    layout = _fixed_plan(row_spans(mask), tuple(ids.shape), 7, 3, sort=False, pack=True)[0]
     own = layout.segments.own_start
-    row = next(r for r in range(layout.shape[0]) if len({int(x) for x, src in zip(own[r], layout.source[r]) if src >= 0}) == 2)
+    row = next(
+        r for r in range(layout.shape[0]) if len({int(x) for x, src in zip(own[r], layout.source[r]) if src >= 0}) == 2
+    )
     starts = sorted({int(x) for x, src in zip(own[row], layout.source[row]) if src >= 0})
     seq_a, seq_b = int(layout.source[row, starts[0]]) // 12, int(layout.source[row, starts[1]]) // 12
     changed = ids.clone()
@@ -332,33 +380,42 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path):
     assert not torch.equal(before[seq_a], after[seq_a])  # A did change
     assert torch.equal(before[seq_b], after[seq_b])  # B did not see it
 
-    row_layout = ForwardLayout(layout.source[row : row + 1], layout.batch_shape, layout.position_ids[row : row + 1],
-                               True, segments=layouts.SegmentPlan(*(x[row : row + 1] for x in (
-                                   layout.segments.own_start, layout.segments.ctx_start, layout.segments.ctx_end))))  # fmt: skip
+    row_layout = ForwardLayout(
+        layout.source[row : row + 1],
+        layout.batch_shape,
+        layout.position_ids[row : row + 1],
+        True,
+        segments=layouts.SegmentPlan(
+            *(x[row : row + 1] for x in (layout.segments.own_start, layout.segments.ctx_start, layout.segments.ctx_end))
+        ),
+    )
     row_ids, row_changed = row_layout.to_model(ids), row_layout.to_model(changed)
     b_positions = slice(starts[1] + 1, None)
 
     def segmented(**kwargs):
-        return trainer._call_model(model, row_layout, **kwargs)
+        return trainer.logprob_forward._call_model(model, row_layout, **kwargs)
 
     with torch.no_grad():
         separated = [_row_logps(segmented, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
         causal = functools.partial(model, attention_mask=torch.ones_like(row_ids))  # a mask turns packed detection off
         leaked = [_row_logps(causal, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
-    trainer._release_forward()
+    trainer.logprob_forward.release()
     assert torch.equal(*separated)
     assert (leaked[0] - leaked[1]).abs().max() > 1e-3  # plain causal attention over the row: B sees A
     with pytest.raises(RuntimeError, match="packed forward got an attention_mask"):
-        trainer._call_model(model, layout, input_ids=row_ids, attention_mask=torch.ones_like(row_ids))
+        trainer.logprob_forward._call_model(model, layout, input_ids=row_ids, attention_mask=torch.ones_like(row_ids))
 
 
 @needs_fused_head
-def test_packing_refuses_attention_it_cannot_separate(tokenizer, tmp_path):
+def test_packing_refuses_attention_it_cannot_separate(tokenizer, tmp_path, trainer_factory):
     model = build_tiny_model(tokenizer, seed=0)
     model.config._attn_implementation = "paged|sdpa"  # an implementation the segment attention does not wrap
-    with pytest.raises(ValueError, match=r"padding_free=True: the policy \(Qwen3ForCausalLM\) cannot take packed .* "
-                                         r"attn_implementation='paged\|sdpa'"):  # fmt: skip
-        _trainer(model, tokenizer, tmp_path, padding_free=True)
+    with pytest.raises(
+        ValueError,
+        match=r"padding_free=True: the policy \(Qwen3ForCausalLM\) cannot take packed .* "
+        r"attn_implementation='paged\|sdpa'",
+    ):
+        trainer_factory(TRAINER, model=model, output_dir=tmp_path, padding_free=True)
 
 
 # --------------------------------------------------------------------------- loss, gradients, metrics
@@ -372,9 +429,12 @@ LOSS_CASES = {
     "sapo": dict(importance_sampling_level="sequence", loss_type="sapo"),
     "vespo": dict(importance_sampling_level="token", loss_type="vespo"),
     "gspo-token, kl, entropy mask and bonus": dict(
-        importance_sampling_level="sequence_token", loss_type="grpo", beta=0.04, top_entropy_quantile=0.5,
+        importance_sampling_level="sequence_token",
+        loss_type="grpo",
+        beta=0.04,
+        top_entropy_quantile=0.5,
         entropy_coef=0.01,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -393,8 +453,10 @@ def _loss_inputs(model, seed):
     }
 
 
-def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings):
-    trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings)
+def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings, trainer_factory):
+    trainer = trainer_factory(
+        TRAINER, model=copy.deepcopy(model), output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
+    )
     loss = trainer._compute_loss(trainer.model, {k: v.clone() for k, v in inputs.items()})
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -406,7 +468,9 @@ def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("name", list(LOSS_CASES))
 @needs_fused_head
-def test_trimming_leaves_loss_gradients_and_metrics_unchanged(name, dtype, tokenizer, tiny_model_dir, tmp_path):
+def test_trimming_leaves_loss_gradients_and_metrics_unchanged(
+    name, dtype, tokenizer, tiny_model_dir, tmp_path, trainer_factory
+):
     """Loss and every parameter gradient within 1e-6 relative (fp32, what users run), and every logged metric too
     in fp64: in fp32 the log-ratio metrics are differences of two ~-4 log-probs, each rounded to ~5e-7, so a
     5e-4 log-ratio statistic carries ~1e-3 relative rounding whatever the forward; fp64 shows the math is unchanged
@@ -417,13 +481,20 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(name, dtype, token
     if dtype == torch.float64:
         inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     settings = dict(LOSS_CASES[name], model_init_kwargs={"dtype": dtype})
-    off = _loss_grads_metrics(model, tokenizer, tmp_path / "off", inputs, dict(settings, trim_padding=False))
+    off = _loss_grads_metrics(
+        model, tokenizer, tmp_path / "off", inputs, dict(settings, trim_padding=False), trainer_factory
+    )
     trimmed = dict(settings, trim_padding=True, padding_free=False, shared_prefix=False)
-    runs = {"trimmed": _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, trimmed),
-            "defaults": _loss_grads_metrics(model, tokenizer, tmp_path / "auto", inputs, settings)}  # fmt: skip
+    runs = {
+        "trimmed": _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, trimmed, trainer_factory),
+        "defaults": _loss_grads_metrics(model, tokenizer, tmp_path / "auto", inputs, settings, trainer_factory),
+    }
     assert off[0].abs() > 1e-2
     # 16 columns, the longest completion (6 of 9) ends 3 early, the longest prompt fills all 7: 13 columns run
-    assert off[2]["throughput/positions_vs_stock"] == 1.0 and runs["trimmed"][2]["throughput/positions_vs_stock"] == 13 / 16
+    assert (
+        off[2]["throughput/positions_vs_stock"] == 1.0
+        and runs["trimmed"][2]["throughput/positions_vs_stock"] == 13 / 16
+    )
     # the defaults packed the sequences (9, 8, 8, 7, 7, 5 real tokens) into rows as long as the longest: 6 x 9
     assert runs["defaults"][2]["throughput/positions_vs_stock"] == 54 / 96
     for variant, on in runs.items():
@@ -443,10 +514,11 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(name, dtype, token
 SORT_DEFAULT_ON = ["grpo", "dr_grpo", "dapo", "cispo", "luspo", "sapo", "vespo"]
 
 
-def _step_gradient(model, tokenizer, tmp_path, micro_batches, settings):
+def _step_gradient(model, tokenizer, tmp_path, micro_batches, settings, trainer_factory):
     """Accumulated gradient of one optimizer step: `_compute_loss` + backward over each micro-batch."""
-    trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path, allow_token_sum_with_sequence_level=True,
-                       **settings)  # fmt: skip
+    trainer = trainer_factory(
+        TRAINER, model=copy.deepcopy(model), output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
+    )
     trainer.current_gradient_accumulation_steps = len(micro_batches)
     for mb in micro_batches:
         trainer._compute_loss(trainer.model, {k: v.clone() for k, v in mb.items()}).backward()
@@ -455,7 +527,7 @@ def _step_gradient(model, tokenizer, tmp_path, micro_batches, settings):
 
 @pytest.mark.parametrize("name", SORT_DEFAULT_ON + ["bnpo"])
 @needs_fused_head
-def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny_model_dir, tmp_path):
+def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny_model_dir, tmp_path, trainer_factory):
     """Rows of one optimizer step re-cut into micro-batches by length: the accumulated gradient is the same for
     every loss type sorting is on for by default; for bnpo (token mean per micro-batch) it is not, which is why
     'auto' leaves bnpo unsorted, and shows this comparison can fail."""
@@ -465,8 +537,8 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
     trl_order = [{k: (v[i : i + 2] if v.dim() else v) for k, v in inputs.items()} for i in (0, 2, 4)]
     sorted_batches = padding.sort_rows_by_length(trl_order)
     assert [b["completion_mask"].sum(1).tolist() for b in sorted_batches] == [[6, 5], [3, 2], [1, 0]]
-    reference = _step_gradient(model, tokenizer, tmp_path / "a", trl_order, settings)
-    got = _step_gradient(model, tokenizer, tmp_path / "b", sorted_batches, settings)
+    reference = _step_gradient(model, tokenizer, tmp_path / "a", trl_order, settings, trainer_factory)
+    got = _step_gradient(model, tokenizer, tmp_path / "b", sorted_batches, settings, trainer_factory)
     errors = [((got[n] - g).norm() / g.norm()).item() for n, g in reference.items() if g.norm() > 0]
     if name == "bnpo":
         assert max(errors) > 1e-3
@@ -475,10 +547,12 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
 
 
 @needs_fused_head
-def test_auto_sorts_only_where_the_gradient_is_unchanged(tokenizer, tmp_path):
+def test_auto_sorts_only_where_the_gradient_is_unchanged(tokenizer, tmp_path, trainer_factory):
     def sorted_for(moe=False, **settings):
         model = build_tiny_model(tokenizer, moe=moe, seed=0)
-        return _trainer(model, tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings)._sort_micro_batches
+        return trainer_factory(
+            TRAINER, model=model, output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
+        ).padding.sort_micro_batches
 
     assert sorted_for() and sorted_for(loss_type="dapo")
     assert not sorted_for(loss_type="bnpo") and not sorted_for(entropy_coef=0.01)
@@ -501,8 +575,9 @@ class FixedRollouts:
         prompt_ids, completion_ids = [], []
         for i in range(len(prompts)):
             if i % trainer.num_generations == 0:
-                prompt = torch.randint(4, self.vocab, (int(torch.randint(*self.prompt_lengths, (1,), generator=g)),),
-                                       generator=g)  # fmt: skip
+                prompt = torch.randint(
+                    4, self.vocab, (int(torch.randint(*self.prompt_lengths, (1,), generator=g)),), generator=g
+                )
             n = int(torch.randint(1, self.max_len + 1, (1,), generator=g))
             ids = torch.randint(4, self.vocab, (n,), generator=g)
             if n < self.max_len:
@@ -519,14 +594,34 @@ def _run(tokenizer, tmp_path, model=None, peft_config=None, record=None, **overr
     import os
 
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=2, gradient_accumulation_steps=3, num_generations=3,
-                    max_completion_length=10, learning_rate=0.05, optim="sgd", logging_steps=1, max_steps=4,
-                    disable_tqdm=True)  # fmt: skip
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        num_generations=3,
+        max_completion_length=10,
+        learning_rate=0.05,
+        optim="sgd",
+        logging_steps=1,
+        max_steps=4,
+        disable_tqdm=True,
+    )
     args = GSPOConfig(**{**settings, **overrides})
     model = model if model is not None else build_tiny_model(tokenizer, seed=0)
-    trainer = GSPOTrainer(model, _varied_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["a b"] * 64}),
-                          processing_class=tokenizer, rollout_func=FixedRollouts(tokenizer), peft_config=peft_config)  # fmt: skip
+    trainer = GSPOTrainer(
+        model,
+        _varied_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a b"] * 64}),
+        processing_class=tokenizer,
+        rollout_func=FixedRollouts(tokenizer),
+        peft_config=peft_config,
+    )
     if record is not None:
         original = trainer._compute_loss
 
@@ -549,8 +644,16 @@ def test_sorting_keeps_every_row_in_its_optimizer_step(num_iterations, tokenizer
     runs = {}
     for sort in ("never", "always"):
         record = []
-        _run(tokenizer, tmp_path / sort, record=record, sort_by_length=sort, learning_rate=0.0, max_steps=6,
-             num_iterations=num_iterations, steps_per_generation=6)  # fmt: skip
+        _run(
+            tokenizer,
+            tmp_path / sort,
+            record=record,
+            sort_by_length=sort,
+            learning_rate=0.0,
+            max_steps=6,
+            num_iterations=num_iterations,
+            steps_per_generation=6,
+        )
         runs[sort] = record
     by_step = {k: {} for k in runs}
     for sort, record in runs.items():
@@ -584,10 +687,17 @@ def test_trimmed_sorted_and_packed_training_ends_with_the_same_weights(tokenizer
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     adapters = {}
-    for name, settings in (("padded", dict(trim_padding=False, sort_by_length="never")), ("packed", dict(padding_free=True))):
+    for name, settings in (
+        ("padded", dict(trim_padding=False, sort_by_length="never")),
+        ("packed", dict(padding_free=True)),
+    ):
         trainer = _run(tokenizer, tmp_path / f"lora-{name}", peft_config=lora, **settings)
         params = dict(trainer.model.named_parameters())
-        base = {n.replace("base_model.model.", "").replace(".base_layer", ""): p for n, p in params.items() if "lora" not in n}
+        base = {
+            n.replace("base_model.model.", "").replace(".base_layer", ""): p
+            for n, p in params.items()
+            if "lora" not in n
+        }
         assert all(torch.equal(base[n], initial[n]) for n in initial)
         adapters[name] = {n: p.detach() for n, p in params.items() if "lora" in n}
     for n, p in adapters["padded"].items():
@@ -598,7 +708,7 @@ def test_trimmed_sorted_and_packed_training_ends_with_the_same_weights(tokenizer
 # Routing replay (moe/routing_replay.py) meets padding removal in the same model calls: MoERouting._call_model tells the
 # open router pass where each position of a trimmed / sorted / packed call came from.
 @needs_fused_head
-def test_recorded_routes_follow_trimmed_sorted_and_packed_rows(tokenizer, tmp_path):
+def test_recorded_routes_follow_trimmed_sorted_and_packed_rows(tokenizer, tmp_path, trainer_factory):
     """The routes recorded in trimmed, length-sorted and packed calls land at the batch position they came from:
     at every real token they equal the padded forward's, and every real token has one (skipped padding has none)."""
     model = build_tiny_model(tokenizer, moe=True, seed=0)
@@ -607,8 +717,8 @@ def test_recorded_routes_follow_trimmed_sorted_and_packed_rows(tokenizer, tmp_pa
     b, s = real.shape
     routes = {}
     for name, settings in CONFIGS.items():
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
-        with trainer._router_hooks.forward_pass(b, s, record=True) as observed:
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
+        with trainer.moe_routing.hooks.forward_pass(b, s, record=True) as observed:
             _forward(trainer, batch, chunk=4, grad=False)
         assert observed.check() is None, name
         routes[name] = (observed.native_routes(), observed.recorded_positions())
@@ -623,7 +733,7 @@ def test_recorded_routes_follow_trimmed_sorted_and_packed_rows(tokenizer, tmp_pa
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad-chunked", "loss-forward"])
 @needs_fused_head
-def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, tmp_path):
+def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, tmp_path, trainer_factory):
     """Forced routes (random experts, not the router's) replayed through every layout give the padded forward's
     log-probs at every completion token and, with grad, its parameter gradients. A route forced at the wrong position
     would change them: forcing these routes moves the log-probs far more than the tolerance."""
@@ -640,17 +750,21 @@ def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, 
     weights = torch.randn(b, completion.size(1), generator=g)
     results = {}
     for name, settings in CONFIGS.items():
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
-        with trainer._router_hooks.forward_pass(b, s, record=False, replay=table, keep_for_recompute=grad) as observed:
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
+        with trainer.moe_routing.hooks.forward_pass(
+            b, s, record=False, replay=table, keep_for_recompute=grad
+        ) as observed:
             logps = _forward(trainer, batch, chunk=None if grad else 4, grad=grad)[0]
         assert observed.check() is None, name
         grads = None
         if grad:
             (logps * weights * completion).sum().backward()
             grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-        trainer._router_hooks.release()
+        trainer.moe_routing.hooks.release()
         results[name] = (logps.detach(), grads)
-    native = _forward(_trainer(copy.deepcopy(model), tokenizer, tmp_path / "native"), batch, grad=False)[0]
+    native = _forward(
+        trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / "native"), batch, grad=False
+    )[0]
     full, full_grads = results.pop("full (TRL)")
     assert (full[completion] - native[completion]).abs().max() > 1e-2  # the forced routes do change the output
     for name, (logps, grads) in results.items():
@@ -679,8 +793,10 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
         "packed": dict(routing_replay="R2", padding_free=True, sort_by_length="always"),
         "padded, no replay": dict(trim_padding=False, sort_by_length="never"),
     }
-    runs = {name: _run(tokenizer, tmp_path / str(i), model=moe_model(), **common, **settings)
-            for i, (name, settings) in enumerate(variants.items())}  # fmt: skip
+    runs = {
+        name: _run(tokenizer, tmp_path / str(i), model=moe_model(), **common, **settings)
+        for i, (name, settings) in enumerate(variants.items())
+    }
     reference = dict(runs["padded"].model.named_parameters())
     for name in ("trim+sort", "packed"):
         for n, p in runs[name].model.named_parameters():
@@ -688,18 +804,23 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
         rows = [row for row in runs[name].state.log_history if "moe/replay/coverage" in row]
         assert len(rows) == 4 and all(row["moe/replay/coverage"] == 1.0 for row in rows), name
         assert rows[0]["moe/routing_shift"] == 0 and rows[2]["moe/routing_shift"] == 0, name
-        positions = [row["throughput/positions_vs_stock"] for row in runs[name].state.log_history
-                     if "throughput/positions_vs_stock" in row]  # fmt: skip
+        positions = [
+            row["throughput/positions_vs_stock"]
+            for row in runs[name].state.log_history
+            if "throughput/positions_vs_stock" in row
+        ]
         assert positions and all(p < 1 for p in positions), name
     unreplayed = dict(runs["padded, no replay"].model.named_parameters())
     assert max((unreplayed[n] - p).abs().max().item() for n, p in reference.items()) > 1e-4
 
 
 @needs_fused_head
-def test_throughput_counts_by_hand(tokenizer, tmp_path):
+def test_throughput_counts_by_hand(tokenizer, tmp_path, trainer_factory):
     """throughput/* from one no-grad pass in chunks of 3 rows, against counts made here."""
     model = build_tiny_model(tokenizer, seed=0)
-    trainer = _trainer(model, tokenizer, tmp_path, sort_by_length="never", padding_free=False, shared_prefix=False)
+    trainer = trainer_factory(
+        TRAINER, model=model, output_dir=tmp_path, sort_by_length="never", padding_free=False, shared_prefix=False
+    )
     batch = _long_tail_batch(model.config.vocab_size)
     _forward(trainer, batch, chunk=3, grad=False)
     trainer.state.global_step = 1

@@ -12,7 +12,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo.cli import parity
-from trl_gspo.cli.tiny import build_tiny_model
+from trl_gspo.testing import build_tiny_model
 
 
 @pytest.mark.parametrize("name", list(parity.CASES))

@@ -56,10 +56,18 @@ def test_shipped_files_are_the_top_level_folders_and_exist_once_in_git():
 
 def test_expected_recipes_are_shipped():
     names = {r.stem for r in RECIPES}
-    assert {"demo", "qwen3_1p7b_math_zero2", "qwen3_30b_a3b_moe_zero3", "qwen3_4b_lora_24gb",
-            "qwen3_1p7b_gspo_token", "qwen3_4b_math_vllm", "qwen3_30b_a3b_moe_grpo_r2",
-            "qwen3_30b_a3b_moe_gspo_r3", "qwen3_1p7b_math_dynamic_sampling",
-            "qwen3_4b_math_vllm_async"} <= names  # fmt: skip
+    assert {
+        "demo",
+        "qwen3_1p7b_math_zero2",
+        "qwen3_30b_a3b_moe_zero3",
+        "qwen3_4b_lora_24gb",
+        "qwen3_1p7b_gspo_token",
+        "qwen3_4b_math_vllm",
+        "qwen3_30b_a3b_moe_grpo_r2",
+        "qwen3_30b_a3b_moe_gspo_r3",
+        "qwen3_1p7b_math_dynamic_sampling",
+        "qwen3_4b_math_vllm_async",
+    } <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -109,13 +117,19 @@ def _fields(recipe: str) -> dict:
     return {f"{type(obj).__name__}.{k}": v for obj in parsed for k, v in asdict(obj).items()}
 
 
-@pytest.mark.parametrize("variant, differs", [
-    ("qwen3_30b_a3b_moe_grpo_r2", {"importance_sampling_level": "token", "epsilon": 0.2, "epsilon_high": 0.27,
-                                   "routing_replay": "R2"}),
-    ("qwen3_30b_a3b_moe_gspo_r3", {"routing_replay": "R3"}),
-])  # fmt: skip
-def test_routing_replay_recipes_differ_from_the_moe_recipe_only_where_they_say(variant, differs,
-                                                                               gpu_recipes_parse_on_cpu):  # fmt: skip
+@pytest.mark.parametrize(
+    "variant, differs",
+    [
+        (
+            "qwen3_30b_a3b_moe_grpo_r2",
+            {"importance_sampling_level": "token", "epsilon": 0.2, "epsilon_high": 0.27, "routing_replay": "R2"},
+        ),
+        ("qwen3_30b_a3b_moe_gspo_r3", {"routing_replay": "R3"}),
+    ],
+)
+def test_routing_replay_recipes_differ_from_the_moe_recipe_only_where_they_say(
+    variant, differs, gpu_recipes_parse_on_cpu
+):
     """The variants `extends` the MoE recipe: every parsed field equals the base's except the compared ones and the
     output folder (and what is derived from them: TRL's logging_dir, our correction's default per level)."""
     base, got = _fields("qwen3_30b_a3b_moe_zero3"), _fields(variant)
@@ -172,7 +186,10 @@ def test_async_vllm_recipe_runs_server_mode_asynchronously(gpu_recipes_parse_on_
     assert args.use_vllm and args.vllm_mode == "server" and args.async_generation and args.max_staleness == 1
     assert args.vllm_importance_sampling_correction and args.vllm_importance_sampling_length_normalized
     header = recipe.read_text().split("\nextends:")[0]
-    assert "trl vllm-serve --model Qwen/Qwen3-4B" in header and "trl-gspo train --config qwen3_4b_math_vllm_async" in header
+    assert (
+        "trl vllm-serve --model Qwen/Qwen3-4B" in header
+        and "trl-gspo train --config qwen3_4b_math_vllm_async" in header
+    )
 
 
 def test_gspo_token_recipe_trainer_class_overrides_the_documented_hook(gpu_recipes_parse_on_cpu):
@@ -185,7 +202,9 @@ def test_gspo_token_recipe_trainer_class_overrides_the_documented_hook(gpu_recip
 
 
 def test_repetition_penalty_token_advantages_on_a_crafted_batch(gpu_recipes_parse_on_cpu):
-    RepetitionPenaltyTrainer = resolve_trainer_class("per_token_advantages.RepetitionPenaltyTrainer", (str(RECIPES_DIR),))
+    RepetitionPenaltyTrainer = resolve_trainer_class(
+        "per_token_advantages.RepetitionPenaltyTrainer", (str(RECIPES_DIR),)
+    )
     ids = torch.tensor([[5, 6, 5, 6, 5, 0], [1, 2, 3, 4, 1, 2]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
     fake = SimpleNamespace(ngram=2, penalty=0.5)
@@ -220,7 +239,14 @@ def _launch_env(config: Path, monkeypatch):
 
 def test_expected_accelerate_configs_are_shipped():
     assert {p.stem for p in ACCELERATE_CONFIGS} == {
-        "single_gpu", "multi_gpu", "zero2", "zero3", "zero3_offload", "fsdp2", "multi_node"}  # fmt: skip
+        "single_gpu",
+        "multi_gpu",
+        "zero2",
+        "zero3",
+        "zero3_offload",
+        "fsdp2",
+        "multi_node",
+    }
 
 
 @pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
@@ -231,8 +257,11 @@ def test_accelerate_config_loads_through_accelerates_classes(config, monkeypatch
     cluster = load_config_from_file(str(config))
     assert cluster.mixed_precision == "bf16" and not cluster.use_cpu
     args = _launch_env(config, monkeypatch)
-    expected = {"single_gpu": DistributedType.NO, "multi_gpu": DistributedType.MULTI_GPU,
-                "fsdp2": DistributedType.FSDP}.get(config.stem, DistributedType.DEEPSPEED)  # fmt: skip
+    expected = {
+        "single_gpu": DistributedType.NO,
+        "multi_gpu": DistributedType.MULTI_GPU,
+        "fsdp2": DistributedType.FSDP,
+    }.get(config.stem, DistributedType.DEEPSPEED)
     assert cluster.distributed_type == expected
     if expected == DistributedType.FSDP:
         plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* environment accelerate exported
@@ -247,11 +276,13 @@ def test_accelerate_config_loads_through_accelerates_classes(config, monkeypatch
         assert cluster.num_machines == 2 and args.num_processes == 16 and cluster.main_process_port
 
 
-@pytest.mark.parametrize("config", [c for c in ACCELERATE_CONFIGS if c.stem.startswith(("zero", "multi_node"))],
-                         ids=lambda p: p.stem)  # fmt: skip
+@pytest.mark.parametrize(
+    "config", [c for c in ACCELERATE_CONFIGS if c.stem.startswith(("zero", "multi_node"))], ids=lambda p: p.stem
+)
 @pytest.mark.parametrize("max_grad_norm", [None, "0.5"], ids=["recipe", "max_grad_norm=0.5"])
-def test_deepspeed_section_passes_deepspeeds_own_validation(config, max_grad_norm, monkeypatch,
-                                                            gpu_recipes_parse_on_cpu):  # fmt: skip
+def test_deepspeed_section_passes_deepspeeds_own_validation(
+    config, max_grad_norm, monkeypatch, gpu_recipes_parse_on_cpu
+):
     """accelerate's plugin -> transformers fills the "auto" values from a real recipe -> DeepSpeedConfig checks it.
     Gradient clipping is the recipe's max_grad_norm (a value fixed in the file fails transformers' check otherwise)."""
     pytest.importorskip("deepspeed")

@@ -27,17 +27,31 @@ from transformers import AutoModelForCausalLM, BloomConfig, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import save_tiny_model
+from trl_gspo.testing import save_tiny_model
 
 pytestmark = needs_fused_head
 
 
 def _settings(tmp_path, **overrides):
     """Two rollout batches (4 optimizer steps each, the paper's default), rows of varied lengths, SGD."""
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=3, gradient_accumulation_steps=2, num_generations=3,
-                    max_completion_length=10, learning_rate=0.05, optim="sgd", logging_steps=1, max_steps=5,
-                    disable_tqdm=True, beta=0.1)  # fmt: skip
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        num_generations=3,
+        max_completion_length=10,
+        learning_rate=0.05,
+        optim="sgd",
+        logging_steps=1,
+        max_steps=5,
+        disable_tqdm=True,
+        beta=0.1,
+    )
     return {**settings, **overrides}
 
 
@@ -45,14 +59,21 @@ def stock_config(settings: dict, tmp_path) -> GRPOConfig:
     """The `GRPOConfig` of a stock run equal to `GSPOConfig(**settings)`: the same settings, plus each TRL field whose
     default GSPOConfig changes (the paper's level, clip range, loss type, ...) at GSPOConfig's default."""
     ours = {f.name: f for f in dataclasses.fields(GSPOConfig)}
-    changed = {f.name: getattr(GSPOConfig, f.name) for f in dataclasses.fields(GRPOConfig)
-               if f.init and f.default is not dataclasses.MISSING and ours[f.name].default != f.default}  # fmt: skip
+    changed = {
+        f.name: getattr(GSPOConfig, f.name)
+        for f in dataclasses.fields(GRPOConfig)
+        if f.init and f.default is not dataclasses.MISSING and ours[f.name].default != f.default
+    }
     assert "importance_sampling_level" in changed and "epsilon" in changed
     resolved = GSPOConfig(**settings)  # GSPOConfig also resolves steps_per_generation to the paper's 4 mini-batches
-    stock = GRPOConfig(**{**changed, **settings, "output_dir": str(tmp_path),
-                          "steps_per_generation": resolved.steps_per_generation})  # fmt: skip
-    differ = [f.name for f in dataclasses.fields(GRPOConfig)
-              if f.name not in ("output_dir", "logging_dir") and getattr(stock, f.name) != getattr(resolved, f.name)]  # fmt: skip
+    stock = GRPOConfig(
+        **{**changed, **settings, "output_dir": str(tmp_path), "steps_per_generation": resolved.steps_per_generation}
+    )
+    differ = [
+        f.name
+        for f in dataclasses.fields(GRPOConfig)
+        if f.name not in ("output_dir", "logging_dir") and getattr(stock, f.name) != getattr(resolved, f.name)
+    ]
     assert not differ, differ
     return stock
 
@@ -63,16 +84,16 @@ class SegmentCalls:
 
     def __init__(self, trainer):
         self.calls = {}
-        original = trainer._call_model
+        original = trainer.logprob_forward._call_model
 
         def counting(model, layout, **inputs):
             out = original(model, layout, **inputs)
             if layout.packed:
-                key = id(trainer._segment_support(model).model)
+                key = id(trainer.logprob_forward.segment_support(model).model)
                 self.calls[key] = self.calls.get(key, 0) + 1
             return out
 
-        trainer._call_model = counting
+        trainer.logprob_forward._call_model = counting
 
     def of(self, model) -> int:
         from trl_gspo.forward.segment_attention import base_model
@@ -83,9 +104,15 @@ class SegmentCalls:
 def run(trainer_cls, args, model_dir, tokenizer, peft_config=None, model=None):
     """Train; returns (trainer, per-step logs, weights after each optimizer step, segment call counts, reference
     log-probs of each rollout batch)."""
-    trainer = trainer_cls(model if model is not None else model_dir, _varied_reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["a b"] * 64}), processing_class=tokenizer,
-                          rollout_func=FixedRollouts(tokenizer, prompt_lengths=(3, 9)), peft_config=peft_config)  # fmt: skip
+    trainer = trainer_cls(
+        model if model is not None else model_dir,
+        _varied_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a b"] * 64}),
+        processing_class=tokenizer,
+        rollout_func=FixedRollouts(tokenizer, prompt_lengths=(3, 9)),
+        peft_config=peft_config,
+    )
     weights = []
 
     class Snapshot(TrainerCallback):  # the weights after each optimizer step
@@ -141,7 +168,9 @@ def test_beta_with_default_layouts_equals_stock(moe, extra, tokenizer, tiny_mode
     stock = run(GRPOTrainer, stock_config(settings, tmp_path / "stock"), model_dir, tokenizer)
     assert_same_training(stock, ours)
     trainer, calls = ours[0], ours[3]
-    assert trainer.ref_model is not None and calls.of(trainer.ref_model) > 0, "the reference never took a segment layout"
+    assert trainer.ref_model is not None and calls.of(trainer.ref_model) > 0, (
+        "the reference never took a segment layout"
+    )
 
 
 @pytest.mark.slow
@@ -180,8 +209,9 @@ def test_lora_reference_with_default_layouts_equals_stock(reference, tokenizer, 
     model, peft_config = model_and_config()
     ours = run(GSPOTrainer, GSPOConfig(**settings), None, tokenizer, peft_config=peft_config, model=model)
     model, peft_config = model_and_config()
-    stock = run(GRPOTrainer, stock_config(settings, tmp_path / "stock"), None, tokenizer, peft_config=peft_config,
-                model=model)
+    stock = run(
+        GRPOTrainer, stock_config(settings, tmp_path / "stock"), None, tokenizer, peft_config=peft_config, model=model
+    )
     assert_same_training(stock, ours)
     trainer, calls = ours[0], ours[3]
     assert trainer.ref_model is None and calls.of(trainer.model) > 0
@@ -190,8 +220,15 @@ def test_lora_reference_with_default_layouts_equals_stock(reference, tokenizer, 
 # ------------------------------------------------------------------------ a model the segment attention cannot serve
 def _bloom_dir(tmp_path, tokenizer):
     """A tiny Bloom: its attention is computed in its own code, not through transformers' AttentionInterface."""
-    config = BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=4,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)  # fmt: skip
+    config = BloomConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        n_layer=2,
+        n_head=4,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -217,20 +254,31 @@ def test_explicit_true_refuses_a_model_that_cannot_be_routed_before_the_first_st
     model_dir = _bloom_dir(tmp_path / "bloom", tokenizer)
     args = GSPOConfig(**_settings(tmp_path / "run", **{setting: True}))
     with pytest.raises(ValueError, match=rf"{setting}=True: the policy \(BloomForCausalLM\) cannot take packed"):
-        GSPOTrainer(model_dir, _varied_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["a b"] * 8}),
-                    processing_class=tokenizer)  # fmt: skip
+        GSPOTrainer(
+            model_dir,
+            _varied_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["a b"] * 8}),
+            processing_class=tokenizer,
+        )
 
 
-def test_a_model_whose_attention_bypasses_the_registry_at_run_time_falls_back(tokenizer, tiny_model_dir, tmp_path,
-                                                                              caplog):  # fmt: skip
+def test_a_model_whose_attention_bypasses_the_registry_at_run_time_falls_back(
+    tokenizer, tiny_model_dir, tmp_path, caplog
+):
     """Last line of defence: a model that passes the checks made before the call but never reaches the segment
     attention (here: the attention implementation swapped back behind the pipeline's back) is run again trimmed under
     "auto", with the same numbers as a run that never packs."""
     from trl_gspo.forward import segment_attention
 
     args = GSPOConfig(**_settings(tmp_path / "run", padding_free="auto", beta=0.0))
-    trainer = GSPOTrainer(tiny_model_dir, _varied_reward, args=args, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": ["a b"] * 8}))  # fmt: skip
+    trainer = GSPOTrainer(
+        tiny_model_dir,
+        _varied_reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": ["a b"] * 8}),
+    )
     arm = segment_attention.arm
     try:
         segment_attention.arm = lambda configs: None  # the model keeps its plain attention: nothing is served
@@ -243,13 +291,15 @@ def test_a_model_whose_attention_bypasses_the_registry_at_run_time_falls_back(to
         with pytest.raises(segment_attention.NotServed):  # ... which an explicit True refuses to run unserved
             trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 5)
         trainer.args.padding_free = "auto"
-        trainer._layout_settings = lambda aux, support: (False, False) if support.problem else (True, False)
+        trainer.logprob_forward._layout_settings = lambda aux, support: (
+            (False, False) if support.problem else (True, False)
+        )
         with caplog.at_level(logging.WARNING, logger="trl_gspo"), torch.no_grad():
             logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 5)
     finally:
         segment_attention.arm = arm
     assert any("never reached the segment attention" in r.getMessage() for r in caplog.records)
-    assert trainer._segment_support(trainer.model).problem is not None
+    assert trainer.logprob_forward.segment_support(trainer.model).problem is not None
     with torch.no_grad():
         logits = trainer.model(input_ids=ids, attention_mask=mask).logits[:, 3:-1]
     expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 4:, None])[..., 0] * mask[:, 4:]
@@ -277,12 +327,13 @@ def _bare_trainer():
 
 def test_rollout_dispatch_on_a_trainer_built_without_init():
     trainer = _bare_trainer()
-    trainer.rollout_func = MagicMock(return_value={"prompt_ids": [[5, 6]], "completion_ids": [[7, 2]],
-                                                   "logprobs": [[-0.5, -0.25]]})  # fmt: skip
+    trainer.rollout_func = MagicMock(
+        return_value={"prompt_ids": [[5, 6]], "completion_ids": [[7, 2]], "logprobs": [[-0.5, -0.25]]}
+    )
     outputs = trainer._generate(["a prompt"])
     assert outputs[0] == [[5, 6]] and outputs[1] == [[7, 2]] and outputs[4] == [[-0.5, -0.25]]
     trainer.rollout_func.assert_called_once_with(["a prompt"], trainer)
-    assert trainer._sampler_logps == [[-0.5, -0.25]]  # our step after TRL's ran too
+    assert trainer.sampler_logprobs.logps == [[-0.5, -0.25]]  # our step after TRL's ran too
 
     trainer.rollout_func = MagicMock(return_value={"prompt_ids": [[5]], "completion_ids": [[7]]})
     with pytest.raises(ValueError, match="rollout_func must return keys"):  # TRL's own error, not an AttributeError
@@ -293,12 +344,17 @@ def test_rollout_dispatch_on_a_trainer_built_without_init():
 def test_beta_with_a_policy_built_in_code_is_refused_naming_the_field(tokenizer, tmp_path):
     """TRL loads the reference model from the policy's path; a model built from a config has none, and TRL would fail
     deep in the Hub client on an empty repo id."""
-    from trl_gspo.cli.tiny import build_tiny_model
+    from trl_gspo.testing import build_tiny_model
 
     args = GSPOConfig(**_settings(tmp_path))
     with pytest.raises(ValueError, match=r"beta=0.1 needs a KL reference model.*built in code"):
-        GSPOTrainer(build_tiny_model(tokenizer), _varied_reward, args=args, processing_class=tokenizer,
-                    train_dataset=Dataset.from_dict({"prompt": ["a b"] * 8}))  # fmt: skip
+        GSPOTrainer(
+            build_tiny_model(tokenizer),
+            _varied_reward,
+            args=args,
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": ["a b"] * 8}),
+        )
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from fault_utils import PROMPTS, make_trainer, straight_then_resumed
+from helpers.fault_utils import PROMPTS, make_trainer, straight_then_resumed
 
 from trl_gspo.guards import checkpointing
 
@@ -55,8 +55,14 @@ def test_resume_restores_the_adaptive_entropy_controller(tmp_path):
     """`use_adaptive_entropy` moves `entropy_coef` every optimizer step; a resume that restarted it from the config
     would pay a different entropy bonus (the target is set above the tiny model's ~3.8 nats, so it pays every step).
     TRL saves and restores it (`entropy_ctrl_state.json`); this checks that the whole resume is still exact with it."""
-    settings = dict(max_steps=N, use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.05,
-                    entropy_coef_max=1.0, entropy_target=10.0)  # fmt: skip
+    settings = dict(
+        max_steps=N,
+        use_adaptive_entropy=True,
+        entropy_coef=0.01,
+        entropy_coef_delta=0.05,
+        entropy_coef_max=1.0,
+        entropy_target=10.0,
+    )
     straight = make_trainer(tmp_path / "straight", save_strategy="steps", save_steps=3, **settings)
     straight.train()
     resumed = make_trainer(tmp_path / "resumed", **settings)
@@ -86,8 +92,11 @@ def test_incomplete_checkpoint_is_never_resumed(straight_run, tmp_path):
     # A crash while writing checkpoint-6: the marker is written last, so it is missing.
     os.remove(tmp_path / "checkpoint-6" / checkpointing.COMPLETE_MARKER)
     assert checkpointing.resolve_resume_checkpoint(True, str(tmp_path)) == str(tmp_path / "checkpoint-3")
-    with pytest.raises(ValueError, match=r"checkpoint-6.*cannot be resumed: it has no gspo_checkpoint_complete.json.*"
-                       r"newest complete checkpoint next to it is .*checkpoint-3"):
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint-6.*cannot be resumed: it has no gspo_checkpoint_complete.json.*"
+        r"newest complete checkpoint next to it is .*checkpoint-3",
+    ):
         checkpointing.resolve_resume_checkpoint(str(tmp_path / "checkpoint-6"), str(tmp_path))
     # A truncated file in a marked checkpoint is caught by the recorded sizes.
     weights = tmp_path / "checkpoint-3" / "model.safetensors"
@@ -125,8 +134,9 @@ def _stock_sampler_trainer():
 @pytest.fixture(scope="module")
 def epochs_run(tmp_path_factory):
     """Three epochs straight, then a resume from each checkpoint of RESUME_STEPS (fault_utils.straight_then_resumed)."""
-    return straight_then_resumed(str(tmp_path_factory.mktemp("epochs")), EPOCH_STEPS, list(RESUME_STEPS),
-                                 prompts=EPOCH_PROMPTS)  # fmt: skip
+    return straight_then_resumed(
+        str(tmp_path_factory.mktemp("epochs")), EPOCH_STEPS, list(RESUME_STEPS), prompts=EPOCH_PROMPTS
+    )
 
 
 @pytest.mark.parametrize("step", list(RESUME_STEPS), ids=lambda s: RESUME_STEPS[s].replace(" ", "_"))
@@ -145,10 +155,12 @@ def test_stock_sampler_resumed_in_epoch_2_differs(epochs_run, tmp_path):
     for name, value in stock.model.state_dict().items():
         assert torch.equal(value, straight[name]), name
     out = tmp_path / "stock"
-    again = make_trainer(tmp_path / "again", trainer_cls=cls, prompts=EPOCH_PROMPTS, max_steps=EPOCH_STEPS,
-                         save_strategy="no")  # fmt: skip
-    first = make_trainer(out / "cut", trainer_cls=cls, prompts=EPOCH_PROMPTS, max_steps=EPOCH_STEPS,
-                         save_strategy="steps", save_steps=5)  # fmt: skip
+    again = make_trainer(
+        tmp_path / "again", trainer_cls=cls, prompts=EPOCH_PROMPTS, max_steps=EPOCH_STEPS, save_strategy="no"
+    )
+    first = make_trainer(
+        out / "cut", trainer_cls=cls, prompts=EPOCH_PROMPTS, max_steps=EPOCH_STEPS, save_strategy="steps", save_steps=5
+    )
     first.train()
     again.train(resume_from_checkpoint=str(out / "cut" / "checkpoint-5"))
     diff = max((again.model.state_dict()[k] - v).abs().max().item() for k, v in straight.items())
@@ -178,10 +190,13 @@ def test_epoch_sampler_draws_stock_permutations_and_any_epoch_on_demand():
 
 def _worker(out, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
     return subprocess.Popen(
         [sys.executable, script, "--output_dir", str(out), "--max_steps", str(N), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
 
 
@@ -258,12 +273,30 @@ def test_two_process_resume_in_epochs_2_and_3_is_exact(tmp_path):
     trainer resumes from each (one launch runs all three, fault_utils.straight_then_resumed) and must end at the
     straight run's weights."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
+    script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, "--output_dir",
-         str(tmp_path / "run"), "--max_steps", "12", "--resume_each", "5", "9", "--weights_out", str(tmp_path / "w.pt")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            script,
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--max_steps",
+            "12",
+            "--resume_each",
+            "5",
+            "9",
+            "--weights_out",
+            str(tmp_path / "w.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     log = result.stdout + result.stderr
     assert log.count("DONE") == 2, log[-4000:]  # judged by the markers: see the test below and FINDINGS.md
     saved = torch.load(tmp_path / "w.pt", weights_only=True)
@@ -277,11 +310,22 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     checkpoint together (no deadlock, both rollout states), and a 2-process resume must finish the run."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "fault_utils.py")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-              "--output_dir", str(out), "--max_steps", str(N)]
-    proc = subprocess.Popen([*launch, "--step_delay", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+    script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        script,
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(N),
+    ]
+    proc = subprocess.Popen(
+        [*launch, "--step_delay", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     lines, signalled = [], False
     for line in proc.stdout:
         lines.append(line)

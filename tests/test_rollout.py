@@ -13,8 +13,8 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.rollout.pipeline import Generation
+from trl_gspo.testing import build_tiny_model
 
 G = 4
 PROMPTS = [f"copy {a} {b} :" for a in range(2) for b in range(2)]
@@ -24,16 +24,21 @@ def _reward(completions, **kwargs):  # spread-out rewards, so advantages are non
     return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
 
 
-def _trainer(tokenizer, tmp_path, reward=_reward, moe=False, **overrides):
-    settings = dict(per_device_train_batch_size=4, num_generations=G, steps_per_generation=4, max_completion_length=6,
-                    temperature=0.9, learning_rate=1e-3, seed=0)  # fmt: skip
-    args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                      max_steps=1, disable_tqdm=True, **{**settings, **overrides})  # fmt: skip
-    model = build_tiny_model(tokenizer, moe=moe, seed=0)
-    trainer = GSPOTrainer(model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                          processing_class=tokenizer)  # fmt: skip
-    trainer.model.train()
-    return trainer
+#: The trainers of this file (`trainer_factory`): one optimizer step, in training mode.
+TRAINER = dict(
+    reward=_reward,
+    prompts=PROMPTS,
+    train=True,
+    per_device_train_batch_size=4,
+    num_generations=G,
+    steps_per_generation=4,
+    max_completion_length=6,
+    temperature=0.9,
+    learning_rate=1e-3,
+    seed=0,
+    max_steps=1,
+    disable_tqdm=True,
+)
 
 
 def _inputs():  # a local generation batch as TRL's sampler hands it over: each prompt G times in a row
@@ -50,15 +55,15 @@ def _assert_same_batch(a: dict, b: dict):
 
 
 @pytest.mark.parametrize("case", ["dense_sampler_logprobs", "moe_r3"])
-def test_sample_then_score_is_the_one_call_batch(tokenizer, tmp_path, case):
+def test_sample_then_score_is_the_one_call_batch(tokenizer, tmp_path, case, trainer_factory):
     overrides = dict(old_logprobs_source="sampler") if case == "dense_sampler_logprobs" else dict(routing_replay="R3")
-    trainer = _trainer(tokenizer, tmp_path, moe=case == "moe_r3", **overrides)
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, moe=case == "moe_r3", **overrides)
     torch.manual_seed(7)
     one_call = trainer._generate_and_score_completions(_inputs())
     torch.manual_seed(7)
-    generation = trainer._sample(_inputs())
+    generation = trainer.rollout.sample(_inputs())
     assert isinstance(generation, Generation) and generation.sampled_at == 0
-    two_steps = trainer._score(_inputs(), generation)
+    two_steps = trainer.rollout.score(_inputs(), generation)
     _assert_same_batch(one_call, two_steps)
     if case == "moe_r3":
         assert "old_routes" in two_steps and generation.sampler_routes is not None
@@ -66,32 +71,33 @@ def test_sample_then_score_is_the_one_call_batch(tokenizer, tmp_path, case):
         assert "old_per_token_logps" in two_steps
 
 
-def test_score_with_given_rewards_skips_the_reward_functions(tokenizer, tmp_path):
+def test_score_with_given_rewards_skips_the_reward_functions(tokenizer, tmp_path, trainer_factory):
     calls = []
 
     def counting_reward(completions, **kwargs):
         calls.append(len(completions))
         return [0.0] * len(completions)
 
-    trainer = _trainer(tokenizer, tmp_path, reward=counting_reward)
-    generation = trainer._sample(_inputs())
-    rewards = torch.tensor([[0.0], [1.0], [1.0], [2.0], [3.0], [3.0], [3.0], [3.0],
-                            [0.5], [0.0], [0.0], [0.0], [1.0], [2.0], [4.0], [8.0]])  # fmt: skip
-    batch = trainer._score(_inputs(), generation, rewards)
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, reward=counting_reward)
+    generation = trainer.rollout.sample(_inputs())
+    rewards = torch.tensor(
+        [[0.0], [1.0], [1.0], [2.0], [3.0], [3.0], [3.0], [3.0], [0.5], [0.0], [0.0], [0.0], [1.0], [2.0], [4.0], [8.0]]
+    )
+    batch = trainer.rollout.score(_inputs(), generation, rewards)
     assert calls == []
     grouped = rewards.view(-1, G)  # TRL's default: (r - group mean) / (group std, Bessel-corrected, + 1e-4)
     expected = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)
     torch.testing.assert_close(batch["advantages"], expected.flatten())
 
 
-def test_sampling_stamp_is_the_generations(tokenizer, tmp_path):
-    trainer = _trainer(tokenizer, tmp_path)
-    generation = trainer._sample(_inputs())
+def test_sampling_stamp_is_the_generations(tokenizer, tmp_path, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path)
+    generation = trainer.rollout.sample(_inputs())
     trainer.state.global_step = 3  # scored three optimizer steps after it was sampled
-    trainer._score(_inputs(), generation)
-    assert trainer._rollout_sampled_at == 0
+    trainer.rollout.score(_inputs(), generation)
+    assert trainer.rollout.sampled_at == 0
     trainer._generate_and_score_completions(_inputs())
-    assert trainer._rollout_sampled_at == 3
+    assert trainer.rollout.sampled_at == 3
 
 
 # ------------------------------------------------------------------------------------------- prompt stream
@@ -102,10 +108,21 @@ def test_prompt_stream_is_the_train_dataloaders_order_across_epochs(tokenizer, t
     from trl_gspo.rollout.prompt_stream import PromptStream
 
     dataset = Dataset.from_dict({"prompt": [f"copy {i} :" for i in range(10)], "target": [str(i) for i in range(10)]})
-    args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=4,
-                      num_generations=G, steps_per_generation=2, num_iterations=2, seed=5, shuffle_dataset=shuffle)  # fmt: skip
-    trainer = GSPOTrainer(build_tiny_model(tokenizer), _reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)  # fmt: skip
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=G,
+        steps_per_generation=2,
+        num_iterations=2,
+        seed=5,
+        shuffle_dataset=shuffle,
+    )
+    trainer = GSPOTrainer(
+        build_tiny_model(tokenizer), _reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
     stream = PromptStream.for_trainer(trainer)
     assert stream.rollouts_per_epoch == 5
     loader = trainer.get_train_dataloader()

@@ -12,16 +12,13 @@ import types
 import numpy as np
 import pytest
 import torch
-import vllm_stand_in
-from datasets import Dataset
+from helpers import vllm_stand_in
 from transformers import AutoModelForCausalLM
 
-from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model, tiny_moe_config
 from trl_gspo.common import trl_compat
 from trl_gspo.moe.route_sources import place_routes, routes_from_engine
 from trl_gspo.moe.routing import RouterHooks, RouteTable, route_dtype
-from trl_gspo.moe.routing_replay import _capture_vllm_routes
+from trl_gspo.testing import build_tiny_model, tiny_moe_config
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 VOCAB = 48
@@ -146,8 +143,9 @@ def test_replay_after_an_update_matches_a_naive_forced_forward(arch):
     blocks = [r.module_parent for r in _with_parents(model, hooks)]
     handles = [
         block.register_forward_hook(
-            lambda module, args, output, layer=layer: _swap(output, _naive_block(arch, module, args[0],
-                                                                             old.ids[:, :, layer].reshape(-1, hooks.top_k).long()))  # fmt: skip
+            lambda module, args, output, layer=layer: _swap(
+                output, _naive_block(arch, module, args[0], old.ids[:, :, layer].reshape(-1, hooks.top_k).long())
+            )
         )
         for layer, block in enumerate(blocks)
     ]
@@ -222,8 +220,11 @@ def test_sentinel_positions_route_natively_and_bad_routes_raise():
     # rounding only (the expert kernels batch other tokens with row 1's), while forced rows move by far more
     torch.testing.assert_close(mixed[1], native[1], rtol=0, atol=1e-6)
     assert (mixed[0] - native[0]).abs().max() > 1e-3
-    with pytest.raises(ValueError, match=r"Routes to replay have shape \(3, 6, 2, 2\), but this forward needs "
-                       r"\(batch, positions, MoE layers, top_k\) = \(3, 7, 2, 2\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"Routes to replay have shape \(3, 6, 2, 2\), but this forward needs "
+        r"\(batch, positions, MoE layers, top_k\) = \(3, 7, 2, 2\)",
+    ):
         with hooks.forward_pass(B, S, replay=RouteTable(other.ids[:, :6], valid[:, :6])):
             pass
     with pytest.raises(ValueError, match=r"Routes to replay have shape \(3, 7, 1, 2\)"):
@@ -269,14 +270,20 @@ def reward(completions, **kwargs):
     return [float(len(c.split()) % 3) for c in completions]
 
 
-def make_trainer(tokenizer, tmp_path, model=None, trainer_cls=GSPOTrainer, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=5e-2,
-                    max_steps=4, logging_steps=1, disable_tqdm=True)  # fmt: skip
-    model = model if model is not None else build_tiny_model(tokenizer, moe=True, seed=0)
-    args = GSPOConfig(**{**settings, **overrides})
-    return trainer_cls(model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
-                       processing_class=tokenizer)  # fmt: skip
+#: The trainers of this file (`trainer_factory`): a tiny Qwen3-MoE unless `model=` says otherwise.
+TRAINER = dict(
+    reward=reward,
+    prompts=PROMPTS * 4,
+    moe=True,
+    seed=0,
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=6,
+    learning_rate=5e-2,
+    max_steps=4,
+    logging_steps=1,
+    disable_tqdm=True,
+)
 
 
 class UsedRoutes:
@@ -285,7 +292,7 @@ class UsedRoutes:
 
     def __init__(self, trainer):
         self.trainer, self.loss_forwards, self._armed = trainer, [], False
-        for layer, router in enumerate(trainer._router_hooks.routers):
+        for layer, router in enumerate(trainer.moe_routing.hooks.routers):
             router.module.register_forward_hook(self._hook(layer))
         compute = trainer._compute_loss
 
@@ -308,12 +315,12 @@ class UsedRoutes:
 
 
 @pytest.mark.parametrize("padding", ["padded", "trimmed+sorted"])
-def test_r2_replays_recorded_routes_in_the_loss_forward(padding, tokenizer, tmp_path):
+def test_r2_replays_recorded_routes_in_the_loss_forward(padding, tokenizer, tmp_path, trainer_factory):
     """Padded (TRL's layout): the routes used at every position of every loss forward are the recorded ones. With
     forward/padding.py's defaults (trimmed, length-sorted): every real token has a recorded route, and all are replayed
     (tests/test_padding.py checks replay through those layouts position by position)."""
     settings = dict(trim_padding=False, sort_by_length="never") if padding == "padded" else {}
-    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R2", **settings)
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, routing_replay="R2", **settings)
     probe = UsedRoutes(trainer)
     trainer.train()
     assert len(probe.loss_forwards) == 4  # 4 mini-batches of one rollout batch
@@ -331,12 +338,12 @@ def test_r2_replays_recorded_routes_in_the_loss_forward(padding, tokenizer, tmp_
     assert all(row["moe/replay/coverage"] == 1.0 for row in rows)
     assert rows[0]["moe/routing_shift"] == 0  # on-policy mini-batch
     assert any(row["moe/routing_shift"] > 0 for row in rows[1:])  # the router alone would have moved
-    assert trainer._router_hooks.active is None
+    assert trainer.moe_routing.hooks.active is None
 
 
-def test_r2_changes_nothing_on_policy_and_something_off_policy(tokenizer, tmp_path):
+def test_r2_changes_nothing_on_policy_and_something_off_policy(tokenizer, tmp_path, trainer_factory):
     def logs(mode):
-        trainer = make_trainer(tokenizer, tmp_path / mode, routing_replay=mode)
+        trainer = trainer_factory(TRAINER, output_dir=tmp_path / mode, routing_replay=mode)
         trainer.train()
         return [row for row in trainer.state.log_history if "loss" in row]
 
@@ -345,36 +352,36 @@ def test_r2_changes_nothing_on_policy_and_something_off_policy(tokenizer, tmp_pa
     assert any(a["grad_norm"] != b["grad_norm"] for a, b in zip(plain[1:], replayed[1:]))
 
 
-def test_generate_after_a_replayed_step_routes_natively(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R2", max_steps=2)
+def test_generate_after_a_replayed_step_routes_natively(tokenizer, tmp_path, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, routing_replay="R2", max_steps=2)
     trainer.train()  # step 2 is off-policy: its loss forward (and backward) ran under replay
-    assert trainer._router_hooks.active is None
+    assert trainer.moe_routing.hooks.active is None
     model = trainer.model
     prompt = tokenizer(["copy 1 2 :", "add 3 ="], return_tensors="pt", padding=True, padding_side="left")
     settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
         hooked = model.generate(**prompt, **settings)
-        trainer._router_hooks.remove()
+        trainer.moe_routing.hooks.remove()
         bare = model.generate(**prompt, **settings)
     assert torch.equal(hooked, bare)
 
 
-def test_r3_generate_routes_match_a_reforward_position_by_position(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R3")
+def test_r3_generate_routes_match_a_reforward_position_by_position(tokenizer, tmp_path, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, routing_replay="R3")
     batch = [{"prompt": p} for p in PROMPTS for _ in range(4)]
     trainer.model.train()
     output = trainer._generate_and_score_completions(batch)
     ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
     mask = torch.cat([output["prompt_mask"], output["completion_mask"]], 1).bool()
     assert output["prompt_mask"].sum(1).unique().numel() > 1  # prompts of different lengths: left padding
-    hooks = trainer._router_hooks
+    hooks = trainer.moe_routing.hooks
     with torch.no_grad(), hooks.forward_pass(*ids.shape) as observed:
         trainer.model(input_ids=ids, attention_mask=mask.long())
     native, recorded, valid = observed.native_routes(), output["old_routes"], output["old_routes_valid"]
     assert not valid[~mask].any()  # padding has no route
     # every real token has one, except the last completion token when generate() never fed it back
     lengths = output["completion_mask"].sum(1)
-    last = (output["prompt_ids"].size(1) + lengths - 1)
+    last = output["prompt_ids"].size(1) + lengths - 1
     unfed = lengths == lengths.max()
     expected = mask.clone()
     expected[unfed, last[unfed]] = False
@@ -382,8 +389,8 @@ def test_r3_generate_routes_match_a_reforward_position_by_position(tokenizer, tm
     assert torch.equal(recorded[valid].long().sort(-1).values, native[valid].long().sort(-1).values)
 
 
-def test_r3_trains_and_reports_sampler_mismatch(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R3")
+def test_r3_trains_and_reports_sampler_mismatch(tokenizer, tmp_path, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, routing_replay="R3")
     probe = UsedRoutes(trainer)
     trainer.train()
     forward = probe.loss_forwards[-1]
@@ -397,15 +404,17 @@ def test_r3_trains_and_reports_sampler_mismatch(tokenizer, tmp_path):
     assert rows[0]["moe/replay/route_mb"] > 0
 
 
-def test_r3_with_sampler_logprob_reuse(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R3", old_logprobs_source="sampler", max_steps=2)
+def test_r3_with_sampler_logprob_reuse(tokenizer, tmp_path, trainer_factory):
+    trainer = trainer_factory(
+        TRAINER, output_dir=tmp_path, routing_replay="R3", old_logprobs_source="sampler", max_steps=2
+    )
     trainer.train()
     rows = [row for row in trainer.state.log_history if "moe/replay/coverage" in row]
     assert len(rows) == 2 and rows[1]["moe/routing_shift"] > 0
 
 
-def test_replay_fails_loudly_when_a_kernel_bypasses_a_router(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, routing_replay="R2", max_steps=2)
+def test_replay_fails_loudly_when_a_kernel_bypasses_a_router(tokenizer, tmp_path, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, routing_replay="R2", max_steps=2)
     block = trainer.model.model.layers[1].mlp
 
     def fused(hidden_states):  # a "fused kernel": routes and runs the experts without calling the router module
@@ -416,25 +425,43 @@ def test_replay_fails_loudly_when_a_kernel_bypasses_a_router(tokenizer, tmp_path
 
     block.forward = fused
     # TRL >= 1.15: forward/padding.py's model calls (one explicit layout each); older TRL: TRL's own row chunks
-    bypass = (r"routing_replay='R2': (MoE layers \[1\] fired \[0\] times for \d+ model calls|the routers of MoE "
-              r"layers \[1\] saw \[0\] tokens for a \d+x\d+ batch) \(a fused MoE kernel")
+    bypass = (
+        r"routing_replay='R2': (MoE layers \[1\] fired \[0\] times for \d+ model calls|the routers of MoE "
+        r"layers \[1\] saw \[0\] tokens for a \d+x\d+ batch) \(a fused MoE kernel"
+    )
     with pytest.raises(RuntimeError, match=bypass):
         trainer.train()
 
 
-def test_replay_errors_name_the_field(tokenizer, tmp_path):
+def test_replay_errors_name_the_field(tokenizer, tmp_path, trainer_factory):
     with pytest.raises(ValueError, match=r"routing_replay='R2' needs a Mixture-of-Experts model, but 'qwen3' has no"):
-        make_trainer(tokenizer, tmp_path, model=build_tiny_model(tokenizer, seed=0), routing_replay="R2")
+        trainer_factory(TRAINER, output_dir=tmp_path, model=build_tiny_model(tokenizer, seed=0), routing_replay="R2")
     from transformers import OlmoeConfig
 
-    olmoe = AutoModelForCausalLM.from_config(OlmoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2, bos_token_id=None,
-    ))  # fmt: skip
-    with pytest.raises(ValueError, match=r"routing_replay='R3': this model's routers \(OlmoeTopKRouter, model_type="
-                       r"'olmoe'\) are not supported.*Supported: qwen3_moe, qwen2_moe, mixtral, deepseek_v3, gpt_oss"):
-        make_trainer(tokenizer, tmp_path, model=olmoe, routing_replay="R3")
-    make_trainer(tokenizer, tmp_path, model=olmoe, max_steps=1).train()  # metrics only: any MoE router works
+    olmoe = AutoModelForCausalLM.from_config(
+        OlmoeConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=None,
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"routing_replay='R3': this model's routers \(OlmoeTopKRouter, model_type="
+        r"'olmoe'\) are not supported.*Supported: qwen3_moe, qwen2_moe, mixtral, deepseek_v3, gpt_oss",
+    ):
+        trainer_factory(TRAINER, output_dir=tmp_path, model=olmoe, routing_replay="R3")
+    trainer_factory(
+        TRAINER, output_dir=tmp_path, model=olmoe, max_steps=1
+    ).train()  # metrics only: any MoE router works
 
 
 # ------------------------------------------------------------------------------------- engine layouts (R3)
@@ -456,8 +483,21 @@ def npy_base64(array):
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-@pytest.mark.parametrize("layout", ["array_p+c", "array_p+c-1", "int16", "uint8", "base64_npy", "lists", "split_pair",
-                                    "split_dict", "decoder_layers", "prefix_cache_hits"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "array_p+c",
+        "array_p+c-1",
+        "int16",
+        "uint8",
+        "base64_npy",
+        "lists",
+        "split_pair",
+        "split_dict",
+        "decoder_layers",
+        "prefix_cache_hits",
+    ],
+)
 def test_each_engine_layout_is_ingested(layout):
     full = engine_routes(7)
     expected = torch.from_numpy(full.astype(np.int64))
@@ -491,16 +531,22 @@ def test_each_engine_layout_is_ingested(layout):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("raw, match", [
-    (engine_routes(5), r"routed_experts has 5 rows for 3 prompt \+ 4 completion tokens \(expected 7 or 6\)"),
-    (engine_routes(7, layers=3), r"has 3 layers; expected the 2 MoE layers or all 2 decoder layers"),
-    (engine_routes(7)[:, :, :1], r"has top_k=1, the model routes to 2 experts per token"),
-    (engine_routes(7) + 8, r"expert id \d+ >= num_experts=8 \(physical ids"),
-    (np.zeros((7, LAYERS, K), np.int32), r"repeats an expert within one token's top-2 \(an engine that returns zeros"),
-    (np.zeros((7, LAYERS, K), np.float32), r"must be an integer array \[tokens, layers, top_k\]"),
-    ({"prompt": engine_routes(3)}, r"must have keys 'prompt' and 'completion'"),
-    ("not-base64!", r"routed_experts is a string but not base64 .npy"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (engine_routes(5), r"routed_experts has 5 rows for 3 prompt \+ 4 completion tokens \(expected 7 or 6\)"),
+        (engine_routes(7, layers=3), r"has 3 layers; expected the 2 MoE layers or all 2 decoder layers"),
+        (engine_routes(7)[:, :, :1], r"has top_k=1, the model routes to 2 experts per token"),
+        (engine_routes(7) + 8, r"expert id \d+ >= num_experts=8 \(physical ids"),
+        (
+            np.zeros((7, LAYERS, K), np.int32),
+            r"repeats an expert within one token's top-2 \(an engine that returns zeros",
+        ),
+        (np.zeros((7, LAYERS, K), np.float32), r"must be an integer array \[tokens, layers, top_k\]"),
+        ({"prompt": engine_routes(3)}, r"must have keys 'prompt' and 'completion'"),
+        ("not-base64!", r"routed_experts is a string but not base64 .npy"),
+    ],
+)
 def test_unknown_engine_layouts_are_rejected(raw, match):
     with pytest.raises(ValueError, match=match):
         ingest(raw)
@@ -511,10 +557,14 @@ def test_place_routes_follows_left_padded_prompts_and_right_padded_completions()
     routes[1][-1] = -1  # the last sampled token: no route
     table = place_routes(routes, [2, 1], [3, 2], prompt_width=3, completion_width=4, dtype=torch.uint8)
     assert table.ids.shape == (2, 7, 2, 2)
-    assert table.valid.tolist() == [[False, True, True, True, True, True, False],
-                                     [False, False, True, True, False, False, False]]  # fmt: skip
+    assert table.valid.tolist() == [
+        [False, True, True, True, True, True, False],
+        [False, False, True, True, False, False, False],
+    ]
     assert torch.equal(table.ids[0, 1:6].long(), routes[0])
-    with pytest.raises(ValueError, match="completion 0 has 5 routes for 2 prompt \\+ 3 completion tokens in a batch of 1"):
+    with pytest.raises(
+        ValueError, match="completion 0 has 5 routes for 2 prompt \\+ 3 completion tokens in a batch of 1"
+    ):
         place_routes(routes, [2, 1], [3, 2], prompt_width=1, completion_width=4, dtype=torch.uint8)
 
 
@@ -522,7 +572,7 @@ def test_place_routes_follows_left_padded_prompts_and_right_padded_completions()
 class StandInVLLM:
     """Mimics TRL's `VLLMGeneration` in colocate mode closely enough for its trainer-side calls: `generate(prompts,
     images, num_generations, profiler)` returning (prompt_ids, completion_ids, logprobs, token_ids), `sync_weights()`,
-    and the engine TRL calls underneath (`llm.generate`). Server mode runs TRL's own code: tests/vllm_stand_in.py."""
+    and the engine TRL calls underneath (`llm.generate`). Server mode runs TRL's own code: tests/helpers/vllm_stand_in.py."""
 
     def __init__(self, mode, raw_for):
         self.mode, self.raw_for, self.calls = mode, raw_for, 0
@@ -550,9 +600,10 @@ class StandInVLLM:
         return prompts, completions, [[[-1.0]] * len(c) for c in completions], None
 
 
-@pytest.mark.parametrize("mode, layout", [("colocate", "array_p+c-1"), ("colocate", "split_pair"),
-                                          ("colocate", "decoder_layers")])  # fmt: skip
-def test_vllm_stand_in_routes_reach_the_rollout_batch(tokenizer, tmp_path, mode, layout):
+@pytest.mark.parametrize(
+    "mode, layout", [("colocate", "array_p+c-1"), ("colocate", "split_pair"), ("colocate", "decoder_layers")]
+)
+def test_vllm_stand_in_routes_reach_the_rollout_batch(tokenizer, tmp_path, mode, layout, trainer_factory):
     made = {}
 
     def raw_for(p, c, i):
@@ -566,10 +617,10 @@ def test_vllm_stand_in_routes_reach_the_rollout_batch(tokenizer, tmp_path, mode,
         return full[:-1]
 
     model = build_tiny_model(tokenizer, moe=True, seed=0, num_experts=E)
-    trainer = make_trainer(tokenizer, tmp_path, model=model, routing_replay="R3")
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, model=model, routing_replay="R3")
     trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, StandInVLLM(mode, raw_for), -1
     trainer.vllm_importance_sampling_correction = False
-    _capture_vllm_routes(trainer)
+    trainer.moe_routing.capture_vllm_routes(trainer.vllm_generation, trainer.accelerator)
     batch = [{"prompt": p} for p in PROMPTS for _ in range(4)]
     trainer.model.train()
     if layout == "decoder_layers":  # 3 layers for a 2-layer model: neither MoE-only nor every decoder layer
@@ -593,23 +644,23 @@ SERVER_ROUTES = trl_compat.vllm_server_returns_routes()
 OLD_CLIENT = "this TRL's vLLM client talks to `trl vllm-serve`, which returns no routes (R3 server mode is refused)"
 
 
-def _server_trainer(tokenizer, tmp_path):
+def _server_trainer(tokenizer, tmp_path, trainer_factory):
     model = build_tiny_model(tokenizer, moe=True, seed=0, num_experts=E)
-    trainer = make_trainer(tokenizer, tmp_path, model=model, routing_replay="R3")
-    hooks = trainer._router_hooks
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, model=model, routing_replay="R3")
+    hooks = trainer.moe_routing.hooks
     return trainer, vllm_stand_in.StandInServer(len(hooks.routers), hooks.top_k, hooks.num_experts)
 
 
-def test_vllm_server_routes_reach_the_rollout_batch(tokenizer, tmp_path):
+def test_vllm_server_routes_reach_the_rollout_batch(tokenizer, tmp_path, trainer_factory):
     """TRL's `VLLMGeneration.generate` (server mode) and `VLLMClient.generate`, one `/v1/completions` request: every
     row's `old_routes` are the server's routes for that row's prompt and completion."""
-    trainer, server = _server_trainer(tokenizer, tmp_path)
+    trainer, server = _server_trainer(tokenizer, tmp_path, trainer_factory)
     if not SERVER_ROUTES:
         with pytest.raises(ValueError, match=r"vllm_mode='server': this TRL \(.*\) talks to `trl vllm-serve`"):
             vllm_stand_in.server_generation(trainer, server)
         return
     vllm_stand_in.server_generation(trainer, server)
-    hooks = trainer._router_hooks
+    hooks = trainer.moe_routing.hooks
     checked = vllm_stand_in.check_rollout_routes(trainer, len(hooks.routers), hooks.top_k, hooks.num_experts)
     trainer.model.train()
     trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(4)])
@@ -617,11 +668,11 @@ def test_vllm_server_routes_reach_the_rollout_batch(tokenizer, tmp_path):
 
 
 @pytest.mark.skipif(not SERVER_ROUTES, reason=OLD_CLIENT)
-def test_vllm_server_started_without_routes_is_refused_at_set_up(tokenizer, tmp_path):
+def test_vllm_server_started_without_routes_is_refused_at_set_up(tokenizer, tmp_path, trainer_factory):
     """`trl vllm-serve` serves vLLM's `/server_info`: a server whose `aux_output_config` says it returns no routes is
     refused when the trainer is built, naming the flag, not at the first rollout. Real-engine counterpart:
     tests/real_vllm/test_routes.py."""
-    trainer, server = _server_trainer(tokenizer, tmp_path)
+    trainer, server = _server_trainer(tokenizer, tmp_path, trainer_factory)
     off = {"aux_output_config": {"enable_return_routed_experts": False, "max_bytes": None}}
     with pytest.raises(ValueError, match=r"server at http://stand-in:8000 was started without --enable-return-routed"):
         vllm_stand_in.server_generation(trainer, server, server_info=off)
@@ -629,10 +680,16 @@ def test_vllm_server_started_without_routes_is_refused_at_set_up(tokenizer, tmp_
     vllm_stand_in.server_generation(trainer, server, server_info=on)  # accepted
 
 
-@pytest.mark.parametrize("info, expected", [({"aux_output_config": {"enable_return_routed_experts": True}}, True),
-                                            ({"aux_output_config": {"enable_return_routed_experts": False}}, False),
-                                            ({"model_config": {"enable_return_routed_experts": True}}, True),
-                                            ({"model_config": {}}, None), (RuntimeError("no dev endpoints"), None)])  # fmt: skip
+@pytest.mark.parametrize(
+    "info, expected",
+    [
+        ({"aux_output_config": {"enable_return_routed_experts": True}}, True),
+        ({"aux_output_config": {"enable_return_routed_experts": False}}, False),
+        ({"model_config": {"enable_return_routed_experts": True}}, True),
+        ({"model_config": {}}, None),
+        (RuntimeError("no dev endpoints"), None),
+    ],
+)
 def test_server_returns_routes_reads_the_server_info(info, expected):
     from trl_gspo.moe.route_sources import server_returns_routes
 
@@ -646,20 +703,21 @@ def test_server_returns_routes_reads_the_server_info(info, expected):
 
 
 @pytest.mark.skipif(not SERVER_ROUTES, reason=OLD_CLIENT)
-def test_vllm_server_per_prompt_requests_are_put_back_in_prompt_order(tokenizer, tmp_path):
+def test_vllm_server_per_prompt_requests_are_put_back_in_prompt_order(tokenizer, tmp_path, trainer_factory):
     """With images TRL sends one request per prompt from a thread pool; the stand-in answers them in reverse order.
     Each completion must still get its own prompt's routes (before: each reply overwrote the last)."""
-    trainer, server = _server_trainer(tokenizer, tmp_path)
+    trainer, server = _server_trainer(tokenizer, tmp_path, trainer_factory)
     generation = vllm_stand_in.server_generation(trainer, server)
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS for _ in range(2)]
     _, completions, _, _ = generation.generate(prompt_ids, [["image"]] * len(prompt_ids), num_generations=2)
     assert server.requests == [("/inference/v1/generate", 1)] * len(PROMPTS)
-    hooks = trainer._router_hooks
-    assert len(generation.last_routed_experts) == len(prompt_ids)
-    for ids, completion, raw in zip(prompt_ids, completions, generation.last_routed_experts, strict=True):
+    hooks = trainer.moe_routing.hooks
+    assert len(trainer.moe_routing.vllm_routes) == len(prompt_ids)
+    for ids, completion, raw in zip(prompt_ids, completions, trainer.moe_routing.vllm_routes, strict=True):
         got = np.load(io.BytesIO(base64.b64decode(raw)))
-        assert np.array_equal(got, vllm_stand_in.routes_for(ids, completion, len(hooks.routers), hooks.top_k,
-                                                            hooks.num_experts))  # fmt: skip
+        assert np.array_equal(
+            got, vllm_stand_in.routes_for(ids, completion, len(hooks.routers), hooks.top_k, hooks.num_experts)
+        )
 
 
 @pytest.mark.slow
@@ -673,10 +731,23 @@ def test_vllm_server_mode_with_two_processes_client_on_the_main_process_only(tmp
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = os.path.join(os.path.dirname(__file__), "vllm_stand_in.py")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-                             "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, env=env,
-                            timeout=300)  # fmt: skip
+    script = os.path.join(os.path.dirname(__file__), "helpers", "vllm_stand_in.py")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            script,
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     log = result.stdout + result.stderr
     ranks = sorted(re.findall(r"R3 SERVER rank (\d) (client|no client) checked (\d+) rows, (\d+) requests", log))
     assert [(rank, client) for rank, client, _, _ in ranks] == [("0", "client"), ("1", "no client")], log[-4000:]
@@ -690,7 +761,9 @@ def test_vllm_smoke_script_dry_run(tmp_path):
     import json
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "vllm_routes_smoke.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "vllm_routes_smoke.py"
+    )
     spec = importlib.util.spec_from_file_location("vllm_routes_smoke", path)
     smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smoke)

@@ -13,42 +13,48 @@ import logging
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.forward import fused_head
 from trl_gspo.forward.pipeline import LogprobForward
 from trl_gspo.rollout import sampler_logprobs as sl
+from trl_gspo.testing import build_tiny_model
 
 # fp32 on CPU: generate's KV-cached logits differ from a full forward only in accumulation order. Measured gaps are
 # ~5e-7 per token (see the sampler/logp_abs_diff/max metric); 1e-5 leaves a 20x margin and still catches any real
 # bug (a wrong temperature, an off-by-one step or top-p renormalisation all move log-probs by >1e-2).
 LOGP_ATOL = 1e-5
 SETTINGS = dict(
-    importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0,
-    per_device_train_batch_size=8, num_generations=4, steps_per_generation=4, max_completion_length=8,
-    temperature=0.9, learning_rate=1e-3, seed=0,
-)  # fmt: skip
-
-
-def _dataset():
-    return Dataset.from_dict({"prompt": [f"copy {a} {b} :" for a in range(8) for b in range(8)]})
+    importance_sampling_level="sequence",
+    loss_type="grpo",
+    epsilon=3e-4,
+    epsilon_high=4e-4,
+    beta=0.0,
+    per_device_train_batch_size=8,
+    num_generations=4,
+    steps_per_generation=4,
+    max_completion_length=8,
+    temperature=0.9,
+    learning_rate=1e-3,
+    seed=0,
+)
 
 
 def _reward(completions, **kwargs):  # spread-out rewards, so advantages (and gradients) are non-zero
     return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
 
 
-def _trainer(tokenizer, tmp_path, cls=GSPOTrainer, config_cls=GSPOConfig, max_steps=4, **overrides):
-    args = config_cls(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
-        max_steps=max_steps, disable_tqdm=True, **{**SETTINGS, **overrides},
-    )  # fmt: skip
-    model = build_tiny_model(tokenizer, seed=0)
-    return cls(model, _reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)
+#: The trainers of this file (`trainer_factory`; `cls=GRPOTrainer, config_cls=GRPOConfig` for stock TRL).
+TRAINER = dict(
+    reward=_reward,
+    prompts=[f"copy {a} {b} :" for a in range(8) for b in range(8)],
+    logging_steps=1,
+    max_steps=4,
+    disable_tqdm=True,
+    **SETTINGS,
+)
 
 
 def _first_rollout(trainer):
@@ -63,8 +69,15 @@ def test_recorder_matches_independent_forward_with_top_k_top_p(tokenizer):
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 13, 14, 15, 16]])
     mask = (ids != 0).long()
     temperature = 0.7
-    gen = GenerationConfig(max_new_tokens=7, do_sample=True, temperature=temperature, top_k=5, top_p=0.8,
-                           pad_token_id=0, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    gen = GenerationConfig(
+        max_new_tokens=7,
+        do_sample=True,
+        temperature=temperature,
+        top_k=5,
+        top_p=0.8,
+        pad_token_id=0,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     with torch.no_grad(), sl.SamplerLogprobRecorder(model, temperature) as rec:
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
@@ -93,7 +106,7 @@ def test_recorder_rejects_bad_temperature_and_unused_state(tokenizer):
 
 
 # ------------------------------------------------------------------------------------------ end to end
-def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_path, monkeypatch):
+def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_path, monkeypatch, trainer_factory):
     calls = []
     # Where the forward pipeline (forward/pipeline.py) runs the model: every log-prob pass that calls it goes through here.
     original = LogprobForward._planned_forward
@@ -106,7 +119,7 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
     runs = {}
     for source in ("recompute", "sampler"):
         calls.clear()
-        trainer = _trainer(tokenizer, tmp_path / source, max_steps=8, old_logprobs_source=source)
+        trainer = trainer_factory(TRAINER, output_dir=tmp_path / source, max_steps=8, old_logprobs_source=source)
         trainer.train()
         runs[source] = dict(
             no_grad_forwards=calls.count(False),
@@ -134,12 +147,21 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
     assert not any("sampler/logp_abs_diff/max" in h for h in runs["recompute"]["history"])
 
 
-def test_reuse_off_rollout_batch_is_bit_for_bit_stock(tokenizer, tmp_path):
-    stock = _first_rollout(_trainer(tokenizer, tmp_path / "stock", cls=GRPOTrainer, config_cls=GRPOConfig))
+def test_reuse_off_rollout_batch_is_bit_for_bit_stock(tokenizer, tmp_path, trainer_factory):
+    stock = _first_rollout(
+        trainer_factory(TRAINER, output_dir=tmp_path / "stock", cls=GRPOTrainer, config_cls=GRPOConfig)
+    )
     # Trimming and sorting off (forward/padding.py): its forward must then be TRL's bit for bit; with them on, rows are
     # reordered within optimizer steps and log-probs differ by float rounding (tests/test_padding.py).
-    ours = _first_rollout(_trainer(tokenizer, tmp_path / "ours", old_logprobs_source="recompute", trim_padding=False,
-                                   sort_by_length="never"))  # fmt: skip
+    ours = _first_rollout(
+        trainer_factory(
+            TRAINER,
+            output_dir=tmp_path / "ours",
+            old_logprobs_source="recompute",
+            trim_padding=False,
+            sort_by_length="never",
+        )
+    )
     assert len(stock) == len(ours) == 4
     for a, b in zip(stock, ours):
         assert a.keys() == b.keys()
@@ -148,16 +170,18 @@ def test_reuse_off_rollout_batch_is_bit_for_bit_stock(tokenizer, tmp_path):
             assert torch.equal(a[key], b[key]), key
 
 
-def test_nan_sampler_logprobs_fall_back_to_recompute(tokenizer, tmp_path, caplog):
-    trainer = _trainer(tokenizer, tmp_path, old_logprobs_source="sampler")
-    trainer._sampler_logps = [[-1.0, None], [-0.5]]
+def test_nan_sampler_logprobs_fall_back_to_recompute(tokenizer, tmp_path, caplog, trainer_factory):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, old_logprobs_source="sampler")
+    trainer.sampler_logprobs.logps = [[-1.0, None], [-0.5]]
     with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
-        assert trainer._sampler_old_logps(2, 3, "cpu") is None
+        assert trainer.sampler_logprobs.old_logps(2, 3, "cpu") is None
     assert "NaN" in caplog.text
-    trainer._sampler_logps = [[-1.0, -2.0], [-0.5]]
-    torch.testing.assert_close(trainer._sampler_old_logps(2, 3, "cpu"), torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0, 0]]))
+    trainer.sampler_logprobs.logps = [[-1.0, -2.0], [-0.5]]
+    torch.testing.assert_close(
+        trainer.sampler_logprobs.old_logps(2, 3, "cpu"), torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0, 0]])
+    )
     with pytest.raises(RuntimeError, match="cover 2 completions but the batch has 3"):
-        trainer._sampler_old_logps(3, 3, "cpu")
+        trainer.sampler_logprobs.old_logps(3, 3, "cpu")
 
 
 # --------------------------------------------------------------------------------------- pure helpers
@@ -237,11 +261,13 @@ NO_FUSED_HEAD = "TRL < 1.15 has no fused log-prob head (it computes full logits)
 
 
 @pytest.mark.skipif(not fused_head.available(), reason=NO_FUSED_HEAD)
-def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path):
+def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path, trainer_factory):
     """A vocabulary split into 5 tiles gives the log-probs, entropies and gradients of a plain full-logits pass."""
     from trl.trainer import utils as trl_utils
 
-    trainer = _trainer(tokenizer, tmp_path, logprob_vocab_chunk_size=11)  # 48-word vocab -> 5 tiles, the last short
+    trainer = trainer_factory(
+        TRAINER, output_dir=tmp_path, logprob_vocab_chunk_size=11
+    )  # 48-word vocab -> 5 tiles, the last short
     model = trainer.model.train()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, model.config.vocab_size, (3, 9), generator=g)
@@ -296,15 +322,17 @@ class _FakeVLLMTrainer(GSPOTrainer):
         return completion_ids, [[x + SAMPLER_GAP for x in row] for row in rec.completion_logprobs(completion_ids)]
 
 
-def _fake_vllm(tokenizer, tmp_path, is_correction, **overrides):
-    trainer = _trainer(tokenizer, tmp_path, cls=_FakeVLLMTrainer, **overrides)
+def _fake_vllm(tokenizer, tmp_path, is_correction, trainer_factory, **overrides):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, cls=_FakeVLLMTrainer, **overrides)
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, is_correction
     return trainer
 
 
-def test_vllm_flow_reuses_engine_logprobs_and_logs_the_gap(tokenizer, tmp_path):
+def test_vllm_flow_reuses_engine_logprobs_and_logs_the_gap(tokenizer, tmp_path, trainer_factory):
     # As GSPOConfig sets it up for use_vllm=True: the IS correction off (it would be exp(0) = 1).
-    trainer = _fake_vllm(tokenizer, tmp_path, is_correction=False, old_logprobs_source="sampler")
+    trainer = _fake_vllm(
+        tokenizer, tmp_path, is_correction=False, old_logprobs_source="sampler", trainer_factory=trainer_factory
+    )
     batches = _first_rollout(trainer)
     for batch in batches:
         m = batch["completion_mask"].bool()
@@ -317,11 +345,16 @@ def test_vllm_flow_reuses_engine_logprobs_and_logs_the_gap(tokenizer, tmp_path):
     assert logged["sampler/seq_outside_clip_frac"] == 1.0
 
 
-def test_vllm_flow_length_normalized_is_correction(tokenizer, tmp_path):
+def test_vllm_flow_length_normalized_is_correction(tokenizer, tmp_path, trainer_factory):
     trainer = _fake_vllm(
-        tokenizer, tmp_path, is_correction=True, old_logprobs_source="recompute",
-        vllm_importance_sampling_length_normalized=True, vllm_importance_sampling_mode="sequence_truncate",
-    )  # fmt: skip
+        tokenizer,
+        tmp_path,
+        is_correction=True,
+        old_logprobs_source="recompute",
+        vllm_importance_sampling_length_normalized=True,
+        vllm_importance_sampling_mode="sequence_truncate",
+        trainer_factory=trainer_factory,
+    )
     for batch in _first_rollout(trainer):
         m = batch["completion_mask"].float()
         diff = (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * m

@@ -19,10 +19,10 @@ from test_padding import LOSS_CASES, FixedRollouts, _varied_reward
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
 from trl_gspo.forward import fused_head, layouts, padding, segment_attention, shared_prefix
 from trl_gspo.forward.layouts import row_spans
-from trl_gspo.forward.pipeline import plan_forward
+from trl_gspo.forward.planner import plan_forward
+from trl_gspo.testing import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: no fused log-prob head")
 
@@ -30,17 +30,24 @@ OFF = dict(shared_prefix=False, padding_free=False)
 ON = dict(shared_prefix=True)
 
 
-def _trainer(model, tokenizer, tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                    per_device_train_batch_size=4, num_generations=2, max_completion_length=9, logging_steps=1,
-                    epsilon=3e-3, epsilon_high=4e-3, seed=0)  # fmt: skip
-    args = GSPOConfig(**{**settings, **overrides})
-    dataset = Dataset.from_dict({"prompt": ["add 1 2 ="] * 8})
-    trainer = GSPOTrainer(model, lambda completions, **k: [0.0] * len(completions), args=args, train_dataset=dataset,
-                          processing_class=tokenizer)  # fmt: skip
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 2
-    return trainer
+def _no_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+#: The trainers of this file (`trainer_factory`), in training mode, two micro-batches per optimizer step.
+TRAINER = dict(
+    reward=_no_reward,
+    prompts=["add 1 2 ="] * 8,
+    train=True,
+    accumulation=2,
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=9,
+    logging_steps=1,
+    epsilon=3e-3,
+    epsilon_high=4e-3,
+    seed=0,
+)
 
 
 def _grouped_batch(vocab, seed=0):
@@ -67,8 +74,13 @@ def _forward(trainer, batch, chunk=None, grad=True):
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     with torch.set_grad_enabled(grad):
         out = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, mask, batch["completion_ids"].size(1), batch_size=chunk, compute_entropy=True,
-        )  # fmt: skip
+            trainer.model,
+            ids,
+            mask,
+            batch["completion_ids"].size(1),
+            batch_size=chunk,
+            compute_entropy=True,
+        )
     return out
 
 
@@ -114,16 +126,18 @@ def test_shared_layout_by_hand():
     assert layout.position_ids.tolist() == [[1, 2, 3, 4, 5, 6, 3, 4]]
     assert layout.aliases.tolist() == [[0, 1], [s + 1, s + 2]] and layout.shared_positions == 2
     mask = layout.segments.dense_mask()[0].int()
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 1, 1, 0, 0],
-        [1, 1, 0, 0, 0, 0, 1, 0],
-        [1, 1, 0, 0, 0, 0, 1, 1],
-    ])  # fmt: skip
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 1, 1, 0, 0],
+            [1, 1, 0, 0, 0, 0, 1, 0],
+            [1, 1, 0, 0, 0, 0, 1, 1],
+        ]
+    )
     assert torch.equal(mask, expected)
     plan = layout.segments.build_blocks(block=3)  # blocks reproduce the dense mask on the keys they reach
     for block in plan.blocks:
@@ -138,15 +152,26 @@ def test_auto_shares_long_prompts_and_not_short_ones():
     """The cost model: a group of 8 with 1000-token prompts and ~100-token completions shares; an 8-token prompt with
     two 200-token completions does not (no padding to remove, and the shared row's masked attention blocks cost more
     than the 7 prompt tokens it saves: the trimmed call keeps SDPA's causal skip)."""
+
     def spans_for(prompt, completions, pw):
         return torch.tensor([[pw - prompt, pw + c, prompt + c] for c in completions])
 
-    for prompt, completions, expected in ((1000, [90, 110, 100, 80, 120, 95, 105, 100], True),
-                                          (8, [200, 200], False)):  # fmt: skip
+    for prompt, completions, expected in ((1000, [90, 110, 100, 80, 120, 95, 105, 100], True), (8, [200, 200], False)):
         pw, n = prompt, len(completions)
         spans = spans_for(prompt, completions, pw)
-        layouts = plan_forward(spans, (n, pw + 200), pw, n, groups=[list(range(n))], sort=True, trim=True,
-                               pack="auto", share="auto", one_row=False, alpha=1e-3)  # fmt: skip
+        layouts = plan_forward(
+            spans,
+            (n, pw + 200),
+            pw,
+            n,
+            groups=[list(range(n))],
+            sort=True,
+            trim=True,
+            pack="auto",
+            share="auto",
+            one_row=False,
+            alpha=1e-3,
+        )
         assert (layouts[0].shared_positions > 0) is expected
 
 
@@ -155,11 +180,21 @@ def test_group_rows_keeps_groups_whole_and_in_shuffled_order():
     prompts = torch.randint(4, 40, (4, 3), generator=g)
     rows = torch.randperm(16, generator=g)  # 4 groups x 4 completions, shuffled as TRL does
     group = rows % 4
-    batch = {"prompt_ids": prompts[group], "prompt_mask": torch.ones(16, 3, dtype=torch.long),
-             "completion_mask": torch.ones(16, 2, dtype=torch.long), "row": rows, "names": [f"r{int(r)}" for r in rows],
-             "num_items_in_batch": torch.tensor(5)}  # fmt: skip
-    micro = [{k: (v[i * 4 : (i + 1) * 4] if k in ("prompt_ids", "prompt_mask", "completion_mask", "row", "names") else v)
-              for k, v in batch.items()} for i in range(4)]  # fmt: skip
+    batch = {
+        "prompt_ids": prompts[group],
+        "prompt_mask": torch.ones(16, 3, dtype=torch.long),
+        "completion_mask": torch.ones(16, 2, dtype=torch.long),
+        "row": rows,
+        "names": [f"r{int(r)}" for r in rows],
+        "num_items_in_batch": torch.tensor(5),
+    }
+    micro = [
+        {
+            k: (v[i * 4 : (i + 1) * 4] if k in ("prompt_ids", "prompt_mask", "completion_mask", "row", "names") else v)
+            for k, v in batch.items()
+        }
+        for i in range(4)
+    ]
     out = shared_prefix.group_rows(micro, ["prompt_ids", "prompt_mask", "completion_mask", "row", "names"])
     first_seen = list(dict.fromkeys(group.tolist()))
     for i, mb in enumerate(out):
@@ -179,7 +214,7 @@ def test_config_fields(tmp_path):
 
 # ----------------------------------------------------------------------------------- forwards, shared vs not
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
-def test_shared_forward_matches_the_unshared_one(moe, tokenizer, tmp_path):
+def test_shared_forward_matches_the_unshared_one(moe, tokenizer, tmp_path, trainer_factory):
     """Log-probs and entropies of the shared forward (one call, with grad; and no-grad in calls of 3 rows, which
     split the 3-row group) equal the trimmed padded forward's and the naive per-row reference; every parameter
     gradient of a loss on both equals the unshared one's."""
@@ -188,19 +223,23 @@ def test_shared_forward_matches_the_unshared_one(moe, tokenizer, tmp_path):
     weights = torch.randn(7, 9, generator=torch.Generator().manual_seed(1))
     results = {}
     for name, settings in (("off", OFF), ("on", ON)):
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, **settings)
+        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
         logps, entropies, _ = _forward(trainer, batch)
         ((logps * weights).sum() + 0.1 * entropies.sum()).backward()
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         chunked = _forward(trainer, batch, chunk=3, grad=False)
-        results[name] = (logps.detach(), entropies.detach(), grads, chunked, trainer._throughput[3].item())
+        results[name] = (logps.detach(), entropies.detach(), grads, chunked, trainer.padding.throughput[3].item())
     assert results["off"][4] == 0 and results["on"][4] > 0  # the shared run did share prompt positions
     completion = batch["completion_mask"].bool()
     with torch.no_grad():
         naive = _naive_logps(model, batch)
     torch.testing.assert_close(results["on"][0][completion], naive[completion], atol=2e-5, rtol=0)
-    for got, ref in ((results["on"][0], results["off"][0]), (results["on"][1], results["off"][1]),
-                     (results["on"][3][0], results["off"][0].detach()), (results["on"][3][1], results["off"][1])):  # fmt: skip
+    for got, ref in (
+        (results["on"][0], results["off"][0]),
+        (results["on"][1], results["off"][1]),
+        (results["on"][3][0], results["off"][0].detach()),
+        (results["on"][3][1], results["off"][1]),
+    ):
         torch.testing.assert_close(got, ref, atol=2e-6, rtol=0)
         assert (got[~completion] == 0).all()
     assert results["on"][2].keys() == results["off"][2].keys()
@@ -209,11 +248,11 @@ def test_shared_forward_matches_the_unshared_one(moe, tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
-def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path):
+def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path, trainer_factory):
     """Changing one completion's tokens leaves its siblings' log-probs unchanged in the shared forward; the same
     shared row run with plain causal attention (what a lost segment plan would give) does move them."""
     model = build_tiny_model(tokenizer, moe=moe, seed=5).eval()
-    trainer = _trainer(model, tokenizer, tmp_path, **ON)
+    trainer = trainer_factory(TRAINER, model=model, output_dir=tmp_path, **ON)
     trainer.model.eval()
     batch = _grouped_batch(model.config.vocab_size, seed=2)
     before, _, _ = _forward(trainer, batch, grad=False)
@@ -234,8 +273,14 @@ def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path):
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     layout = layouts.segment_layout([[0, 2, 5]], row_spans(mask), tuple(ids.shape), 7, one_row=False)
     with torch.no_grad():
-        plain = [model(input_ids=layout.to_model(x), position_ids=layout.position_ids,
-                       attention_mask=torch.ones_like(layout.source)).logits for x in (ids, ids_changed)]  # fmt: skip
+        plain = [
+            model(
+                input_ids=layout.to_model(x),
+                position_ids=layout.position_ids,
+                attention_mask=torch.ones_like(layout.source),
+            ).logits
+            for x in (ids, ids_changed)
+        ]
     last = layout.source[0] // ids.size(1) == 5  # row 5's segment comes after row 0's in the shared row
     assert (plain[0][0, last] - plain[1][0, last]).abs().max() > 1e-3
 
@@ -261,18 +306,22 @@ def _loss_inputs(model, seed, tool_mask=False):
     return inputs
 
 
-def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings):
-    trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path, allow_token_sum_with_sequence_level=True, **settings)
+def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings, trainer_factory):
+    trainer = trainer_factory(
+        TRAINER, model=copy.deepcopy(model), output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
+    )
     loss = trainer._compute_loss(trainer.model, {k: v.clone() for k, v in inputs.items()})
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    trainer._release_forward()
+    trainer.logprob_forward.release()
     trainer.log({})
     return loss.detach(), grads, dict(trainer.state.log_history[-1])
 
 
 @pytest.mark.parametrize("name", list(LOSS_CASES) + ["grpo, multi-turn tool_mask"])
-def test_sharing_leaves_loss_gradients_and_metrics_unchanged(name, tokenizer, tiny_model_dir, tmp_path):
+def test_sharing_leaves_loss_gradients_and_metrics_unchanged(
+    name, tokenizer, tiny_model_dir, tmp_path, trainer_factory
+):
     """In fp64 (TRL's fused head still rounds at ~1e-7, as in test_padding's trimming test): the loss, every parameter
     gradient and every logged metric with shared_prefix on equal the unshared run's to 1e-6; only the throughput
     counts differ, and they show that prompts were shared. A wrong token, position, mask or label would differ by
@@ -280,23 +329,27 @@ def test_sharing_leaves_loss_gradients_and_metrics_unchanged(name, tokenizer, ti
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
     inputs = _loss_inputs(model, seed=4, tool_mask="tool_mask" in name)
     inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
-    settings = dict(LOSS_CASES[name.split(",")[0] if "tool_mask" in name else name], model_init_kwargs={"dtype": torch.float64})
-    off = _loss_grads_metrics(model, tokenizer, tmp_path / "off", inputs, {**settings, **OFF})
-    on = _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, {**settings, **ON})
+    settings = dict(
+        LOSS_CASES[name.split(",")[0] if "tool_mask" in name else name], model_init_kwargs={"dtype": torch.float64}
+    )
+    off = _loss_grads_metrics(model, tokenizer, tmp_path / "off", inputs, {**settings, **OFF}, trainer_factory)
+    on = _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, {**settings, **ON}, trainer_factory)
     assert off[0].abs() > 1e-3
     assert (on[0] - off[0]).abs() <= 1e-6 * off[0].abs()
     assert on[1].keys() == off[1].keys() and len(off[1]) > 0
     for n, g in off[1].items():
         assert (on[1][n] - g).norm() <= 1e-6 * g.norm() + 1e-12, n
     assert set(on[2]) == set(off[2])
-    assert off[2]["throughput/prompt_tokens_saved_per_step"] == 0 and on[2]["throughput/prompt_tokens_saved_per_step"] > 0
+    assert (
+        off[2]["throughput/prompt_tokens_saved_per_step"] == 0 and on[2]["throughput/prompt_tokens_saved_per_step"] > 0
+    )
     for key, value in off[2].items():
         if not key.startswith("throughput/") and isinstance(value, float):
             assert on[2][key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
 
 
 # ------------------------------------------------------------------------------------------- MoE routes (R2)
-def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_path):
+def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_path, trainer_factory):
     """Recorded in a shared forward, each prompt's routes are recorded once and hold for every sibling: at every real
     token they equal the unshared forward's. Replayed (forced random routes, the same for siblings' prompts), the
     shared forward's log-probs and gradients equal the unshared replayed forward's; where siblings' prompt routes
@@ -309,16 +362,22 @@ def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_pat
     b, s = real.shape
     recorded = {}
     for name, settings in (("off", OFF), ("on", ON)):
-        trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / name, routing_replay="R2", steps_per_generation=4,
-                           **settings)  # fmt: skip
-        trainer._moe_role = "old"  # what _generate_and_score_completions sets before TRL's pi_old pass
+        trainer = trainer_factory(
+            TRAINER,
+            model=copy.deepcopy(model),
+            output_dir=tmp_path / name,
+            routing_replay="R2",
+            steps_per_generation=4,
+            **settings,
+        )
+        trainer.moe_routing.role = "old"  # what _generate_and_score_completions sets before TRL's pi_old pass
         _forward(trainer, batch, grad=False)
-        recorded[name] = trainer._rollout_routes
-        assert (trainer._throughput[3].item() > 0) is (name == "on")
+        recorded[name] = trainer.moe_routing.rollout_routes
+        assert (trainer.padding.throughput[3].item() > 0) is (name == "on")
     assert torch.equal(recorded["on"].valid[real], recorded["off"].valid[real]) and recorded["on"].valid[real].all()
     assert torch.equal(recorded["on"].ids[real].sort(-1).values, recorded["off"].ids[real].sort(-1).values)
 
-    hooks = _trainer(copy.deepcopy(model), tokenizer, tmp_path / "h", **OFF)._router_hooks
+    hooks = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / "h", **OFF).moe_routing.hooks
     g = torch.Generator().manual_seed(0)
     forced = torch.rand(b, s, hooks.num_layers, hooks.num_experts, generator=g).argsort(-1)[..., : hooks.top_k]
     forced[2, :6], forced[5, :6] = forced[0, :6], forced[0, :6]  # siblings agree on their prompt's routes
@@ -330,15 +389,21 @@ def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_pat
         table = RouteTable(routes.to(hooks.id_dtype), torch.ones(b, s, dtype=torch.bool))
         results = {}
         for name, settings in (("off", OFF), ("on", ON)):
-            trainer = _trainer(copy.deepcopy(model), tokenizer, tmp_path / f"r{name}", routing_replay="R2",
-                               steps_per_generation=4, **settings)  # fmt: skip
-            trainer._moe_role = "loss"  # what compute_loss sets around the loss forward
-            trainer._moe_inputs = {**batch, "old_routes": table.ids, "old_routes_valid": table.valid}
+            trainer = trainer_factory(
+                TRAINER,
+                model=copy.deepcopy(model),
+                output_dir=tmp_path / f"r{name}",
+                routing_replay="R2",
+                steps_per_generation=4,
+                **settings,
+            )
+            trainer.moe_routing.role = "loss"  # what compute_loss sets around the loss forward
+            trainer.moe_routing.loss_inputs = {**batch, "old_routes": table.ids, "old_routes_valid": table.valid}
             logps = _forward(trainer, batch)[0]
             (logps * weights).sum().backward()
-            trainer._release_forward()
+            trainer.logprob_forward.release()
             grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-            results[name] = (logps.detach(), grads, trainer._throughput[3].item())
+            results[name] = (logps.detach(), grads, trainer.padding.throughput[3].item())
         assert results["on"][2] > 0
         torch.testing.assert_close(results["on"][0], results["off"][0], atol=2e-6, rtol=0)
         for n, ref in results["off"][1].items():
@@ -356,9 +421,12 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_
         mask = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
         rep = qs.size(1) // ks.size(1)
         o = torch.nn.functional.scaled_dot_product_attention(
-            qs.transpose(0, 1), ks.transpose(0, 1).repeat_interleave(rep, 0), vs.transpose(0, 1).repeat_interleave(rep, 0),
-            attn_mask=mask, scale=softmax_scale,
-        )  # fmt: skip
+            qs.transpose(0, 1),
+            ks.transpose(0, 1).repeat_interleave(rep, 0),
+            vs.transpose(0, 1).repeat_interleave(rep, 0),
+            attn_mask=mask,
+            scale=softmax_scale,
+        )
         out[cu_q[i] : cu_q[i + 1]] = o.transpose(0, 1)
     return out
 
@@ -379,8 +447,9 @@ def test_flash_varlen_path_matches_the_sdpa_blocks(monkeypatch):
     out_varlen, _ = segment_attention.segment_attention(module, q, k, v, None, segment_plan=varlen)
     torch.testing.assert_close(out_varlen, out_blocks, atol=1e-6, rtol=0)
     dense = layout.segments.dense_mask()[:, None]
-    reference = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                                 attn_mask=dense).transpose(1, 2)  # fmt: skip
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=dense
+    ).transpose(1, 2)
     torch.testing.assert_close(out_blocks, reference, atol=1e-6, rtol=0)
 
 
@@ -389,20 +458,43 @@ def _run(tokenizer, tmp_path, record=None, peft_config=None, **overrides):
     import os
 
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=3, gradient_accumulation_steps=2, num_generations=3,
-                    max_completion_length=10, learning_rate=0.05, optim="sgd", logging_steps=1, max_steps=4,
-                    disable_tqdm=True)  # fmt: skip
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        num_generations=3,
+        max_completion_length=10,
+        learning_rate=0.05,
+        optim="sgd",
+        logging_steps=1,
+        max_steps=4,
+        disable_tqdm=True,
+    )
     args = GSPOConfig(**{**settings, **overrides})
-    trainer = GSPOTrainer(build_tiny_model(tokenizer, seed=0), _varied_reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["a b"] * 64}), processing_class=tokenizer,
-                          rollout_func=FixedRollouts(tokenizer, prompt_lengths=(3, 9)), peft_config=peft_config)  # fmt: skip
+    trainer = GSPOTrainer(
+        build_tiny_model(tokenizer, seed=0),
+        _varied_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a b"] * 64}),
+        processing_class=tokenizer,
+        rollout_func=FixedRollouts(tokenizer, prompt_lengths=(3, 9)),
+        peft_config=peft_config,
+    )
     if record is not None:
         original = trainer._compute_loss
 
         def recording(model, inputs):
-            record.append((trainer.state.global_step, [tuple(r[m.bool()].tolist()) for r, m in
-                                                       zip(inputs["prompt_ids"], inputs["prompt_mask"])]))  # fmt: skip
+            record.append(
+                (
+                    trainer.state.global_step,
+                    [tuple(r[m.bool()].tolist()) for r, m in zip(inputs["prompt_ids"], inputs["prompt_mask"])],
+                )
+            )
             return original(model, inputs)
 
         trainer._compute_loss = recording
@@ -417,8 +509,11 @@ def _assert_same_weights(a, b):
 
 
 def _saved(trainer):
-    return [row["throughput/prompt_tokens_saved_per_step"] for row in trainer.state.log_history
-            if "throughput/prompt_tokens_saved_per_step" in row]  # fmt: skip
+    return [
+        row["throughput/prompt_tokens_saved_per_step"]
+        for row in trainer.state.log_history
+        if "throughput/prompt_tokens_saved_per_step" in row
+    ]
 
 
 @pytest.mark.slow
@@ -432,7 +527,9 @@ def test_training_with_shared_prefixes_ends_with_the_same_weights(tokenizer, tmp
     assert max((p - initial[n]).abs().max().item() for n, p in off.model.named_parameters()) > 1e-3
     _assert_same_weights(off, on)
     assert all(x == 0 for x in _saved(off)) and sum(_saved(on)) > 0
-    grouped = {k: _run(tokenizer, tmp_path / f"g{k}", group_minibatches=True, **s) for k, s in (("off", OFF), ("on", ON))}
+    grouped = {
+        k: _run(tokenizer, tmp_path / f"g{k}", group_minibatches=True, **s) for k, s in (("off", OFF), ("on", ON))
+    }
     _assert_same_weights(grouped["off"], grouped["on"])
     assert sum(_saved(grouped["on"])) > sum(_saved(on))  # the loss forward shares too
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
@@ -447,8 +544,9 @@ def test_group_minibatches_keeps_whole_groups_in_each_optimizer_step(tokenizer, 
     runs = {}
     for grouped in (False, True):
         record = []
-        _run(tokenizer, tmp_path / str(grouped), record=record, group_minibatches=grouped, learning_rate=0.0,
-             max_steps=4)  # fmt: skip
+        _run(
+            tokenizer, tmp_path / str(grouped), record=record, group_minibatches=grouped, learning_rate=0.0, max_steps=4
+        )
         runs[grouped] = record
     for grouped, record in runs.items():
         by_step = {}
@@ -468,17 +566,24 @@ def test_sorting_inside_a_step_groups_prompts_only_when_cheaper():
     prompts = torch.randint(4, 40, (4, 3), generator=g)
     group = torch.tensor([0, 1, 2, 3, 1, 0, 3, 2, 0, 0, 1, 1, 2, 3, 2, 3])  # 4 micro-batches of 4 rows, 2 per step
     lengths = torch.randint(1, 6, (16,), generator=g)
-    buffer = [{"prompt_ids": prompts[group[i : i + 4]], "prompt_mask": torch.ones(4, 3, dtype=torch.long),
-               "completion_mask": (torch.arange(6)[None] < lengths[i : i + 4, None]).long(),
-               "row": torch.arange(i, i + 4)} for i in range(0, 16, 4)]  # fmt: skip
+    buffer = [
+        {
+            "prompt_ids": prompts[group[i : i + 4]],
+            "prompt_mask": torch.ones(4, 3, dtype=torch.long),
+            "completion_mask": (torch.arange(6)[None] < lengths[i : i + 4, None]).long(),
+            "row": torch.arange(i, i + 4),
+        }
+        for i in range(0, 16, 4)
+    ]
 
     def groups_in(batch):  # distinct prompts in a micro-batch: fewer means more sharing
         return len({tuple(p.tolist()) for p in batch["prompt_ids"]})
 
     arranged = {}
     for name, cost in (("length", lambda b: -groups_in(b)), ("grouped", groups_in)):
-        out = padding.arrange_micro_batches([dict(b) for b in buffer], 0, 4, 1, 2, sort=True, group_minibatches=False,
-                                            cost=cost)  # fmt: skip
+        out = padding.arrange_micro_batches(
+            [dict(b) for b in buffer], 0, 4, 1, 2, sort=True, group_minibatches=False, cost=cost
+        )
         for step in (0, 1):  # rows never leave their optimizer step
             got = sorted(torch.cat([out[2 * step]["row"], out[2 * step + 1]["row"]]).tolist())
             assert got == list(range(8 * step, 8 * step + 8))

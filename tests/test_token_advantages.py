@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model
+from trl_gspo.testing import build_tiny_model
 from trl_gspo.token_advantages import discounted_turn_advantages, model_turn_index
 
 EPS_LOW, EPS_HIGH, GAMMA = 3e-4, 4e-4, 0.5
@@ -99,11 +99,21 @@ def test_trainer_loss_and_gradient_match_reference_on_multi_turn_batch(tokenizer
     ref_loss.backward()
 
     args = GSPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=G,
-        num_generations=2, importance_sampling_level="sequence_token",
-    )  # fmt: skip
-    trainer = TurnCreditTrainer(model, lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=tokenizer)
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=G,
+        num_generations=2,
+        importance_sampling_level="sequence_token",
+    )
+    trainer = TurnCreditTrainer(
+        model,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
+        processing_class=tokenizer,
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     loss = trainer._compute_loss(trainer.model, batch)

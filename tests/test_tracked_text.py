@@ -62,9 +62,19 @@ def test_patterns_catch_what_they_are_for():
     assert findings("it was stopped by my 30-minute limit")[0] == "first person: 'my'"
     lent = "l" + "ent"
     assert findings(f"when a GPU was {lent}") == [f"session note: 'was {lent}'"]
-    for fine in ("/tmp/demo", "outputs/demo", "https://example.com/root/x", "ours / stock", "our loss",
-                 'scope="session"', "my_pkg.rewards.my_reward", "The helpers here are pure functions",
-                 "~/" + "work/ and $HOME/" + "work/", "the Qwen team", "Stock is `trl.GRPOTrainer`"):  # fmt: skip
+    for fine in (
+        "/tmp/demo",
+        "outputs/demo",
+        "https://example.com/root/x",
+        "ours / stock",
+        "our loss",
+        'scope="session"',
+        "my_pkg.rewards.my_reward",
+        "The helpers here are pure functions",
+        "~/" + "work/ and $HOME/" + "work/",
+        "the Qwen team",
+        "Stock is `trl.GRPOTrainer`",
+    ):
         assert findings(fine) == [], fine
 
 

@@ -4,11 +4,8 @@ from .common.trl_compat import check_trl_version
 
 check_trl_version()  # before importing TRL's trainer: a TRL outside the tested range gets a clear message
 
-from ._moved import install as _install_moved_paths  # noqa: E402
 from .config import GSPOConfig  # noqa: E402
 from .trainer import GSPOTrainer  # noqa: E402
-
-_install_moved_paths()  # old flat module paths (trl_gspo.demo, trl_gspo.tiny, ...) for one release (_moved.py)
 
 __all__ = ["GSPOConfig", "GSPOTrainer"]
 __version__ = "0.1.0"

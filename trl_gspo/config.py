@@ -21,7 +21,7 @@ from .guards.checkpointing import CheckpointOptions
 from .guards.diagnostics import DiagnosticsOptions
 from .guards.nonfinite import NonFiniteOptions
 from .guards.rewards_guard import RewardGuardOptions
-from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, SEQUENCE_LEVELS
+from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, POLICY_LOSSES, SEQUENCE_LEVELS
 from .moe.routing_replay import RoutingReplayOptions
 from .rollout.async_options import AsyncOptions
 from .rollout.dynamic_sampling import DynamicSamplingOptions
@@ -29,14 +29,8 @@ from .rollout.sampler_logprobs import SamplerLogprobOptions
 
 logger = logging.getLogger(__name__)
 
-#: Loss types whose surrogate is the two-sided clipped ratio (their epsilons must lie in (0, 1)).
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-#: Loss types that sum tokens over the batch, so a per-sequence weight gets multiplied by the sequence length.
-TOKEN_SUM_LOSS_TYPES = ("dapo", "bnpo", "dr_grpo", "cispo")
-#: Loss types with no importance ratio to hook (VESPO weights sequences by its own clamped gamma function):
-#: GSPOTrainer runs TRL's own code for them, under the non-finite guard.
-TRL_NATIVE_LOSS_TYPES = ("vespo",)
-KNOWN_LOSS_TYPES = CLIPPED_LOSS_TYPES + ("cispo", "sapo") + TRL_NATIVE_LOSS_TYPES
+#: Every `loss_type`, in the registry's order (losses.py: its surrogate, aggregation, clip and metrics).
+KNOWN_LOSS_TYPES = tuple(POLICY_LOSSES)
 #: Mini-batch updates per rollout batch in the paper's setting.
 PAPER_MINI_BATCHES_PER_ROLLOUT = 4
 #: Largest allowed `max_log_ratio`: exp(88.7) overflows float32 (and bfloat16, which has the same exponent range).
@@ -44,9 +38,18 @@ MAX_FINITE_LOG_RATIO = 88.0
 
 #: Each feature's fields and their validation, in the order they are checked.
 FEATURE_OPTIONS = (
-    NonFiniteOptions, RewardGuardOptions, CheckpointOptions, FusedHeadOptions, SamplerLogprobOptions,
-    DiagnosticsOptions, RoutingReplayOptions, PaddingOptions, SharedPrefixOptions, DynamicSamplingOptions, AsyncOptions,
-)  # fmt: skip
+    NonFiniteOptions,
+    RewardGuardOptions,
+    CheckpointOptions,
+    FusedHeadOptions,
+    SamplerLogprobOptions,
+    DiagnosticsOptions,
+    RoutingReplayOptions,
+    PaddingOptions,
+    SharedPrefixOptions,
+    DynamicSamplingOptions,
+    AsyncOptions,
+)
 
 
 @dataclass
@@ -149,14 +152,19 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
             source = f"generation_batch_size={batch} (set in the config)"
         else:
             steps = self.steps_per_generation
-            why = ("set in the config" if given["steps_per_generation"] is not None else
-                   f"the default: {PAPER_MINI_BATCHES_PER_ROLLOUT} x gradient_accumulation_steps="
-                   f"{self.gradient_accumulation_steps}, the paper's {PAPER_MINI_BATCHES_PER_ROLLOUT} mini-batches per "
-                   "rollout")  # fmt: skip
+            why = (
+                "set in the config"
+                if given["steps_per_generation"] is not None
+                else f"the default: {PAPER_MINI_BATCHES_PER_ROLLOUT} x gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}, the paper's {PAPER_MINI_BATCHES_PER_ROLLOUT} mini-batches per "
+                "rollout"
+            )
             processes = batch // (self.per_device_train_batch_size * steps)
-            source = (f"the generation batch of {batch} completions = per_device_train_batch_size "
-                      f"{self.per_device_train_batch_size} x {processes} process(es) x steps_per_generation {steps} "
-                      f"({why})")  # fmt: skip
+            source = (
+                f"the generation batch of {batch} completions = per_device_train_batch_size "
+                f"{self.per_device_train_batch_size} x {processes} process(es) x steps_per_generation {steps} "
+                f"({why})"
+            )
         divisors = [d for d in range(2, batch + 1) if batch % d == 0][:6]
         return (
             f"num_generations={n} must divide {source}: each rollout batch holds whole groups of num_generations "
@@ -180,7 +188,8 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
         level, loss_type = self.importance_sampling_level, self.loss_type
         check_choice("importance_sampling_level", level, tuple(LOG_WEIGHT_FUNCTIONS))
         check_choice("loss_type", loss_type, KNOWN_LOSS_TYPES)
-        if loss_type in CLIPPED_LOSS_TYPES:
+        policy = POLICY_LOSSES[loss_type]
+        if policy.clip.two_sided:
             for name in ("epsilon", "epsilon_high"):
                 value = getattr(self, name)
                 if value is not None and not 0.0 < value < 1.0:
@@ -204,18 +213,18 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
             raise ValueError(f"temperature={self.temperature!r} must be > 0 (sampling divides the logits by it).")
         if self.beta < 0:
             raise ValueError(f"beta={self.beta!r} must be >= 0 (KL penalty coefficient; 0 disables it, the default).")
-        if level in SEQUENCE_LEVELS and loss_type in TOKEN_SUM_LOSS_TYPES and not self.allow_token_sum_with_sequence_level:
+        if level in SEQUENCE_LEVELS and policy.token_sum and not self.allow_token_sum_with_sequence_level:
             raise ValueError(
                 f"loss_type={loss_type!r} sums token losses, so with importance_sampling_level={level!r} every "
                 "sequence is weighted by its length, which is not GSPO's objective. Use loss_type='grpo' (the paper's "
                 "per-sequence mean), or set allow_token_sum_with_sequence_level=True to accept it knowingly."
             )
-        if loss_type == "luspo" and level != "sequence":
+        if loss_type == "luspo" and level not in policy.levels:
             raise ValueError(
                 f"loss_type='luspo' is a length-weighted variant of GSPO and needs importance_sampling_level='sequence', "
                 f"got {level!r}."
             )
-        if loss_type == "vespo" and level != "token":
+        if loss_type == "vespo" and level not in policy.levels:
             raise ValueError(
                 f"loss_type='vespo' computes its own sequence-level weights and ignores importance_sampling_level; set "
                 f"importance_sampling_level='token' (got {level!r})."
@@ -231,3 +240,30 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
                 self.steps_per_generation,
                 self.gradient_accumulation_steps,
             )
+
+
+def trainer_args(model, args) -> GSPOConfig:
+    """The trainer's `args`: as given, or the paper's defaults named after the model; a plain `GRPOConfig` is refused."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        return GSPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GSPO")
+    if not isinstance(args, GSPOConfig):
+        raise TypeError(
+            f"GSPOTrainer needs args=GSPOConfig(...), got {type(args).__name__}. A plain GRPOConfig carries "
+            "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
+        )
+    return args
+
+
+def check_reference_source(model, args: GSPOConfig, peft_config) -> None:
+    """`beta > 0` without PEFT: TRL loads the KL reference model from the policy's path (`config._name_or_path`). A
+    policy built in code has none, and TRL would fail deep in the Hub client on an empty repo id: say so here."""
+    if args.beta == 0.0 or isinstance(model, str) or peft_config is not None or hasattr(model, "peft_config"):
+        return
+    if not getattr(getattr(model, "config", None), "_name_or_path", None):
+        raise ValueError(
+            f"beta={args.beta} needs a KL reference model, which TRL loads from the policy's path "
+            "(model.config._name_or_path), but this model was built in code and has none. Save it with "
+            "save_pretrained and pass the folder (or set beta=0.0, or train a PEFT adapter: the reference is then the "
+            "model with the adapter disabled)."
+        )

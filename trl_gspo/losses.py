@@ -11,6 +11,7 @@ Notation used in the docstrings: ``lp = log pi_theta(y_t | x, y_<t)``, ``old = l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -112,12 +113,14 @@ def clipped_surrogate_loss(
 def cispo_loss(ratio: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor, epsilon_max: float) -> torch.Tensor:
     """MiniMax-M1's CISPO: the importance weight is capped and detached, the gradient flows through ``logps``.
 
-        loss = -sg[min(r, epsilon_max)] * A * lp
+    loss = -sg[min(r, epsilon_max)] * A * lp
     """
     return -ratio.clamp(max=epsilon_max).detach() * advantages * logps
 
 
-def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float) -> torch.Tensor:
+def sapo_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float
+) -> torch.Tensor:
     """SAPO's soft-gated surrogate (Gao et al., 2025, arXiv 2511.20347): a sigmoid gate instead of a hard clip.
 
         loss = -(4 / tau) * sigmoid(tau * (r - 1)) * A,    tau = temperature_pos if A > 0 else temperature_neg
@@ -166,12 +169,201 @@ def sequence_sum_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch
     return (per_token_loss * mask).sum(-1).mean()
 
 
+# ------------------------------------------------------------------------------------------ the loss registry
+# Each `loss_type` is one registry entry (verl's `register_policy_loss` in `core_algos.py` is the model): its
+# per-token surrogate, how the per-token loss is reduced, where its clip is active and the metric names TRL logs for
+# that clip. The trainer looks the entry up once; nothing outside this module and the config asks which loss it runs.
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The knobs a surrogate reads: TRL's clip range (`epsilon_low`, `epsilon_high`; CISPO's cap is `epsilon_high`),
+    INTELLECT-2's `delta` and SAPO's gate temperatures."""
+
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+
+@dataclass(frozen=True)
+class Normalizers:
+    """What an aggregation divides by besides the micro-batch itself, from the trainer's accumulation state."""
+
+    accumulation: float  # micro-batches whose gradients add up to one optimizer step (1 in evaluation)
+    max_completion_length: int
+    # active tokens of the whole accumulated generation batch, this process's share of one micro-step (dapo, cispo);
+    # a function, so the batch is asked for the count only by the aggregations that use it
+    batch_tokens: Callable[[], torch.Tensor | float]
+
+
+def _sequence_mean(per_token_loss, mask, n: Normalizers):
+    loss = sequence_mean_loss(per_token_loss, mask)
+    return loss / n.accumulation, loss.detach()
+
+
+def _sequence_sum(per_token_loss, mask, n: Normalizers):
+    loss = sequence_sum_loss(per_token_loss, mask)
+    return loss / n.accumulation, loss.detach()
+
+
+def _token_mean(per_token_loss, mask, n: Normalizers):  # BNPO: mean over the micro-batch's active tokens
+    loss = token_sum_loss(per_token_loss, mask, mask.sum().clamp(min=1.0))
+    return loss / n.accumulation, loss.detach()
+
+
+def _token_sum_fixed(per_token_loss, mask, n: Normalizers):  # Dr. GRPO: a constant divisor, rows x max length
+    loss = token_sum_loss(per_token_loss, mask, per_token_loss.size(0) * n.max_completion_length)
+    return loss / n.accumulation, loss.detach()
+
+
+def _batch_token_sum(per_token_loss, mask, n: Normalizers):  # DAPO: over the whole generation batch's tokens
+    loss = token_sum_loss(per_token_loss, mask, n.batch_tokens())
+    return loss, loss.detach()
+
+
+#: How a per-token loss becomes the micro-batch's loss: `(per_token_loss, mask, Normalizers) -> (loss to backpropagate,
+#: the unscaled policy loss TRL logs)`, each as TRL 1.10 to 1.16 computes it.
+AGGREGATIONS: dict[str, Callable] = {
+    "sequence_mean": _sequence_mean,
+    "sequence_sum": _sequence_sum,
+    "token_mean": _token_mean,
+    "token_sum_fixed": _token_sum_fixed,
+    "batch_token_sum": _batch_token_sum,
+}
+#: Aggregations that sum tokens, so a per-sequence weight gets multiplied by the sequence's length.
+TOKEN_SUM_AGGREGATIONS = ("token_mean", "token_sum_fixed", "batch_token_sum")
+
+
+@dataclass(frozen=True)
+class Clip:
+    """Where a surrogate's clip is active, and the metrics TRL logs for it.
+
+    `indicators(ratio, advantages, settings) -> (low, high)` float masks (the ratio is detached). `means`: `(metric,
+    indicator)` pairs averaged over tokens (per-token indicators) or sequences, indicator one of "low", "high",
+    "region" (either); `extremes`: `(metric, indicator, "min" | "max")` over the per-sequence means. `two_sided`: the
+    epsilons form a clip range `[1 - epsilon, 1 + epsilon_high]`, so both must lie in (0, 1)."""
+
+    indicators: Callable
+    means: tuple = ()
+    extremes: tuple = ()
+    two_sided: bool = False
+
+
+def _two_sided(ratio, advantages, s: LossSettings):
+    return clip_indicators(ratio, advantages, s.epsilon_low, s.epsilon_high)
+
+
+def _upper_only(ratio, advantages, s: LossSettings):  # CISPO truncates the weight from above only
+    high = ((ratio > s.epsilon_high) & (advantages > 0)).float()
+    return torch.zeros_like(high), high
+
+
+def _never(ratio, advantages, s: LossSettings):  # SAPO's soft gate never clips
+    zeros = torch.zeros_like(ratio * advantages)
+    return zeros, zeros
+
+
+TWO_SIDED_CLIP = Clip(
+    _two_sided,
+    means=(("clip_ratio/low_mean", "low"), ("clip_ratio/high_mean", "high"), ("clip_ratio/region_mean", "region")),
+    extremes=(("clip_ratio/low_min", "low", "min"), ("clip_ratio/high_max", "high", "max")),
+    two_sided=True,
+)
+UPPER_CLIP = Clip(_upper_only, means=(("cispo_clip_ratio", "high"),))
+NO_CLIP = Clip(_never)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """One `loss_type`. `surrogate(ratio, advantages, logps, settings)` is the per-token (or per-sequence) loss,
+    None for a loss computed by TRL's own code (it has no importance ratio to hook); `aggregation` a key of
+    `AGGREGATIONS`; `levels` the `importance_sampling_level` values it is defined for."""
+
+    name: str
+    surrogate: Callable | None
+    aggregation: str | None
+    clip: Clip
+    levels: tuple[str, ...]
+
+    @property
+    def native(self) -> bool:
+        """TRL's own loss code runs (the trainer only guards its result)."""
+        return self.surrogate is None
+
+    @property
+    def token_sum(self) -> bool:
+        """Weights each sequence by its length (a token sum)."""
+        return self.aggregation in TOKEN_SUM_AGGREGATIONS
+
+    @property
+    def per_micro_batch_normalizer(self) -> bool:
+        """Divides by a count of the micro-batch's own tokens, so which rows share a micro-batch changes it."""
+        return self.aggregation == "token_mean"
+
+    def aggregate(self, per_token_loss, mask, normalizers: Normalizers):
+        return AGGREGATIONS[self.aggregation](per_token_loss, mask, normalizers)
+
+
+#: Registry: `loss_type` -> its `PolicyLoss`, in the order `GSPOConfig` lists the choices.
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(
+    name: str, *, aggregation: str | None, clip: Clip = NO_CLIP, levels=tuple(LOG_WEIGHT_FUNCTIONS)
+):
+    """Decorator registering `surrogate` as `loss_type=name` (use `register_policy_loss(name, ...)(None)` for a loss
+    TRL computes itself)."""
+    if aggregation is not None and aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r}; allowed: {', '.join(AGGREGATIONS)}.")
+
+    def register(surrogate):
+        POLICY_LOSSES[name] = PolicyLoss(name, surrogate, aggregation, clip, tuple(levels))
+        return surrogate
+
+    return register
+
+
+def clipped_surrogate(ratio, advantages, logps, s: LossSettings) -> torch.Tensor:
+    """The two-sided clipped surrogate (`clipped_surrogate_loss`) of GRPO, GSPO and their aggregations."""
+    return clipped_surrogate_loss(ratio, advantages, s.epsilon_low, s.epsilon_high, s.delta)
+
+
+for _name, _aggregation in (("grpo", "sequence_mean"), ("bnpo", "token_mean"), ("dr_grpo", "token_sum_fixed")):
+    register_policy_loss(_name, aggregation=_aggregation, clip=TWO_SIDED_CLIP)(clipped_surrogate)
+register_policy_loss("dapo", aggregation="batch_token_sum", clip=TWO_SIDED_CLIP)(clipped_surrogate)
+# LUSPO: GSPO's ratio with each sequence's loss summed over its tokens (length-weighted), so it needs the sequence level
+register_policy_loss("luspo", aggregation="sequence_sum", clip=TWO_SIDED_CLIP, levels=("sequence",))(clipped_surrogate)
+
+
+@register_policy_loss("cispo", aggregation="batch_token_sum", clip=UPPER_CLIP)
+def cispo_surrogate(ratio, advantages, logps, s: LossSettings) -> torch.Tensor:
+    """CISPO (`cispo_loss`), capped at `epsilon_high`."""
+    return cispo_loss(ratio, advantages, logps, s.epsilon_high)
+
+
+@register_policy_loss("sapo", aggregation="sequence_mean", clip=NO_CLIP)
+def sapo_surrogate(ratio, advantages, logps, s: LossSettings) -> torch.Tensor:
+    """SAPO's soft gate (`sapo_loss`) at the configured temperatures."""
+    return sapo_loss(ratio, advantages, s.sapo_temperature_pos, s.sapo_temperature_neg)
+
+
+# VESPO weights sequences by its own gamma function of the summed log-ratio: TRL computes it (token level only).
+register_policy_loss("vespo", aggregation=None, clip=NO_CLIP, levels=("token",))(None)
+
+
 #: How a behaviour weight outside its bounds is treated: clamped to the bound, or zeroed (the sample is dropped).
 BEHAVIOUR_BOUNDS = ("truncate", "mask")
 
 
-def behaviour_log_weights(proximal_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor,
-                          per_sequence: bool, length_normalized: bool = True) -> torch.Tensor:  # fmt: skip
+def behaviour_log_weights(
+    proximal_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    mask: torch.Tensor,
+    per_sequence: bool,
+    length_normalized: bool = True,
+) -> torch.Tensor:
     """Log of the decoupled objective's behaviour weight ``pi_prox / mu``, ``(B, 1)`` or ``(B, T)``, before bounds.
 
     Decoupled PPO (AReaL) / rollout correction (verl): a sample drawn by the behaviour policy ``mu`` (the weights that
@@ -196,8 +388,13 @@ def behaviour_log_weights(proximal_logps: torch.Tensor, behaviour_logps: torch.T
     return diff.sum(-1, keepdim=True)
 
 
-def bounded_behaviour_weights(log_weights: torch.Tensor, bound: str, low: float | None, high: float | None,
-                              max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def bounded_behaviour_weights(
+    log_weights: torch.Tensor,
+    bound: str,
+    low: float | None,
+    high: float | None,
+    max_log_ratio: float | None = DEFAULT_MAX_LOG_RATIO,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, outside)``: ``exp(log_weights)`` with TRL's importance-sampling bounds ``[low, high]`` (either may be
     None: unbounded on that side) applied as ``bound`` says (`BEHAVIOUR_BOUNDS`): ``"truncate"`` clamps to the bound,
     ``"mask"`` zeroes the weight (the sample or token contributes nothing). ``outside`` marks the weights the bounds

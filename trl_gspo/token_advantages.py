@@ -43,3 +43,23 @@ def discounted_turn_advantages(inputs: dict, gamma: float = 0.5) -> torch.Tensor
     last_turn = torch.where(valid, turn, torch.zeros_like(turn)).amax(dim=1, keepdim=True)
     discount = gamma ** (last_turn - turn).clamp(min=0).to(advantages.dtype)
     return advantages[:, None] * discount
+
+
+def checked_advantages(advantages: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """What `GSPOTrainer.token_advantages` returned, as the loss takes it: `(B, 1)` or `(B, T)`. A wrong shape, or
+    per-token advantages with `importance_sampling_level="sequence"` (one ratio per completion would silently average
+    them), raise naming what is allowed."""
+    if advantages.dim() == 1:
+        return advantages.unsqueeze(1)
+    if advantages.dim() != 2 or advantages.size(0) != mask.size(0) or advantages.size(1) not in (1, mask.size(1)):
+        raise ValueError(
+            f"token_advantages must return shape (B,) or (B, T) = ({mask.size(0)}, {mask.size(1)}), got "
+            f"{tuple(advantages.shape)}."
+        )
+    if advantages.size(1) > 1 and level == "sequence":
+        raise ValueError(
+            "Per-token advantages of shape (B, T) need importance_sampling_level='sequence_token' (GSPO-token) "
+            "or 'token': with 'sequence' there is one ratio per completion and the token advantages would be "
+            "silently averaged."
+        )
+    return advantages

@@ -1,125 +1,308 @@
-"""`GSPOTrainer`: `trl.GRPOTrainer` whose policy loss goes through three hooks.
+"""`GSPOTrainer`: `trl.GRPOTrainer` whose policy loss goes through three hooks, and the one seam on TRL.
 
 TRL 1.16 computes the whole loss in one method, `GRPOTrainer._compute_loss`, with the importance ratio and the
-clipped objective written inline. This class owns that one method: generation, rewards, advantages, old/ref
-log-probs, vLLM, PEFT, optimisation and logging stay TRL's. The loss is rebuilt as a short pipeline that calls
-TRL's own helpers for the forward pass and masks, and three hooks for what GSPO changes:
+clipped objective written inline. This class owns that method: generation, rewards, advantages, old/ref log-probs,
+vLLM, PEFT, optimisation and logging stay TRL's. The loss is rebuilt as a short pipeline that calls TRL's own helpers
+for the forward pass and masks, and three hooks for what GSPO changes:
 
     importance_log_weights(logps, old_logps, mask)   # token / sequence / sequence_token (losses.py)
-    policy_loss(ratio, advantages, logps)            # clipped surrogate (or CISPO)
+    policy_loss(ratio, advantages, logps)            # the loss type's surrogate (losses.POLICY_LOSSES)
     behaviour_weight(inputs, old_logps, mask)        # weight for the sampling policy: decoupled pi_prox / mu when
                                                      # generation runs ahead (rollout/async_rollouts.py), else TRL's vLLM one
 
-plus `token_advantages(inputs)`, the place to supply per-token advantages for GSPO-token. Everything between
-(KL term, entropy mask and bonus, off-policy mask, aggregation and
-gradient-accumulation normalisation, MoE aux loss, metrics) follows TRL's semantics; `tests/test_parity.py`
-checks loss and gradients against stock `GRPOTrainer` so drift is caught when the TRL pin moves.
+plus `token_advantages(inputs)`, the place to supply per-token advantages for GSPO-token. Everything between (KL term,
+entropy mask and bonus, off-policy mask, aggregation and gradient-accumulation normalisation, MoE aux loss, metrics)
+follows TRL's semantics; `tests/test_parity.py` checks loss and gradients against stock `GRPOTrainer`.
 
-Features around the loss are mixins, one per module: `ResumableTraining` (guards/checkpointing.py), `RolloutPipeline`
-(rollout/pipeline.py: owns TRL's rollout path, `_prepare_inputs` -> `_generate_and_score_completions` -> `_generate`, and
-calls each feature's step there explicitly; its rollout source may generate ahead of time, rollout/async_rollouts.py), `GuardedRewards` (guards/rewards_guard.py), `MoERouting` (moe/routing_replay.py:
-MoE routing metrics and routing replay), `SamplerLogprobReuse` (rollout/sampler_logprobs.py), `TrainingDiagnostics`
-(guards/diagnostics.py) and `PaddingRemoval` (forward/padding.py: sorted micro-batches, throughput counts). Every log-prob forward
-is one explicit pipeline, `LogprobForward` (forward/pipeline.py), whose named steps call into sampler_logprobs,
-routing_replay, padding and shared_prefix. The non-finite guard is a callback (guards/nonfinite.py) plus one line at the
-end of the loss.
+This module is also the one place where trl-gspo touches TRL: every TRL / transformers method the trainer overrides is
+defined here, a few lines each, marked `@override(part)` and saying in its docstring why no public seam does it,
+delegating to the part that does the work (common/seam.py holds the runtime patches; docs/design.md tables both). The
+features are parts the trainer builds in `__init__` with what they need passed in:
+
+    diagnostics        guards/diagnostics.py       GSPO's per-micro-batch diagnostics, reduced at `log`
+    nonfinite          guards/nonfinite.py          a NaN/inf micro-batch contributes nothing; bad steps skipped
+    moe_routing        moe/routing_replay.py        router hooks: routes recorded, replayed (R2 / R3), MoE metrics
+    sampler_logprobs   rollout/sampler_logprobs.py  pi_old from the sampler, the sampler-trainer gap
+    padding            forward/padding.py           trimmed / sorted / packed layouts allowed, micro-batch order
+    logprob_forward    forward/pipeline.py          every log-prob forward, planned per model
+    rollout            rollout/pipeline.py          TRL's rollout code steered: sampling apart from scoring
+    rollout_source     rollout/sources.py           how a rollout batch is produced (TRL's, dynamic, asynchronous)
+
+Parts read the trainer's changing state (mode, step, TRL's metric lists) through a `RunView` (common/trl_compat.py).
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_decorator
+from trl.trainer.utils import RepeatSampler
 
 from . import losses
-from .common import model_card
-from .config import TRL_NATIVE_LOSS_TYPES, GSPOConfig
-from .forward.padding import PaddingRemoval
+from .common import metrics, model_card
+from .common.seam import TRLCalls, colocated_engine_with_routes, override
+from .common.trl_compat import RunView
+from .config import GSPOConfig, check_reference_source, trainer_args
+from .forward import padding
 from .forward.pipeline import LogprobForward
 from .guards import checkpointing
-from .guards.checkpointing import ResumableTraining
-from .guards.diagnostics import TrainingDiagnostics
+from .guards.diagnostics import Diagnostics
 from .guards.nonfinite import NonFiniteGuard
-from .guards.rewards_guard import GuardedRewards
+from .guards.rewards_guard import check_reward_matrix, guard_reward_funcs
+from .moe.routing import RouterHooks
 from .moe.routing_replay import MoERouting
-from .rollout.async_rollouts import decoupled_behaviour_weight
-from .rollout.colocate_cpu_sync import check_cpu_colocate_supported, enable_cpu_colocate_sync
-from .rollout.pipeline import RolloutPipeline
-from .rollout.sampler_logprobs import SamplerLogprobReuse
-from .rollout.served_model import check_served_model
+from .rollout import colocate_cpu_sync, served_model
+from .rollout.async_rollouts import DecoupledBehaviourWeight
+from .rollout.pipeline import RolloutPipeline, split_rollout
+from .rollout.sampler_logprobs import SamplerLogprobs
 from .rollout.sources import rollout_source
+from .token_advantages import checked_advantages
 
-# Optional multimodal inputs TRL forwards to the model when present in a batch.
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
+#: Optional multimodal inputs TRL forwards to the model when present in a batch.
+_FORWARD_KEYS = tuple(
+    "pixel_values image_grid_thw num_images pixel_attention_mask spatial_shapes num_tiles image_sizes token_type_ids "
+    "mm_token_type_ids image_position_ids".split()
 )
 
 
-def _check_reference_source(model, args: GSPOConfig, peft_config) -> None:
-    """`beta > 0` without PEFT: TRL loads the KL reference model from the policy's path (`config._name_or_path`). A
-    policy built in code has none, and TRL would fail deep in the Hub client on an empty repo id: say so here."""
-    if args.beta == 0.0 or isinstance(model, str) or peft_config is not None or hasattr(model, "peft_config"):
-        return
-    if not getattr(getattr(model, "config", None), "_name_or_path", None):
-        raise ValueError(
-            f"beta={args.beta} needs a KL reference model, which TRL loads from the policy's path "
-            "(model.config._name_or_path), but this model was built in code and has none. Save it with "
-            "save_pretrained and pass the folder (or set beta=0.0, or train a PEFT adapter: the reference is then the "
-            "model with the adapter disabled)."
-        )
-
-
-class GSPOTrainer(
-    ResumableTraining, RolloutPipeline, GuardedRewards, MoERouting, SamplerLogprobReuse, TrainingDiagnostics,
-    PaddingRemoval, LogprobForward, GRPOTrainer,
-):
+class GSPOTrainer(GRPOTrainer):
     """GRPO trainer with GSPO (`importance_sampling_level="sequence"`) and GSPO-token (`"sequence_token"`).
 
     Drop-in for `trl.GRPOTrainer`: same constructor, `args` must be a [`GSPOConfig`] (its defaults are the
     paper's). To train GSPO-token with per-token advantages, subclass and override [`token_advantages`].
     """
 
-    make_rollout_source = staticmethod(rollout_source)  # the rollout path's source, picked from the config
-
     def __init__(self, model, reward_funcs=None, args: GSPOConfig | None = None, *positional, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = GSPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GSPO")
-        elif not isinstance(args, GSPOConfig):
-            raise TypeError(
-                f"GSPOTrainer needs args=GSPOConfig(...), got {type(args).__name__}. A plain GRPOConfig carries "
-                "GRPO's defaults (token level, epsilon 0.2, dapo loss); build GSPOConfig with the same arguments."
-            )
-        _check_reference_source(model, args, kwargs.get("peft_config"))
-        check_cpu_colocate_supported(args.use_vllm, args.vllm_mode)  # vLLM's CPU build: before its engine starts
+        args = trainer_args(model, args)
+        check_reference_source(model, args, kwargs.get("peft_config"))
+        colocate_cpu_sync.check_cpu_colocate_supported(args.use_vllm, args.vllm_mode)  # before vLLM's engine starts
         # Model card (name, paper, tags) of the variant trained; set before TRL's __init__ tags the model with them.
         self._name, self._paper, self._tag_names = model_card.card_fields(
             args.importance_sampling_level, args.loss_type, GRPOTrainer._paper
         )
-        super().__init__(model, reward_funcs, args, *positional, **kwargs)
-        check_served_model(self)  # vLLM server mode: the server serves this model (before any step)
-        enable_cpu_colocate_sync(self)  # vLLM colocate on its CPU build: weight syncs that reach the engine
-        self._guard_reward_funcs()
-        self._nonfinite = NonFiniteGuard(self, args.max_consecutive_nonfinite)
-        self.add_callback(self._nonfinite)
-        self.add_callback(checkpointing.SamplerEpoch(self))  # each epoch's prompt order, also after a resume
-        self._signal_checkpoint = checkpointing.SignalCheckpoint(self) if args.checkpoint_on_signal else None
-        if self._signal_checkpoint is not None:
-            self.add_callback(self._signal_checkpoint)
+        with colocated_engine_with_routes(args.routing_replay == "R3" and args.use_vllm):  # R3: vLLM returns routes
+            super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        self.run, self.trl = RunView(self), TRLCalls(GSPOTrainer, self)  # TRL's state; TRL's own implementations
+        self.loss_fn = losses.POLICY_LOSSES[args.loss_type]
+        self.loss_settings = losses.LossSettings(
+            self.epsilon_low, self.epsilon_high, args.delta, args.sapo_temperature_pos, args.sapo_temperature_neg
+        )
+        self._build_parts(args)
+        served_model.check_served_model(self)  # vLLM server mode: the server serves this model (before any step)
+        colocate_cpu_sync.enable_cpu_colocate_sync(self)  # vLLM colocate on its CPU build: syncs that reach the engine
+        guard_reward_funcs(self.reward_funcs, self.reward_func_names, args.nonfinite_reward, self._count_nonfinite)
+        self.nonfinite = NonFiniteGuard(self.run, self.accelerator, args.max_consecutive_nonfinite)
+        self.sampler_epoch = checkpointing.SamplerEpoch()  # each epoch's prompt order, also after a resume
+        self.signal_checkpoint = checkpointing.SignalCheckpoint(self.accelerator) if args.checkpoint_on_signal else None
+        for callback in (self.nonfinite, self.sampler_epoch, self.signal_checkpoint):
+            if callback is not None:
+                self.add_callback(callback)
 
+    def _build_parts(self, args: GSPOConfig) -> None:
+        """The features of the forward and rollout paths, each with what it needs (module docstring)."""
+        aux_loss = getattr(self, "aux_loss_enabled", False)
+        self.diagnostics = Diagnostics(args.diagnostics, self.max_completion_length)
+        per_micro_batch = padding.sort_changes_statistics(
+            self.loss_fn, getattr(self, "_entropy_bonus_enabled", False), self.top_entropy_quantile, aux_loss
+        )
+        self.padding = padding.PaddingRemoval(args, self.run, self.num_iterations, per_micro_batch)
+        hooks = RouterHooks.for_model(self.model) if args.diagnostics or args.routing_replay != "none" else None
+        self.moe_routing = MoERouting(self.run, args.routing_replay, hooks, self.model.config, self.diagnostics)
+        self.moe_routing.check(getattr(self, "tools", None))
+        if args.routing_replay == "R3" and self.use_vllm:
+            self.moe_routing.capture_vllm_routes(self.vllm_generation, self.accelerator)
+        clip = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        length_normalized = args.vllm_importance_sampling_length_normalized  # TRL's vLLM correction as exp(mean)
+        correction = (self.vllm_importance_sampling_mode, *clip) if length_normalized else None
+        self.sampler_logprobs = SamplerLogprobs(
+            self.run, self.accelerator, args.old_logprobs_source, self.temperature, correction
+        )
+        self.logprob_forward = LogprobForward(
+            args,
+            self.run,
+            self.accelerator,
+            trl=self.trl,
+            sampler=self.sampler_logprobs,
+            routes=self.moe_routing,
+            padding=self.padding,
+            pad_token_id=getattr(self.processing_class, "pad_token_id", None),
+            aux_loss=aux_loss,
+            reference=getattr(self, "ref_model", None),
+        )
+        self.rollout = self._rollout_pipeline()
+        self.rollout_source = rollout_source(self, self.rollout)
+        self.behaviour = DecoupledBehaviourWeight(args, self.diagnostics.windows["train"])
+
+    def _rollout_pipeline(self) -> RolloutPipeline:
+        return RolloutPipeline(self, self.run, self.trl, sampler=self.sampler_logprobs, routes=self.moe_routing)
+
+    def _count_nonfinite(self, name: str, count: int) -> None:
+        """`rewards/<name>/nonfinite` (guards/rewards_guard.py, `nonfinite_reward="none"`)."""
+        self.run.log_metric(f"rewards/{name}/nonfinite", count)
+
+    # ------------------------------------------------------------------------------------------ the rollout path
+    @override("rollout/pipeline.py, forward/padding.py")
+    @profiling_decorator
+    def _prepare_inputs(self, generation_batch):
+        """TRL's rollout buffer (when a batch is due, its shuffle and split) has no hook: the rollout source makes the
+        batch, and the micro-batches are ordered for the forwards."""
+        if not self.model.training:
+            self.rollout_source.pause()  # evaluation generates on the main thread
+            return self._generate_and_score_completions(generation_batch)
+        spg = self.args.steps_per_generation
+        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:  # None: resumed, no buffer
+            batch = self.rollout_source.next_batch(generation_batch)
+            cost = self.logprob_forward.loss_cost_estimator()
+            self._buffered_inputs = self.padding.arrange(split_rollout(batch, spg), self._step, cost)
+        self.rollout_source.poll()
+        return self._buffered_inputs[self._step % spg]
+
+    @override("rollout/pipeline.py")
+    def _generate_and_score_completions(self, inputs):
+        """The sampler's log-probs and the MoE routes are recorded around TRL's scoring, and the batch is stamped with
+        the step that sampled it (a `rollout_func` replaces generation only)."""
+        return self._rollout().generate_and_score(inputs)
+
+    @override("rollout/pipeline.py")
+    def _generate(self, prompts):
+        """Completions sampled earlier (dynamic sampling, asynchronous generation) reach TRL's scoring here, and a
+        source that scores later stops here."""
+        return self._rollout().generate(prompts)
+
+    @override("rollout/pipeline.py")
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # arguments vary across TRL releases (trl_compat)
+        """TRL returns neither the sampler's raw log-probs nor R3's routes from transformers' `generate`, and has no
+        way to hand the call to a generator thread."""
+        return self._rollout().generate_single_turn(prompt_ids, args, kwargs)
+
+    @override("guards/rewards_guard.py, rollout/dynamic_sampling.py")
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's reward matrix is checked (inf, a reward model's NaN) before the advantages; dynamic sampling scores
+        rows whose rewards it gathered while filling the batch."""
+        given = self._rollout().given_rewards
+        if given is not None:
+            return given
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        check_reward_matrix(rewards_per_func, self.reward_funcs, self.reward_func_names)
+        return rewards_per_func
+
+    def _rollout(self) -> RolloutPipeline:
+        """The rollout pipeline. TRL's own unit tests build a trainer with `object.__new__` and call its generation
+        methods: such a trainer gets parts that record nothing (no sampler reuse, no MoE routes)."""
+        if "rollout" not in vars(self):
+            self.run, self.trl = RunView(self), TRLCalls(GSPOTrainer, self)
+            self.sampler_logprobs = SamplerLogprobs(self.run, self.accelerator)
+            self.moe_routing = MoERouting(self.run, "none", None, None, None)
+            self.rollout = self._rollout_pipeline()
+        return self.rollout
+
+    # ------------------------------------------------------------------------------------------ the forward path
+    @override("forward/pipeline.py")
+    @profiling_decorator
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):  # TRL's arguments (trl_compat)
+        """TRL calls it for every log-prob forward (loss, pi_old, reference), with no hook for the layout of the model
+        calls, the sampler's pi_old or the router pass."""
+        return self.logprob_forward(model, *args, **kwargs)
+
+    @override("forward/pipeline.py, moe/routing_replay.py")
+    def training_step(self, *args, **kwargs):
+        """Replayed routes and the segment attention stay armed through the backward (gradient checkpointing
+        recomputes on them) and are disarmed before anything generates, also when the step raises; no callback
+        fires between a micro-step's backward and the next."""
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self.logprob_forward.release()
+
+    @override("forward/pipeline.py, moe/routing_replay.py")
+    def prediction_step(self, *args, **kwargs):
+        """As `training_step`, for evaluation: replayed routes and the segment attention are disarmed after each
+        evaluation batch, also when it raises."""
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            self.logprob_forward.release()
+
+    # ---------------------------------------------------------------------------------------------- logging
+    @override("guards/diagnostics.py, forward/padding.py")
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL averages its metric lists here, before any callback sees the logs: the diagnostics and throughput
+        windows are reduced across processes into those lists first."""
+        mode = self.run.mode
+        values = self.diagnostics.flush(mode, self.accelerator)
+        if mode == "train":  # TRL's own split: training logs are the train-mode ones (every rank calls log)
+            values.update(self.padding.flush(self.accelerator))
+        for name, value in values.items():
+            self._metrics[mode][name].append(value)
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------------------------ checkpoints, resume
+    @override("guards/checkpointing.py")
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """Resume only from complete checkpoints, with TRL's rollout buffer and the rollout source put back; the
+        signal handlers and the source are released when training ends or raises."""
+        resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if resume_from_checkpoint is not None:
+            process, device = self.accelerator.process_index, self.accelerator.device
+            state = checkpointing.load_rollout_state(resume_from_checkpoint, process, device)
+            spg = self.args.steps_per_generation
+            if state is not None and checkpointing.rollout_state_matches(state, spg, resume_from_checkpoint):
+                self._step, self._buffered_inputs = state["step"], state["buffered_inputs"]
+                self.rollout_source.load_state_dict(state.get("source", {}))
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:  # also when training raised: give the process its own signal handlers back, stop the rollout source
+            if self.signal_checkpoint is not None:
+                self.signal_checkpoint.restore_handlers()
+            self.rollout_source.close()
+
+    @override("guards/checkpointing.py")
+    def _get_train_sampler(self, *args, **kwargs):
+        """TRL's sampler draws each epoch's order from one generator, so a run resumed in epoch 2 would replay epoch
+        1's; the sampler is made only here."""
+        sampler = super()._get_train_sampler(*args, **kwargs)
+        if type(sampler) is RepeatSampler:
+            sampler = checkpointing.EpochRepeatSampler.like(sampler)
+            self.sampler_epoch.follow(sampler)
+        return sampler
+
+    @override("guards/checkpointing.py")
+    def _save_checkpoint(self, model, trial):
+        """A checkpoint's completion marker is deleted before HF writes the folder and written last, with TRL's
+        rollout buffer beside it (HF does not save it); `on_save` comes too late for the first."""
+        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with checkpointing.completion_marked(path, self.args.should_save, self.accelerator):
+            super()._save_checkpoint(model, trial)
+            state = {"step": self._step, "buffered_inputs": self._buffered_inputs}
+            state["source"] = self.rollout_source.state_dict()
+            checkpointing.save_rollout_state(path, self.accelerator.process_index, state)
+
+    @override("guards/checkpointing.py")
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """transformers < 5.18 loads the optimizer state onto the `cpu:0` of a plain multi-process CPU run, which
+        torch cannot map back; there it is loaded on `cpu`."""
+        engine = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        if checkpointing.optimizer_needs_cpu_map(self.args, engine):
+            if checkpointing.load_optimizer_and_scheduler(checkpoint, self.optimizer, self.lr_scheduler):
+                return
+        super()._load_optimizer_and_scheduler(checkpoint)
+
+    @override("guards/nonfinite.py")
+    def _get_grad_norm(self, model, grad_norm=None):
+        """HF computes the pre-clip gradient norm here and hands it to no callback; the non-finite guard's step check
+        reuses it rather than pass over the gradients again."""
+        norm = super()._get_grad_norm(model, grad_norm)
+        self.nonfinite.observe_grad_norm(norm)
+        return norm
+
+    @override("common/model_card.py")
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """`Trainer.save_model`, plus TRL's model card (naming the variant, its paper and tags) next to the weights;
-        checkpoints and `push_to_hub` write theirs through TRL already."""
+        """The final save writes TRL's model card (variant, paper, tags) next to the weights; checkpoints and
+        `push_to_hub` write theirs through TRL already."""
         super().save_model(output_dir, _internal_call)
         if _internal_call or not self.args.should_save:
             return
@@ -129,17 +312,13 @@ class GSPOTrainer(
         if os.path.abspath(output_dir) != os.path.abspath(self.args.output_dir) and os.path.exists(card):
             shutil.copyfile(card, os.path.join(output_dir, "README.md"))
 
+    @override("common/model_card.py")
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's card, naming a base model loaded from a local folder by the folder's name (`common/model_card.py`)."""
+        """TRL's card names a base model only by Hub id; one loaded from a local folder is named by the folder."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if self.is_world_process_zero():
             base = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", None)
             model_card.name_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        """HF's pre-clip gradient norm, kept for the non-finite guard's optimizer-step check (guards/nonfinite.py)."""
-        self.last_grad_norm = super()._get_grad_norm(model, grad_norm)
-        return self.last_grad_norm
 
     # ------------------------------------------------------------------------------------------------ hooks
     def token_advantages(self, inputs: dict) -> torch.Tensor:
@@ -158,31 +337,37 @@ class GSPOTrainer(
         return losses.LOG_WEIGHT_FUNCTIONS[self.importance_sampling_level](logps, old_logps, mask)
 
     def policy_loss(self, ratio, advantages, logps) -> torch.Tensor:
-        """Hook 2: per-token (or per-sequence) policy loss from the ratio: the two-sided clipped surrogate, CISPO or
-        SAPO's soft gate."""
-        if self.loss_type == "cispo":
-            return losses.cispo_loss(ratio, advantages, logps, self.epsilon_high)
-        if self.loss_type == "sapo":
-            return losses.sapo_loss(ratio, advantages, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg)
-        return losses.clipped_surrogate_loss(ratio, advantages, self.epsilon_low, self.epsilon_high, self.args.delta)
+        """Hook 2: per-token (or per-sequence) policy loss from the ratio: the loss type's surrogate (the two-sided
+        clipped surrogate, CISPO or SAPO's soft gate; losses.POLICY_LOSSES)."""
+        return self.loss_fn.surrogate(ratio, advantages, logps, self.loss_settings)
 
     def behaviour_weight(self, inputs: dict, proximal_logps, mask) -> torch.Tensor | None:
         """Hook 3: detached weight, `(B, 1)` or `(B, T)`, for the policy that sampled the batch (multiplies the loss),
         or None. Asynchronous generation: the decoupled objective's `pi_prox / mu`, `pi_prox` being the pi_old the
-        ratio is anchored on (rollout/async_rollouts.py). Synchronous vLLM: TRL's sampler correction, computed at scoring."""
+        ratio is anchored on (rollout/async_rollouts.py). Synchronous vLLM: TRL's sampler correction, computed at
+        scoring."""
         if self.args.async_generation and self.model.training:
-            return decoupled_behaviour_weight(self, inputs, proximal_logps, mask)
+            return self.behaviour(inputs, proximal_logps, mask)
         if self.use_vllm and self.vllm_importance_sampling_correction:
             return inputs["importance_sampling_ratio"]
         return None
 
     # --------------------------------------------------------------------------------------------- the loss
+    @override("the loss (losses.py)")
     def _compute_loss(self, model, inputs):
-        mode = "train" if self.model.training else "eval"
-        if self.loss_type in TRL_NATIVE_LOSS_TYPES:  # VESPO has no ratio to hook: TRL's code, guarded (guards/nonfinite.py)
-            return self._nonfinite.guard_loss(super()._compute_loss(model, inputs), mode)
+        """TRL computes the ratio, the clip and the aggregation inline here, with no hook for any of them."""
+        mode = self.run.mode
+        at_sampler_weights = mode == "train" and self.state.global_step == self.rollout.sampled_at
+        with self.moe_routing.loss_forward(inputs, at_sampler_weights):  # moe/routing_replay.py: replay, metrics
+            if self.loss_fn.native:  # VESPO has no ratio to hook: TRL's code, guarded (guards/nonfinite.py)
+                return self.nonfinite.guard_loss(super()._compute_loss(model, inputs), mode)
+            return self._gspo_loss(model, inputs, mode, at_sampler_weights)
+
+    def _gspo_loss(self, model, inputs, mode: str, at_sampler_weights: bool):
         completion_ids = inputs["completion_ids"]
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:  # multi-turn tool use: tool output is not the model's
+            mask = mask * inputs["tool_mask"]
 
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
@@ -193,12 +378,13 @@ class GSPOTrainer(
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in _FORWARD_KEYS},
         )
-        self._log_sampler_mismatch(mode, logps, inputs, mask)
+        clip_range = self.epsilon_low, self.epsilon_high
+        self.sampler_logprobs.log_mismatch(mode, logps, inputs, mask, *clip_range, at_sampler_weights)
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
 
-        advantages = self._checked_advantages(inputs, mask)
+        advantages = checked_advantages(self.token_advantages(inputs), mask, self.importance_sampling_level)
         # Without off-policy mini-batches TRL skips the old-policy forward: pi_old == sg[pi_theta].
         old_logps = inputs.get("old_per_token_logps")
         old_logps = logps.detach() if old_logps is None else old_logps
@@ -224,7 +410,7 @@ class GSPOTrainer(
                 per_token_kl = per_token_kl * ratio
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
-        loss, policy_loss = self._aggregate(per_token_loss, mask, inputs, mode)
+        loss, policy_loss = self.loss_fn.aggregate(per_token_loss, mask, self._normalizers(inputs, mode))
         if self._entropy_bonus_enabled:
             loss = loss - self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
@@ -232,50 +418,31 @@ class GSPOTrainer(
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        low, high = self._clip_indicators(ratio, advantages)
-        self._record_diagnostics(mode, inputs, logps, old_logps, low, high, advantages, mask)  # guards/diagnostics.py
-        self._log_loss_metrics(mode, low, high, mask, entropies, per_token_kl)
-        return self._nonfinite.guard_loss(loss, mode, ratio, logps)  # NaN/inf: the micro-batch counts for nothing
+        low, high = self.loss_fn.clip.indicators(ratio.detach(), advantages, self.loss_settings)
+        self.diagnostics.record(mode, logps, old_logps, low, high, advantages, mask)
+        trl_metrics = metrics.loss_metrics(
+            self.loss_fn.clip, low, high, mask, entropies, per_token_kl, self.accelerator
+        )
+        for name, value in trl_metrics.items():  # TRL's names and values (common/metrics.py)
+            self._metrics[mode][name].append(value)
+        return self.nonfinite.guard_loss(loss, mode, ratio, logps)  # NaN/inf: the micro-batch counts for nothing
 
     # ------------------------------------------------------------------------------------------- internals
-    def _checked_advantages(self, inputs, mask) -> torch.Tensor:
-        advantages = self.token_advantages(inputs)
-        if advantages.dim() == 1:
-            return advantages.unsqueeze(1)
-        if advantages.dim() != 2 or advantages.size(0) != mask.size(0) or advantages.size(1) not in (1, mask.size(1)):
-            raise ValueError(
-                f"token_advantages must return shape (B,) or (B, T) = ({mask.size(0)}, {mask.size(1)}), got "
-                f"{tuple(advantages.shape)}."
-            )
-        if advantages.size(1) > 1 and self.importance_sampling_level == "sequence":
-            raise ValueError(
-                "Per-token advantages of shape (B, T) need importance_sampling_level='sequence_token' (GSPO-token) "
-                "or 'token': with 'sequence' there is one ratio per completion and the token advantages would be "
-                "silently averaged."
-            )
-        return advantages
-
     def _accumulation(self, mode: str) -> float:
         """Divisor that makes accumulated micro-batch gradients average (TRL turns HF's own scaling off)."""
         return self.current_gradient_accumulation_steps if mode == "train" else 1.0
 
-    def _aggregate(self, per_token_loss, mask, inputs, mode) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reduce the per-token loss as `loss_type` says; returns (loss to backpropagate, unscaled policy loss)."""
-        if self.loss_type in ("grpo", "sapo"):
-            loss = losses.sequence_mean_loss(per_token_loss, mask)
-        elif self.loss_type == "luspo":
-            loss = losses.sequence_sum_loss(per_token_loss, mask)
-        elif self.loss_type == "bnpo":
-            loss = losses.token_sum_loss(per_token_loss, mask, mask.sum().clamp(min=1.0))
-        elif self.loss_type == "dr_grpo":
-            loss = losses.token_sum_loss(per_token_loss, mask, per_token_loss.size(0) * self.max_completion_length)
-        else:  # dapo, cispo: normalised by the active tokens of the whole accumulated generation batch
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+    def _normalizers(self, inputs, mode) -> losses.Normalizers:
+        """What the loss type's aggregation divides by (losses.AGGREGATIONS), from TRL's accumulation state."""
+
+        # dapo / cispo: the active tokens of the whole accumulated generation batch, this process's share per micro-step
+        def batch_tokens():  # read only by the aggregations that need it (TRL's `num_items_in_batch`)
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
-                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-            loss = losses.token_sum_loss(per_token_loss, mask, normalizer)
-            return loss, loss.detach()
-        return loss / self._accumulation(mode), loss.detach()
+                tokens = tokens * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return tokens
+
+        return losses.Normalizers(self._accumulation(mode), self.max_completion_length, batch_tokens)
 
     def _entropy_bonus(self, entropies, effective_mask, mode) -> torch.Tensor:
         """`coef * mean entropy` to subtract from the loss, with TRL's adaptive coefficient controller."""
@@ -285,7 +452,8 @@ class GSPOTrainer(
             coef = 0.0  # the controller only pays the bonus while entropy is at or below its target
         if self.use_adaptive_entropy and mode == "train":
             stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
-            self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
             if self.accelerator.sync_gradients:  # last micro-batch of the optimizer step: update the coefficient
                 total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
                 self._last_world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
@@ -298,54 +466,3 @@ class GSPOTrainer(
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return coef * entropy
-
-    def _clip_indicators(self, ratio, advantages) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float masks (low, high) of where the clip is active, shared by TRL's metrics and the diagnostics.
-        CISPO truncates the weight from above only, so its low side is empty; SAPO's soft gate never clips."""
-        ratio = ratio.detach()
-        if self.loss_type == "sapo":
-            zeros = torch.zeros_like(ratio * advantages)
-            return zeros, zeros
-        if self.loss_type == "cispo":
-            high = ((ratio > self.epsilon_high) & (advantages > 0)).float()
-            return torch.zeros_like(high), high
-        return losses.clip_indicators(ratio, advantages, self.epsilon_low, self.epsilon_high)
-
-    def _log_loss_metrics(self, mode, low, high, mask, entropies, per_token_kl):
-        """TRL's loss metrics (same names and values) from one gather and one device-to-host copy per micro-batch;
-        stock TRL issues a reduce or gather, each followed by a sync, per metric (six for the clipped losses)."""
-        metrics = self._metrics[mode]
-        mask = mask.float()
-
-        def sum_and_count(x):  # per-sequence tensors (B, 1) count sequences, per-token ones count valid tokens
-            if x.size(1) == 1:
-                return x.sum(), torch.tensor(float(x.size(0)), device=x.device)
-            x = x.expand_as(mask)
-            return (x * mask).sum(), mask.sum()
-
-        def per_sequence(x):  # (B,) mean over each completion's tokens, for the min/max over sequences
-            return losses.masked_sequence_mean(x.expand_as(mask), mask) if x.size(1) > 1 else x[:, 0]
-
-        names, stats = ["entropy"], [*sum_and_count(entropies)]
-        if per_token_kl is not None:
-            names.append("kl")
-            stats += sum_and_count(per_token_kl)
-        clipped = self.loss_type not in ("cispo", "sapo")  # TRL logs no clip metric for SAPO's soft gate
-        if self.loss_type == "cispo":
-            names.append("cispo_clip_ratio")
-            stats += sum_and_count(high)
-        elif clipped:
-            names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
-            for x in (low, high, torch.maximum(low, high)):
-                stats += sum_and_count(x)
-        local = torch.stack(stats)
-        if clipped:
-            local = torch.cat([local, per_sequence(low), per_sequence(high)])
-        gathered = self.accelerator.gather(local.detach().float()).view(self.accelerator.num_processes, -1).cpu()
-        totals = gathered[:, : len(stats)].sum(0).tolist()
-        for i, name in enumerate(names):
-            metrics[name].append(totals[2 * i] / max(totals[2 * i + 1], 1.0))
-        if clipped:
-            per_seq = gathered[:, len(stats) :].view(gathered.size(0), 2, -1)  # (processes, low/high, B)
-            metrics["clip_ratio/low_min"].append(per_seq[:, 0].min().item())
-            metrics["clip_ratio/high_max"].append(per_seq[:, 1].max().item())

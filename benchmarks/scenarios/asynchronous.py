@@ -32,13 +32,26 @@ def run_async(variant: str, shape: dict, device: str, out_dir: str) -> dict:
     model = make_model(tokenizer, shape, device)
     n_rollouts = shape["warmup_rollouts"] + shape["measured_rollouts"]
     args = GSPOConfig(
-        output_dir=out_dir, use_cpu=device == "cpu", bf16=device == "cuda", report_to=[], save_strategy="no",
-        logging_steps=10_000, disable_tqdm=True, learning_rate=1e-5, lr_scheduler_type="constant",
-        per_device_train_batch_size=shape["batch"], num_generations=shape["num_generations"],
-        steps_per_generation=STEPS_PER_GENERATION, max_completion_length=shape["completion"],
-        max_steps=n_rollouts * STEPS_PER_GENERATION, seed=0, dataloader_num_workers=0, gradient_checkpointing=False,
-        **LOSS_SETTINGS, **ASYNC_VARIANTS[variant],
-    )  # fmt: skip
+        output_dir=out_dir,
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10_000,
+        disable_tqdm=True,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=shape["batch"],
+        num_generations=shape["num_generations"],
+        steps_per_generation=STEPS_PER_GENERATION,
+        max_completion_length=shape["completion"],
+        max_steps=n_rollouts * STEPS_PER_GENERATION,
+        seed=0,
+        dataloader_num_workers=0,
+        gradient_checkpointing=False,
+        **LOSS_SETTINGS,
+        **ASYNC_VARIANTS[variant],
+    )
     counter = TokenCounter()
     trainer = GSPOTrainer(model, counter, args=args, train_dataset=make_dataset(shape), processing_class=tokenizer)
     generation = [0.0]
@@ -93,16 +106,28 @@ def async_scenario(shape: dict, device: str, reps: int, out_dir: str, log) -> di
         for kind in order:
             runs[kind].append(run_worker(dict(task="async", variant=kind, shape=shape, device=device, out_dir=out_dir)))
             r = runs[kind][-1]
-            log(f"  async rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, generation in the step "
-                f"{r['generation_seconds_per_step']:.4f} s, trainer waited {r.get('mean_trainer_wait_s', 0):.4f} s/rollout")
+            log(
+                f"  async rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, generation in the step "
+                f"{r['generation_seconds_per_step']:.4f} s, trainer waited {r.get('mean_trainer_wait_s', 0):.4f} s/rollout"
+            )
     med = {k: {m: median_of(v, m) for m, x in v[0].items() if isinstance(x, (int, float))} for k, v in runs.items()}
     sync_step, gen = med["sync"]["seconds_per_step"], med["sync"]["generation_seconds_per_step"]
     train = sync_step - gen
     floor = max(gen, train) / (gen + train)
-    result = {"variants": ASYNC_VARIANTS, "median": med, "runs": runs, "generation_share": gen / sync_step,
-              "floor_ratio": floor, "sync_generation_seconds_per_step": gen, "sync_train_seconds_per_step": train}  # fmt: skip
+    result = {
+        "variants": ASYNC_VARIANTS,
+        "median": med,
+        "runs": runs,
+        "generation_share": gen / sync_step,
+        "floor_ratio": floor,
+        "sync_generation_seconds_per_step": gen,
+        "sync_train_seconds_per_step": train,
+    }
     for kind in kinds[1:]:
         ratio = ratio_of(med[kind]["seconds_per_step"], sync_step)
-        result[kind] = {"ratio_seconds_per_step": ratio, "ratio_over_floor": ratio / floor,
-                        "meets_target": gen / sync_step >= 1 / 3 and ratio <= 0.75 and ratio <= 1.10 * floor}  # fmt: skip
+        result[kind] = {
+            "ratio_seconds_per_step": ratio,
+            "ratio_over_floor": ratio / floor,
+            "meets_target": gen / sync_step >= 1 / 3 and ratio <= 0.75 and ratio <= 1.10 * floor,
+        }
     return result

@@ -26,8 +26,11 @@ def run_worker(spec: dict) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=pythonpath)
     proc = subprocess.run(
         [sys.executable, RUN_PY, "--worker", json.dumps(spec)],
-        capture_output=True, text=True, env=env, cwd=REPO_ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark worker failed ({spec}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

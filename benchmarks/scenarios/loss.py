@@ -29,7 +29,7 @@ def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_gspo import GSPOConfig, GSPOTrainer
-    from trl_gspo.cli.tiny import tiny_config
+    from trl_gspo.testing import tiny_config
 
     torch.manual_seed(0)
     tokenizer = make_tokenizer()
@@ -61,9 +61,17 @@ def logprob_memory(kind: str, vocab: int, tokens: int, device: str) -> dict:
             loss.backward()
             return entropy
     else:
-        common = dict(output_dir="/tmp/trl-gspo-bench-mem", use_cpu=device == "cpu", bf16=device == "cuda",
-                      report_to=[], per_device_train_batch_size=2, num_generations=2,
-                      max_completion_length=tokens, steps_per_generation=4, **LOSS_SETTINGS)  # fmt: skip
+        common = dict(
+            output_dir="/tmp/trl-gspo-bench-mem",
+            use_cpu=device == "cpu",
+            bf16=device == "cuda",
+            report_to=[],
+            per_device_train_batch_size=2,
+            num_generations=2,
+            max_completion_length=tokens,
+            steps_per_generation=4,
+            **LOSS_SETTINGS,
+        )
         if kind == "stock":
             trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
         else:
@@ -117,15 +125,25 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
     trainers = {}
     # ours_untrimmed: forward/padding.py's forward with trimming off, the same work as stock (its overhead alone)
-    variants = (("stock", GRPOTrainer, GRPOConfig, {}), ("ours", GSPOTrainer, GSPOConfig, {}),
-                ("ours_no_diagnostics", GSPOTrainer, GSPOConfig, {"diagnostics": False}),
-                ("ours_untrimmed", GSPOTrainer, GSPOConfig, dict(trim_padding=False, sort_by_length="never")))  # fmt: skip
+    variants = (
+        ("stock", GRPOTrainer, GRPOConfig, {}),
+        ("ours", GSPOTrainer, GSPOConfig, {}),
+        ("ours_no_diagnostics", GSPOTrainer, GSPOConfig, {"diagnostics": False}),
+        ("ours_untrimmed", GSPOTrainer, GSPOConfig, dict(trim_padding=False, sort_by_length="never")),
+    )
     for kind, trainer_cls, config_cls, extra in variants:
         args = config_cls(
-            output_dir="/tmp/trl-gspo-bench-loss", use_cpu=device == "cpu", bf16=device == "cuda", report_to=[],
-            per_device_train_batch_size=B, num_generations=shape["num_generations"], max_completion_length=T,
-            steps_per_generation=STEPS_PER_GENERATION, **LOSS_SETTINGS, **extra,
-        )  # fmt: skip
+            output_dir="/tmp/trl-gspo-bench-loss",
+            use_cpu=device == "cpu",
+            bf16=device == "cuda",
+            report_to=[],
+            per_device_train_batch_size=B,
+            num_generations=shape["num_generations"],
+            max_completion_length=T,
+            steps_per_generation=STEPS_PER_GENERATION,
+            **LOSS_SETTINGS,
+            **extra,
+        )
         dataset = Dataset.from_dict({"prompt": ["a"] * 4})
         trainers[kind] = trainer_cls(
             copy.deepcopy(model), zero_reward, args=args, train_dataset=dataset, processing_class=tokenizer
@@ -135,9 +153,11 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
     inputs = {k: v.to(device) for k, v in inputs.items()}
     with torch.no_grad():  # pi_old near pi_theta, so some sequence ratios clip as in training
         logps, _, _ = trainers["stock"]._get_per_token_logps_and_entropies(
-            trainers["stock"].model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), T,
-        )  # fmt: skip
+            trainers["stock"].model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+            T,
+        )
     inputs["old_per_token_logps"] = logps + 1e-3 * torch.randn(logps.shape, generator=g).to(device)
     times = {kind: [] for kind in trainers}
     for i in range(iters + 2):  # the first two rounds warm up allocator and kernels, then alternate
@@ -152,8 +172,10 @@ def loss_path(shape: dict, device: str, iters: int) -> dict:
             if i >= 2:
                 times[kind].append((time.perf_counter() - start, time.process_time() - cpu_start))
             trainer.model.zero_grad(set_to_none=True)
-    med = {k: {"seconds": statistics.median(t[0] for t in v), "cpu_seconds": statistics.median(t[1] for t in v)}
-           for k, v in times.items()}  # fmt: skip
+    med = {
+        k: {"seconds": statistics.median(t[0] for t in v), "cpu_seconds": statistics.median(t[1] for t in v)}
+        for k, v in times.items()
+    }
     return {
         "iters": iters,
         "stock": med["stock"],

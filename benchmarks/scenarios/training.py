@@ -24,8 +24,16 @@ from scenarios.workload import (
 )
 
 
-def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str, gradient_checkpointing: bool = True,
-                 settings: dict | None = None, long_tail: bool = False) -> dict:  # fmt: skip
+def run_training(
+    kind: str,
+    source: str,
+    shape: dict,
+    device: str,
+    out_dir: str,
+    gradient_checkpointing: bool = True,
+    settings: dict | None = None,
+    long_tail: bool = False,
+) -> dict:
     """Train one trainer for warmup + measured rollouts; returns seconds/step, tokens/s, peak memory, FLOPs, and
     the time spent in the no-grad pi_old pass (`old_logprob_pass_seconds_per_step`, ~0 when it is skipped).
     `settings`: extra `GSPOConfig` fields for ours. `long_tail`: rollouts from `LongTailRollouts` instead of
@@ -69,10 +77,21 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
     rollout_func = None
     if long_tail:
         os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func's "experimental" notice
-        rollout_func = LongTailRollouts(tokenizer, shape["completion"], shape["prompt_range"], shape["num_generations"],
-                                        median_fraction=shape.get("median_fraction"))  # fmt: skip
-    trainer = trainer_cls(model, counter, args=args, train_dataset=make_dataset(shape), processing_class=tokenizer,
-                          rollout_func=rollout_func)  # fmt: skip
+        rollout_func = LongTailRollouts(
+            tokenizer,
+            shape["completion"],
+            shape["prompt_range"],
+            shape["num_generations"],
+            median_fraction=shape.get("median_fraction"),
+        )
+    trainer = trainer_cls(
+        model,
+        counter,
+        args=args,
+        train_dataset=make_dataset(shape),
+        processing_class=tokenizer,
+        rollout_func=rollout_func,
+    )
 
     marks, pass_seconds = {}, [0.0]
     warmup_steps = shape["warmup_rollouts"] * STEPS_PER_GENERATION
@@ -137,26 +156,47 @@ def run_training(kind: str, source: str, shape: dict, device: str, out_dir: str,
         if long_tail:  # rollouts come from LongTailRollouts: no generation forward, training only
             flops = per_token * result["train_tokens"] * 3
         else:
-            prompt_tokens = shape["measured_rollouts"] * shape["batch"] * STEPS_PER_GENERATION * (shape["prompt_words"] + 1)
+            prompt_tokens = (
+                shape["measured_rollouts"] * shape["batch"] * STEPS_PER_GENERATION * (shape["prompt_words"] + 1)
+            )
             flops = per_token * (prompt_tokens + tokens) * (1 + 3)
         result["model_flops_per_s"] = flops / seconds
     trainer = model = None  # free both before the next run in this process
     return result
 
 
-def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool,
-            diagnostics: bool = True) -> dict:  # fmt: skip
+def compare(
+    name: str,
+    source: str,
+    shape: dict,
+    device: str,
+    reps: int,
+    out_dir: str,
+    log,
+    gradient_checkpointing: bool,
+    diagnostics: bool = True,
+) -> dict:
     settings = None if diagnostics else {"diagnostics": False}
     runs = {"stock": [], "ours": []}
     for rep in range(reps):
         order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")  # ABBA: drift hits both sides alike
         for kind in order:
-            spec = dict(task="train", kind=kind, source=source, shape=shape, device=device, out_dir=out_dir,
-                        gradient_checkpointing=gradient_checkpointing, settings=settings)  # fmt: skip
+            spec = dict(
+                task="train",
+                kind=kind,
+                source=source,
+                shape=shape,
+                device=device,
+                out_dir=out_dir,
+                gradient_checkpointing=gradient_checkpointing,
+                settings=settings,
+            )
             runs[kind].append(run_worker(spec))
             r = runs[kind][-1]
-            log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, "
-                f"{r['cpu_seconds_per_step']:.4f} CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step")
+            log(
+                f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, "
+                f"{r['cpu_seconds_per_step']:.4f} CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step"
+            )
     # numeric fields only ("positions", ours' padding counts, is a dict and the same in every run)
     med = {k: {m: median_of(v, m) for m, x in v[0].items() if isinstance(x, (int, float))} for k, v in runs.items()}
     result = {
@@ -165,7 +205,9 @@ def compare(name: str, source: str, shape: dict, device: str, reps: int, out_dir
         "stock": med["stock"],
         "ours": med["ours"],
         "ratio_seconds_per_step": ratio_of(med["ours"]["seconds_per_step"], med["stock"]["seconds_per_step"]),
-        "ratio_cpu_seconds_per_step": ratio_of(med["ours"]["cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]),
+        "ratio_cpu_seconds_per_step": ratio_of(
+            med["ours"]["cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]
+        ),
         "ratio_completion_tokens_per_s": ratio_of(
             med["ours"]["completion_tokens_per_s"], med["stock"]["completion_tokens_per_s"]
         ),
@@ -206,38 +248,61 @@ LAYOUT_VARIANTS = {
 LAYOUT_SHAPES = {"long_tail": ("long_tail", "long_tail_one_micro_batch"), "long_prompt": ("long_prompt",)}
 
 
-def layout_scenario(name: str, shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool,
-                    variants: dict) -> dict:  # fmt: skip
+def layout_scenario(
+    name: str, shape: dict, device: str, reps: int, out_dir: str, log, gradient_checkpointing: bool, variants: dict
+) -> dict:
     """Stock vs each variant on identical rollouts (`LongTailRollouts`), fresh processes, order rotated every
     repetition (ABCD, DCBA, ...). Ratios: median ours / median stock."""
     kinds = ["stock", *variants]
     runs = {k: [] for k in kinds}
     for rep in range(reps):
         for kind in kinds if rep % 2 == 0 else kinds[::-1]:
-            spec = dict(task="train", kind="stock" if kind == "stock" else "ours", source="recompute", shape=shape,
-                        device=device, out_dir=out_dir, gradient_checkpointing=gradient_checkpointing,
-                        settings=variants.get(kind), long_tail=True)  # fmt: skip
+            spec = dict(
+                task="train",
+                kind="stock" if kind == "stock" else "ours",
+                source="recompute",
+                shape=shape,
+                device=device,
+                out_dir=out_dir,
+                gradient_checkpointing=gradient_checkpointing,
+                settings=variants.get(kind),
+                long_tail=True,
+            )
             runs[kind].append(run_worker(spec))
             r = runs[kind][-1]
             saved = r.get("positions", {}).get("prompt_tokens_saved", 0)
-            log(f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, {r['cpu_seconds_per_step']:.4f} "
+            log(
+                f"  {name} rep {rep} {kind}: {r['seconds_per_step']:.4f} s/step, {r['cpu_seconds_per_step']:.4f} "
                 f"CPU s/step, pi_old pass {r['old_logprob_pass_seconds_per_step']:.4f} s/step, "
-                f"peak {r['peak_memory_bytes'] / 2**20:.1f} MiB, prompt tokens saved {saved:.0f}")
-    numeric = ("seconds_per_step", "cpu_seconds_per_step", "peak_memory_bytes", "old_logprob_pass_seconds_per_step",
-               "train_tokens_per_s") + (("model_flops_per_s",) if device == "cuda" else ())
+                f"peak {r['peak_memory_bytes'] / 2**20:.1f} MiB, prompt tokens saved {saved:.0f}"
+            )
+    numeric = (
+        "seconds_per_step",
+        "cpu_seconds_per_step",
+        "peak_memory_bytes",
+        "old_logprob_pass_seconds_per_step",
+        "train_tokens_per_s",
+    ) + (("model_flops_per_s",) if device == "cuda" else ())
     med = {k: {m: median_of(v, m) for m in numeric} for k, v in runs.items()}
-    result = {"variants": {"stock": "trl.GRPOTrainer", **variants}, "median": med, "runs": runs,
-              "shape": {k: shape[k] for k in ("batch", "accumulation", "completion", "prompt_range", "num_generations")}}
+    result = {
+        "variants": {"stock": "trl.GRPOTrainer", **variants},
+        "median": med,
+        "runs": runs,
+        "shape": {k: shape[k] for k in ("batch", "accumulation", "completion", "prompt_range", "num_generations")},
+    }
     for kind in variants:
         positions = runs[kind][0]["positions"]  # identical rollouts: the same counts in every repetition
         result[kind] = {
             "ratio_seconds_per_step": ratio_of(med[kind]["seconds_per_step"], med["stock"]["seconds_per_step"]),
-            "ratio_cpu_seconds_per_step": ratio_of(med[kind]["cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]),
+            "ratio_cpu_seconds_per_step": ratio_of(
+                med[kind]["cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]
+            ),
             "ratio_peak_memory": ratio_of(med[kind]["peak_memory_bytes"], med["stock"]["peak_memory_bytes"]),
             # What the token count alone predicts: positions the model ran on / positions stock TRL runs
             "ratio_positions": ratio_of(positions["run"], positions["stock_would_run"]),
             "stock_padding_fraction": 1 - positions["real_tokens"] / positions["stock_would_run"],
-            "prompt_tokens_saved_per_step": positions["prompt_tokens_saved"] / (shape["measured_rollouts"] * STEPS_PER_GENERATION),
+            "prompt_tokens_saved_per_step": positions["prompt_tokens_saved"]
+            / (shape["measured_rollouts"] * STEPS_PER_GENERATION),
         }
     if device == "cuda" and shape.get("peak_flops"):
         result["mfu"] = {k: med[k]["model_flops_per_s"] / shape["peak_flops"] for k in kinds}

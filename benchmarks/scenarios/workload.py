@@ -13,38 +13,113 @@ LOSS_SETTINGS = dict(importance_sampling_level="sequence", loss_type="grpo", eps
 
 # Workload shapes. `cpu`: compute-bound enough on one thread that step time is not all Python overhead.
 SHAPES = {
-    "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=6, completion=8, warmup_rollouts=1,
-                 measured_rollouts=1, reps=1, mem_vocab=4096, mem_tokens=64,
-                 long_tail=dict(batch=2, accumulation=4, completion=32, prompt_range=(3, 8)),
-                 long_tail_one_micro_batch=dict(batch=4, accumulation=1),
-                 long_prompt=dict(batch=4, accumulation=2, completion=12, prompt_range=(24, 32), median_fraction=0.5)),  # fmt: skip
-    "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=48, completion=32,
-                warmup_rollouts=1, measured_rollouts=3, reps=7, mem_vocab=QWEN3_VOCAB, mem_tokens=2048,
-                long_tail=dict(layers=2, batch=4, accumulation=16, completion=256, prompt_range=(8, 32),
-                               measured_rollouts=1, reps=3),
-                # issue 19's shape: one micro-batch of 8 rows per optimizer step, sorting cannot narrow it
-                long_tail_one_micro_batch=dict(batch=8, accumulation=1),
-                # ~1024-token prompts, completions lognormal with median 128 (~10% truncated at 384), G = 8
-                long_prompt=dict(layers=2, batch=8, accumulation=2, completion=384, median_fraction=1 / 3,
-                                 prompt_range=(896, 1152), measured_rollouts=1, reps=3)),  # fmt: skip
-    "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=128, completion=512,
-                 warmup_rollouts=1, measured_rollouts=2, reps=3, mem_vocab=QWEN3_VOCAB, mem_tokens=2048,
-                 long_tail=dict(batch=4, accumulation=16, completion=2048, prompt_range=(64, 256), measured_rollouts=1,
-                                reps=3),
-                 long_tail_one_micro_batch=dict(batch=8, accumulation=1),
-                 long_prompt=dict(batch=8, accumulation=2, completion=384, median_fraction=1 / 3,
-                                  prompt_range=(896, 1152), measured_rollouts=1, reps=3)),  # fmt: skip
+    "tiny": dict(
+        hidden=32,
+        layers=1,
+        batch=8,
+        num_generations=4,
+        prompt_words=6,
+        completion=8,
+        warmup_rollouts=1,
+        measured_rollouts=1,
+        reps=1,
+        mem_vocab=4096,
+        mem_tokens=64,
+        long_tail=dict(batch=2, accumulation=4, completion=32, prompt_range=(3, 8)),
+        long_tail_one_micro_batch=dict(batch=4, accumulation=1),
+        long_prompt=dict(batch=4, accumulation=2, completion=12, prompt_range=(24, 32), median_fraction=0.5),
+    ),
+    "cpu": dict(
+        hidden=256,
+        layers=4,
+        batch=16,
+        num_generations=8,
+        prompt_words=48,
+        completion=32,
+        warmup_rollouts=1,
+        measured_rollouts=3,
+        reps=7,
+        mem_vocab=QWEN3_VOCAB,
+        mem_tokens=2048,
+        long_tail=dict(
+            layers=2, batch=4, accumulation=16, completion=256, prompt_range=(8, 32), measured_rollouts=1, reps=3
+        ),
+        # issue 19's shape: one micro-batch of 8 rows per optimizer step, sorting cannot narrow it
+        long_tail_one_micro_batch=dict(batch=8, accumulation=1),
+        # ~1024-token prompts, completions lognormal with median 128 (~10% truncated at 384), G = 8
+        long_prompt=dict(
+            layers=2,
+            batch=8,
+            accumulation=2,
+            completion=384,
+            median_fraction=1 / 3,
+            prompt_range=(896, 1152),
+            measured_rollouts=1,
+            reps=3,
+        ),
+    ),
+    "cuda": dict(
+        hidden=None,
+        layers=None,
+        batch=16,
+        num_generations=8,
+        prompt_words=128,
+        completion=512,
+        warmup_rollouts=1,
+        measured_rollouts=2,
+        reps=3,
+        mem_vocab=QWEN3_VOCAB,
+        mem_tokens=2048,
+        long_tail=dict(batch=4, accumulation=16, completion=2048, prompt_range=(64, 256), measured_rollouts=1, reps=3),
+        long_tail_one_micro_batch=dict(batch=8, accumulation=1),
+        long_prompt=dict(
+            batch=8,
+            accumulation=2,
+            completion=384,
+            median_fraction=1 / 3,
+            prompt_range=(896, 1152),
+            measured_rollouts=1,
+            reps=3,
+        ),
+    ),
 }
 STEPS_PER_GENERATION = 4
 #: Workload of the `async` scenario per device (`tiny`: the smoke run): short prompts and longer completions so that
 #: generation is >= 1/3 of a synchronous step, no activation checkpointing.
 ASYNC_SHAPES = {
-    "tiny": dict(hidden=32, layers=1, batch=8, num_generations=4, prompt_words=4, completion=8, warmup_rollouts=1,
-                 measured_rollouts=1, reps=1),  # fmt: skip
-    "cpu": dict(hidden=256, layers=4, batch=16, num_generations=8, prompt_words=8, completion=128, warmup_rollouts=1,
-                measured_rollouts=3, reps=3),  # fmt: skip
-    "cuda": dict(hidden=None, layers=None, batch=16, num_generations=8, prompt_words=64, completion=512,
-                 warmup_rollouts=1, measured_rollouts=2, reps=3),  # fmt: skip
+    "tiny": dict(
+        hidden=32,
+        layers=1,
+        batch=8,
+        num_generations=4,
+        prompt_words=4,
+        completion=8,
+        warmup_rollouts=1,
+        measured_rollouts=1,
+        reps=1,
+    ),
+    "cpu": dict(
+        hidden=256,
+        layers=4,
+        batch=16,
+        num_generations=8,
+        prompt_words=8,
+        completion=128,
+        warmup_rollouts=1,
+        measured_rollouts=3,
+        reps=3,
+    ),
+    "cuda": dict(
+        hidden=None,
+        layers=None,
+        batch=16,
+        num_generations=8,
+        prompt_words=64,
+        completion=512,
+        warmup_rollouts=1,
+        measured_rollouts=2,
+        reps=3,
+    ),
 }
 #: The async scenario's variants: GSPOConfig settings on top of the workload.
 ASYNC_VARIANTS = {
@@ -97,7 +172,7 @@ class PeakMemory:
 
 # ------------------------------------------------------------------------------------------------ workload
 def make_tokenizer(vocab_size: int | None = None):
-    from trl_gspo.cli.tiny import SPECIAL_TOKENS, WORDS, build_tokenizer
+    from trl_gspo.testing import SPECIAL_TOKENS, WORDS, build_tokenizer
 
     extra = None
     if vocab_size is not None:  # pad the word-level vocabulary to the model's, so every sampled id decodes
@@ -109,16 +184,26 @@ def make_model(tokenizer, shape: dict, device: str, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from trl_gspo.cli.tiny import build_tiny_model
+    from trl_gspo.testing import build_tiny_model
 
     if device == "cuda":
         # Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B), randomly initialised: no download needed.
         config = Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-            rope_theta=1_000_000, tie_word_embeddings=True, rms_norm_eps=1e-6,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-        )  # fmt: skip
+            vocab_size=len(tokenizer),
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+        )
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=cuda_attention())
     return build_tiny_model(tokenizer, seed=seed, hidden_size=shape["hidden"], num_layers=shape["layers"])
@@ -169,8 +254,8 @@ def param_flops_per_token(model) -> float:
 
 def forward_positions(trainer):
     """forward/padding.py's running counts (real tokens, positions run, positions TRL would run), or None for stock."""
-    counts = getattr(trainer, "_throughput", None)
-    return None if counts is None else counts.tolist()
+    padding = getattr(trainer, "padding", None)  # GSPOTrainer's part (stock TRL has none)
+    return None if padding is None else padding.throughput.tolist()
 
 
 class LongTailRollouts:
@@ -182,8 +267,15 @@ class LongTailRollouts:
 
     MEDIAN_FRACTION, TRUNCATED_FRACTION = 0.3, 0.10
 
-    def __init__(self, tokenizer, max_completion: int, prompt_range: tuple[int, int], num_generations: int, seed=0,
-                 median_fraction: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        max_completion: int,
+        prompt_range: tuple[int, int],
+        num_generations: int,
+        seed=0,
+        median_fraction: float | None = None,
+    ):
         import math
         from statistics import NormalDist
 

@@ -43,18 +43,33 @@ def server_env() -> dict:
     return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
 
 
-def start_server(model_dir: str, port: int, *extra: str, env: dict | None = None,
-                 max_model_len: int = 256) -> subprocess.Popen:  # fmt: skip
+def start_server(
+    model_dir: str, port: int, *extra: str, env: dict | None = None, max_model_len: int = 256
+) -> subprocess.Popen:
     """`trl vllm-serve` for `model_dir` on 127.0.0.1:`port`, in fp32 (so its log-probs compare with the trainer's),
     in a process group of its own so that it and its engine process can be stopped together; `env` adds variables.
     Its output goes to a file (`proc.log_path`), not a pipe: nothing reads a pipe while the server runs, and a full
     one would stop the server at its next log line."""
     trl = os.path.join(os.path.dirname(sys.executable), "trl")  # TRL's console script, beside this Python
-    cmd = [trl, "vllm-serve", "--model", model_dir, "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", "float32", "--max_model_len", str(max_model_len), *extra]  # fmt: skip
+    cmd = [
+        trl,
+        "vllm-serve",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max_model_len",
+        str(max_model_len),
+        *extra,
+    ]
     with tempfile.NamedTemporaryFile("w", prefix="trl-vllm-serve-", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen(cmd, env={**server_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, env={**server_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     proc.log_path = log.name
     return proc
 
@@ -109,8 +124,13 @@ def two_processes(script: str, *args: str) -> tuple[str, int]:
     process, at most 600 s): its whole output and its exit code."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     path = os.path.join(os.path.dirname(__file__), script)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", path, *args],
-                            capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", path, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     return result.stdout + result.stderr, result.returncode
 
 
@@ -146,7 +166,7 @@ def save_served_model(path, vocab: int = 64, word: str = "w", **config) -> str:
     """A tiny Qwen3 (`moe=True`: Qwen3-MoE) saved to `path` with the project's word-level tokenizer filled up to `vocab`
     words with `word`0, `word`1, ...: head_dim 64 for vLLM's CPU attention, and a vocabulary the embedding matches
     exactly (no padded rows in vLLM's embedding)."""
-    from trl_gspo.cli.tiny import build_tokenizer, save_tiny_model
+    from trl_gspo.testing import build_tokenizer, save_tiny_model
 
     words = [f"{word}{i}" for i in range(vocab - len(build_tokenizer()))]
     return save_tiny_model(path, extra_words=words, hidden_size=256, head_dim=64, **config)
@@ -200,11 +220,31 @@ def make_trainer(model_dir, url, tmp_path, **overrides):
     from trl_gspo import GSPOConfig, GSPOTrainer
 
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                    per_device_train_batch_size=8, num_generations=4, max_completion_length=12, learning_rate=1e-2,
-                    max_steps=2, logging_steps=1, disable_tqdm=True, use_vllm=True, vllm_mode="server",
-                    vllm_server_base_url=url, vllm_server_timeout=60)  # fmt: skip
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,
+        learning_rate=1e-2,
+        max_steps=2,
+        logging_steps=1,
+        disable_tqdm=True,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        vllm_server_timeout=60,
+    )
     args = GSPOConfig(**{**settings, **overrides})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return GSPOTrainer(model_dir, _reward, args=args, processing_class=tokenizer,
-                       train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}))  # fmt: skip
+    return GSPOTrainer(
+        model_dir,
+        _reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
+    )

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from trl_gspo.rollout.async_backends import _ServerRequests
+from trl_gspo.rollout.async_server import _ServerRequests
 
 from .conftest import make_trainer
 
@@ -24,8 +24,14 @@ RESUME_TOLERANCE = 1e-5
 
 
 def _async(model_dir, url, out, **overrides):
-    settings = dict(async_generation=True, max_staleness=STALENESS, steps_per_generation=PER_ROLLOUT, max_steps=STEPS,
-                    generation_kwargs={"seed": 1234}, async_generation_timeout=120)  # fmt: skip
+    settings = dict(
+        async_generation=True,
+        max_staleness=STALENESS,
+        steps_per_generation=PER_ROLLOUT,
+        max_steps=STEPS,
+        generation_kwargs={"seed": 1234},
+        async_generation_timeout=120,
+    )
     return make_trainer(model_dir, url, out, **{**settings, **overrides})
 
 
@@ -60,8 +66,9 @@ def _weights(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-def test_async_batches_come_from_the_server_within_the_staleness_bound(vllm_model_dir, vllm_server, tmp_path,
-                                                                        no_weight_transfer, server_replies):  # fmt: skip
+def test_async_batches_come_from_the_server_within_the_staleness_bound(
+    vllm_model_dir, vllm_server, tmp_path, no_weight_transfer, server_replies
+):
     trainer = _async(vllm_model_dir, vllm_server, tmp_path / "run")
     batches = _record_batches(trainer)
     trainer.train()
@@ -83,8 +90,9 @@ def test_async_batches_come_from_the_server_within_the_staleness_bound(vllm_mode
     assert weights and all(w > 0 for w in weights)  # the decoupled correction used the server's log-probs
 
 
-def test_async_resume_with_a_generation_in_flight_ends_as_the_uninterrupted_run(vllm_model_dir, vllm_server, tmp_path,
-                                                                               no_weight_transfer, server_replies):  # fmt: skip
+def test_async_resume_with_a_generation_in_flight_ends_as_the_uninterrupted_run(
+    vllm_model_dir, vllm_server, tmp_path, no_weight_transfer, server_replies
+):
     """Checkpoint at step 3 (mid rollout batch 1): batch 2, sent to the server at step 2, is in flight and saved with
     the checkpoint; the resumed run trains on it without asking again, asks the server for batch 3 only, and ends
     where the uninterrupted run ends."""

@@ -51,15 +51,25 @@ def _trainer_logps(trainer) -> torch.Tensor:
 BF16_ENGINE_TOLERANCE = 0.05
 
 
-@pytest.mark.parametrize("moe, dtype", [(False, "float32"), (True, "float32"), (False, "auto")],
-                         ids=["dense", "moe", "dense-bf16-engine"])  # fmt: skip
-def test_every_weight_sync_reaches_the_colocated_engine(moe, dtype, vllm_model_dir, vllm_moe_model_dir, tmp_path,
-                                                        colocated_engine, monkeypatch):  # fmt: skip
+@pytest.mark.parametrize(
+    "moe, dtype", [(False, "float32"), (True, "float32"), (False, "auto")], ids=["dense", "moe", "dense-bf16-engine"]
+)
+def test_every_weight_sync_reaches_the_colocated_engine(
+    moe, dtype, vllm_model_dir, vllm_moe_model_dir, tmp_path, colocated_engine, monkeypatch
+):
     colocated_engine_dtype(dtype, monkeypatch.setattr)
     tolerance = LOGPROB_TOLERANCE if dtype == "float32" else BF16_ENGINE_TOLERANCE
     model_dir = vllm_moe_model_dir if moe else vllm_model_dir
-    trainer = make_trainer(model_dir, None, tmp_path / "run", vllm_mode="colocate", vllm_server_base_url=None,
-                           steps_per_generation=1, max_steps=4, vllm_max_model_length=128)  # fmt: skip
+    trainer = make_trainer(
+        model_dir,
+        None,
+        tmp_path / "run",
+        vllm_mode="colocate",
+        vllm_server_base_url=None,
+        steps_per_generation=1,
+        max_steps=4,
+        vllm_max_model_length=128,
+    )
     generation = trainer.vllm_generation
     sync, syncs = generation.sync_weights, []
 
@@ -84,15 +94,24 @@ def test_every_weight_sync_reaches_the_colocated_engine(moe, dtype, vllm_model_d
             assert moved > MOVED_AT_LEAST, f"sync at step {step} left the engine's log-probs as they were ({moved})"
 
 
-def test_completions_after_a_sync_are_sampled_by_the_synced_weights(vllm_model_dir, tmp_path, colocated_engine,
-                                                                    monkeypatch):  # fmt: skip
+def test_completions_after_a_sync_are_sampled_by_the_synced_weights(
+    vllm_model_dir, tmp_path, colocated_engine, monkeypatch
+):
     """old_logprobs_source="sampler" in colocate: the log-probs vLLM returns with its completions, after the weights of
     step 2 were loaded, equal the trainer's recomputation with those weights at every completion position (one rollout
     per 2 steps, so pi_old is needed and taken from the sampler)."""
     colocated_engine_dtype("float32", monkeypatch.setattr)
-    trainer = make_trainer(vllm_model_dir, None, tmp_path / "run", vllm_mode="colocate", vllm_server_base_url=None,
-                           steps_per_generation=2, max_steps=2, vllm_max_model_length=128,
-                           old_logprobs_source="sampler")  # fmt: skip
+    trainer = make_trainer(
+        vllm_model_dir,
+        None,
+        tmp_path / "run",
+        vllm_mode="colocate",
+        vllm_server_base_url=None,
+        steps_per_generation=2,
+        max_steps=2,
+        vllm_max_model_length=128,
+        old_logprobs_source="sampler",
+    )
     trainer.train()
     assert trainer.state.global_step == 2
     trainer.model.train()
@@ -101,7 +120,9 @@ def test_completions_after_a_sync_are_sampled_by_the_synced_weights(vllm_model_d
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].size(1))
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, batch["completion_ids"].size(1)
+        )
     completion_mask = batch["completion_mask"].bool()
     gap = (batch["old_per_token_logps"] - logps)[completion_mask].abs().max().item()
     assert completion_mask.sum() > 0 and gap < LOGPROB_TOLERANCE, gap
@@ -111,8 +132,9 @@ def test_two_processes_each_sync_their_own_engine(vllm_model_dir, tmp_path):
     """2 processes (torchrun, gloo, DDP): TRL builds one engine per rank (`external_launcher`, tensor_parallel_size=1)
     and syncs each from the rank's (DDP-wrapped) model; on both ranks every sync must reach the engine
     (two_processes_colocate.py)."""
-    log, returncode = two_processes("two_processes_colocate.py", "--model_dir", vllm_model_dir, "--output_dir",
-                                    str(tmp_path / "run"))  # fmt: skip
+    log, returncode = two_processes(
+        "two_processes_colocate.py", "--model_dir", vllm_model_dir, "--output_dir", str(tmp_path / "run")
+    )
     ranks = sorted(re.findall(r"REAL COLOCATE rank (\d) syncs (\d+) gap (\S+) steps (\d+) (OK|BAD)", log))
     assert [rank for rank, *_ in ranks] == ["0", "1"], log[-4000:]
     for rank, syncs, gap, steps, verdict in ranks:

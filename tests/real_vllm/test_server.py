@@ -27,7 +27,9 @@ def _recomputed(trainer, batch):
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].size(1))
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, batch["completion_ids"].size(1)
+        )
     return logps
 
 
@@ -41,8 +43,9 @@ def test_server_mode_trains_gspo_over_http(vllm_model_dir, vllm_server, tmp_path
     assert logs[0]["completions/mean_length"] > 0  # completions came back from the server
 
 
-def test_sampler_logprobs_line_up_with_the_trainer_per_position(vllm_model_dir, vllm_server, tmp_path,
-                                                                 no_weight_transfer):  # fmt: skip
+def test_sampler_logprobs_line_up_with_the_trainer_per_position(
+    vllm_model_dir, vllm_server, tmp_path, no_weight_transfer
+):
     """old_logprobs_source="sampler": pi_old is vLLM's per-token log-prob. At the first rollout (the server's weights
     are the trainer's) it must equal the trainer's recomputation at every completion position, for completions that
     end in EOS and for truncated ones, with left-padded prompts of different lengths."""
@@ -63,12 +66,15 @@ def test_sampler_logprobs_line_up_with_the_trainer_per_position(vllm_model_dir, 
     assert shifted.max() > 100 * LOGPROB_TOLERANCE
 
 
-def test_length_normalised_correction_equals_a_naive_recomputation(vllm_model_dir, vllm_server, tmp_path,
-                                                                     no_weight_transfer):  # fmt: skip
+def test_length_normalised_correction_equals_a_naive_recomputation(
+    vllm_model_dir, vllm_server, tmp_path, no_weight_transfer
+):
     """TRL's vLLM correction with `vllm_importance_sampling_length_normalized` (on for the sequence levels): per
     sequence, exp of the mean over its completion tokens of (trainer pi_old - vLLM log-prob), truncated to TRL's
     range; recomputed here with a loop from the same numbers the batch carries."""
-    trainer = make_trainer(vllm_model_dir, vllm_server, tmp_path / "run", vllm_importance_sampling_mode="sequence_truncate")
+    trainer = make_trainer(
+        vllm_model_dir, vllm_server, tmp_path / "run", vllm_importance_sampling_mode="sequence_truncate"
+    )
     assert trainer.args.vllm_importance_sampling_length_normalized
     trainer.model.train()
     batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
@@ -86,9 +92,12 @@ def test_two_processes_share_one_server_each_row_with_its_own_prompt(vllm_model_
     """2 processes (torchrun, gloo): the client on the main process only, every process's prompts in one request, the
     completions broadcast back; each rank's first-rollout log-probs from the server equal its own recomputation per
     position (two_processes.py), which a row paired with another row's prompt would not."""
-    log, returncode = two_processes("two_processes.py", "--model_dir", vllm_model_dir, "--url", vllm_server,
-                                    "--output_dir", str(tmp_path / "run"))  # fmt: skip
-    ranks = sorted(re.findall(r"REAL SERVER rank (\d) (client|no client) rows (\d+) gap (\S+) steps (\d+) (OK|BAD)", log))
+    log, returncode = two_processes(
+        "two_processes.py", "--model_dir", vllm_model_dir, "--url", vllm_server, "--output_dir", str(tmp_path / "run")
+    )
+    ranks = sorted(
+        re.findall(r"REAL SERVER rank (\d) (client|no client) rows (\d+) gap (\S+) steps (\d+) (OK|BAD)", log)
+    )
     assert [(rank, client) for rank, client, *_ in ranks] == [("0", "client"), ("1", "no client")], log[-4000:]
     for rank, _, rows, gap, steps, verdict in ranks:
         assert rows == "16" and steps == "2" and verdict == "OK", (rank, rows, gap, steps, verdict)
@@ -111,8 +120,16 @@ def test_a_server_killed_mid_run_stops_the_trainer_naming_the_server(vllm_model_
     from trl_gspo.rollout.pipeline import VLLMServerError
 
     with running_server(vllm_model_dir) as (url, proc):
-        trainer = make_trainer(vllm_model_dir, url, tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4,
-                               steps_per_generation=4, gradient_accumulation_steps=1)  # fmt: skip
+        trainer = make_trainer(
+            vllm_model_dir,
+            url,
+            tmp_path / "run",
+            max_steps=8,
+            save_strategy="steps",
+            save_steps=4,
+            steps_per_generation=4,
+            gradient_accumulation_steps=1,
+        )
         original = trainer._save_checkpoint
 
         def save_then_kill(*args, **kwargs):

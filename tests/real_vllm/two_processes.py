@@ -28,8 +28,9 @@ def main():
     from real_vllm.conftest import make_trainer
     from real_vllm.test_server import LOGPROB_TOLERANCE, _recomputed
 
-    trainer = make_trainer(cli.model_dir, cli.url, cli.output_dir, old_logprobs_source="sampler",
-                           per_device_train_batch_size=4)  # fmt: skip
+    trainer = make_trainer(
+        cli.model_dir, cli.url, cli.output_dir, old_logprobs_source="sampler", per_device_train_batch_size=4
+    )
     rank = trainer.accelerator.process_index
     checked, score = {"rows": 0, "gap": None}, trainer._generate_and_score_completions
 
@@ -46,10 +47,15 @@ def main():
     client = "client" if getattr(trainer.vllm_generation, "vllm_client", None) is not None else "no client"
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     ok = checked["gap"] is not None and checked["gap"] < LOGPROB_TOLERANCE and all(map(math.isfinite, losses))
-    print(f"REAL SERVER rank {rank} {client} rows {checked['rows']} gap {checked['gap']:.3g} steps {len(losses)} "
-          f"{'OK' if ok else 'BAD'}", flush=True)  # fmt: skip
+    print(
+        f"REAL SERVER rank {rank} {client} rows {checked['rows']} gap {checked['gap']:.3g} steps {len(losses)} "
+        f"{'OK' if ok else 'BAD'}",
+        flush=True,
+    )
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown, where a finished CPU rank sometimes aborts (see tests/cpu_launch.py)
+    os._exit(
+        0
+    )  # skip interpreter teardown, where a finished CPU rank sometimes aborts (see tests/helpers/cpu_launch.py)
 
 
 if __name__ == "__main__":

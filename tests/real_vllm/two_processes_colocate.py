@@ -21,9 +21,17 @@ def main():
     colocated_engine_dtype("float32")  # as in test_colocate.py
     from real_vllm.test_colocate import LOGPROB_TOLERANCE, MOVED_AT_LEAST, _engine_logps, _trainer_logps
 
-    trainer = make_trainer(cli.model_dir, None, cli.output_dir, vllm_mode="colocate", vllm_server_base_url=None,
-                           steps_per_generation=1, max_steps=3, per_device_train_batch_size=4,
-                           vllm_max_model_length=128)  # fmt: skip
+    trainer = make_trainer(
+        cli.model_dir,
+        None,
+        cli.output_dir,
+        vllm_mode="colocate",
+        vllm_server_base_url=None,
+        steps_per_generation=1,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        vllm_max_model_length=128,
+    )
     rank = trainer.accelerator.process_index
     generation = trainer.vllm_generation
     sync, syncs = generation.sync_weights, []
@@ -32,19 +40,31 @@ def main():
         before = _engine_logps(generation.llm)
         sync()
         after = _engine_logps(generation.llm)
-        syncs.append((trainer.state.global_step, (after - _trainer_logps(trainer)).abs().max().item(),
-                      (after - before).abs().max().item()))  # fmt: skip
+        syncs.append(
+            (
+                trainer.state.global_step,
+                (after - _trainer_logps(trainer)).abs().max().item(),
+                (after - before).abs().max().item(),
+            )
+        )
 
     generation.sync_weights = recorded_sync
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
-    ok = [step for step, *_ in syncs] == [0, 1, 2] and all(map(math.isfinite, losses)) and all(
-        gap < LOGPROB_TOLERANCE and (step == 0 or moved > MOVED_AT_LEAST) for step, gap, moved in syncs)
+    ok = (
+        [step for step, *_ in syncs] == [0, 1, 2]
+        and all(map(math.isfinite, losses))
+        and all(gap < LOGPROB_TOLERANCE and (step == 0 or moved > MOVED_AT_LEAST) for step, gap, moved in syncs)
+    )
     gaps = max(gap for _, gap, _ in syncs) if syncs else float("nan")
-    print(f"REAL COLOCATE rank {rank} syncs {len(syncs)} gap {gaps:.3g} steps {len(losses)} {'OK' if ok else 'BAD'}",
-          flush=True)  # fmt: skip
+    print(
+        f"REAL COLOCATE rank {rank} syncs {len(syncs)} gap {gaps:.3g} steps {len(losses)} {'OK' if ok else 'BAD'}",
+        flush=True,
+    )
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown, where a finished CPU rank sometimes aborts (see tests/cpu_launch.py)
+    os._exit(
+        0
+    )  # skip interpreter teardown, where a finished CPU rank sometimes aborts (see tests/helpers/cpu_launch.py)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,23 @@ import warnings
 from importlib import metadata
 
 from ..common import trl_compat
+from ..testing import build_tiny_model, build_tokenizer
 from . import parity
-from .tiny import build_tiny_model, build_tokenizer
 
 #: Distribution names whose versions change training behaviour (missing optional ones print as "not installed").
-PACKAGES = ("trl-gspo", "torch", "trl", "transformers", "accelerate", "peft", "datasets", "deepspeed", "vllm",
-            "flash-attn", "liger-kernel")  # fmt: skip
+PACKAGES = (
+    "trl-gspo",
+    "torch",
+    "trl",
+    "transformers",
+    "accelerate",
+    "peft",
+    "datasets",
+    "deepspeed",
+    "vllm",
+    "flash-attn",
+    "liger-kernel",
+)
 
 
 def installed_versions() -> dict[str, str]:
@@ -36,7 +47,9 @@ def installed_versions() -> dict[str, str]:
             found[name] = "not installed"
     import torch
 
-    found["CUDA"] = f"{torch.version.cuda} (GPU visible: {torch.cuda.is_available()})" if torch.version.cuda else "none (CPU build)"
+    found["CUDA"] = (
+        f"{torch.version.cuda} (GPU visible: {torch.cuda.is_available()})" if torch.version.cuda else "none (CPU build)"
+    )
     return found
 
 
@@ -86,27 +99,34 @@ def _quiet():
 def _line(name: str, found: list[str]) -> str:
     if not found:
         return f"  ok       {name}"
-    return f"  DIFFERS  {name}: " + "; ".join(found[:4]) + (f"; ... ({len(found)} differences)" if len(found) > 4 else "")
+    return (
+        f"  DIFFERS  {name}: " + "; ".join(found[:4]) + (f"; ... ({len(found)} differences)" if len(found) > 4 else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trl-gspo check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="trl-gspo check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.parse_args(argv)
     start = time.perf_counter()
     print("Installed versions:")
     for name, version in installed_versions().items():
         print(f"  {name:<13} {version}")
-    print(f"Supported TRL: {trl_compat.SUPPORTED_TRL} (tested {trl_compat.MIN_TRL} to {trl_compat.NEWEST_TESTED_TRL}.x)")
+    print(
+        f"Supported TRL: {trl_compat.SUPPORTED_TRL} (tested {trl_compat.MIN_TRL} to {trl_compat.NEWEST_TESTED_TRL}.x)"
+    )
     print("Parity with the installed stock trl.GRPOTrainer (loss, every gradient, TRL's metrics), tiny model on CPU:")
     with _quiet():
         results = run_parity()
     failed = [name for name, found in results.items() if found]
     seconds = time.perf_counter() - start
     if failed:
-        print(f"FAILED: {len(failed)} of {len(results)} cases differ ({', '.join(failed)}) in {seconds:.0f} s. The "
-              "installed TRL computes the GRPO loss differently from what GSPOTrainer rebuilds: install a supported "
-              f"TRL (pip install 'trl{trl_compat.SUPPORTED_TRL}') or report the difference.")  # fmt: skip
+        print(
+            f"FAILED: {len(failed)} of {len(results)} cases differ ({', '.join(failed)}) in {seconds:.0f} s. The "
+            "installed TRL computes the GRPO loss differently from what GSPOTrainer rebuilds: install a supported "
+            f"TRL (pip install 'trl{trl_compat.SUPPORTED_TRL}') or report the difference."
+        )
         return 1
     print(f"OK: all {len(results)} cases match stock TRL in {seconds:.0f} s.")
     return 0

@@ -44,8 +44,14 @@ from .rewards import missing_columns, needed_columns, resolve_reward
 from .shipped import SHIPPED, resolve_config_argument, resolve_shipped, shipped_names, take_option
 
 #: `accelerate launch` options `--accelerate_config` runs accept besides the config (none is a recipe key).
-LAUNCH_OPTIONS = ("--num_processes", "--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port",
-                  "--mixed_precision")  # fmt: skip
+LAUNCH_OPTIONS = (
+    "--num_processes",
+    "--num_machines",
+    "--machine_rank",
+    "--main_process_ip",
+    "--main_process_port",
+    "--mixed_precision",
+)
 
 
 def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
@@ -86,8 +92,15 @@ def demo(argv: list[str]) -> int:
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
     quiet_deepspeed_on_cpu(args)
-    result = run_demo(args.output_dir, demo_args.num_train_prompts, demo_args.num_eval_prompts, demo_args.moe,
-                      args=args, peft_config=get_peft_config(model_args), console=demo_args.console)  # fmt: skip
+    result = run_demo(
+        args.output_dir,
+        demo_args.num_train_prompts,
+        demo_args.num_eval_prompts,
+        demo_args.moe,
+        args=args,
+        peft_config=get_peft_config(model_args),
+        console=demo_args.console,
+    )
     trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does
     return 0
 
@@ -246,7 +259,9 @@ def recipes(argv: list[str]) -> int:
     parser.add_argument("--list", action="store_true", help="only list the shipped files and where they are")
     parser.add_argument("--force", action="store_true", help="overwrite files that already exist in DEST")
     options = parser.parse_args(argv)
-    files = [path for folder in SHIPPED.values() for path in sorted(folder.iterdir()) if path.suffix in (".yaml", ".py")]
+    files = [
+        path for folder in SHIPPED.values() for path in sorted(folder.iterdir()) if path.suffix in (".yaml", ".py")
+    ]
     if options.list:
         for kind, folder in SHIPPED.items():
             print(f"{kind}s ({folder}):  {', '.join(shipped_names(kind))}")
@@ -259,8 +274,10 @@ def recipes(argv: list[str]) -> int:
     for path, target in zip(files, targets):
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
-    print(f"copied {len(files)} files to {dest / 'recipes'} and {dest / 'accelerate_configs'}; commands such as "
-          f"`trl-gspo train --config recipes/<name>.yaml` now use these copies.")  # fmt: skip
+    print(
+        f"copied {len(files)} files to {dest / 'recipes'} and {dest / 'accelerate_configs'}; commands such as "
+        f"`trl-gspo train --config recipes/<name>.yaml` now use these copies."
+    )
     return 0
 
 
@@ -287,8 +304,6 @@ def version_line() -> str:
 
     others = ", ".join(f"{name} {metadata.version(name)}" for name in ("trl", "transformers", "torch"))
     return f"trl-gspo {__version__} ({others})"
-
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,9 +22,9 @@ import torch
 from datasets import Dataset
 
 from ..config import GSPOConfig
+from ..testing import build_tiny_model, build_tokenizer
 from ..trainer import GSPOTrainer
 from .console import use_console
-from .tiny import build_tiny_model, build_tokenizer
 
 NUM_DIGITS = 3
 #: Digit strings reserved for the held-out split: training never sees them.
@@ -100,9 +100,12 @@ def evaluate(model, tokenizer, dataset, batch_size: int = 100) -> float:
         batch = dataset[start : start + batch_size]
         enc = tokenizer(batch["prompt"], return_tensors="pt", padding=True).to(model.device)
         out = model.generate(  # ids and mask only: older tokenizers also return token_type_ids, which Qwen3 refuses
-            input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=False,
-            max_new_tokens=NUM_DIGITS, pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+            input_ids=enc["input_ids"],
+            attention_mask=enc["attention_mask"],
+            do_sample=False,
+            max_new_tokens=NUM_DIGITS,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1) :], skip_special_tokens=True)
         scores += demo_reward(texts, batch["target"])
     model.train(was_training)
@@ -155,9 +158,16 @@ def save_initial_model(model, folder: str) -> None:
     model.config._name_or_path = folder
 
 
-def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, num_eval_prompts: int = 200,
-             moe: bool = False, args: GSPOConfig | None = None, peft_config=None, console: str = "compact",
-             **overrides) -> dict:  # fmt: skip
+def run_demo(
+    output_dir: str = "outputs/demo",
+    num_train_prompts: int = 2000,
+    num_eval_prompts: int = 200,
+    moe: bool = False,
+    args: GSPOConfig | None = None,
+    peft_config=None,
+    console: str = "compact",
+    **overrides,
+) -> dict:
     """Train the demo end to end; writes the model, `metrics.csv` and `reward_curve.png` to `output_dir`.
 
     `args` replaces the whole config (the CLI passes its parsed one); otherwise `overrides` go to `demo_config`.
@@ -192,6 +202,8 @@ def run_demo(output_dir: str = "outputs/demo", num_train_prompts: int = 2000, nu
         paths = (os.path.join(args.output_dir, name) for name in ("metrics.csv", "reward_curve.png"))
         write_metrics(trainer.state.log_history, *paths, held_out=(before, after))
         print(f"held-out reward (greedy, {len(eval_set)} unseen prompts): before {before:.3f} -> after {after:.3f}")
-        print(f"trained {trainer.state.global_step} steps in {wall:.0f} s; model, metrics.csv and reward_curve.png "
-              f"in {args.output_dir}")  # fmt: skip
+        print(
+            f"trained {trainer.state.global_step} steps in {wall:.0f} s; model, metrics.csv and reward_curve.png "
+            f"in {args.output_dir}"
+        )
     return {"before": before, "after": after, "train_seconds": wall, "trainer": trainer}

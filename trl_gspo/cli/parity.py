@@ -47,7 +47,11 @@ CASES: dict[str, dict] = {
         importance_sampling_level="token", loss_type="grpo", beta=0.04, use_bias_correction_kl=True, epsilon=0.01
     ),
     "sequence-entropy-mask-bonus": dict(
-        importance_sampling_level="sequence", loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01, **COMMON_SEQ
+        importance_sampling_level="sequence",
+        loss_type="grpo",
+        top_entropy_quantile=0.5,
+        entropy_coef=0.01,
+        **COMMON_SEQ,
     ),
     "token-adaptive-entropy": dict(importance_sampling_level="token", loss_type="grpo", use_adaptive_entropy=True),
     "sequence-delta": dict(importance_sampling_level="sequence", loss_type="grpo", delta=1.005, **COMMON_SEQ),

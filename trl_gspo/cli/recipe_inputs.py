@@ -73,8 +73,10 @@ def check_model_source(key: str, value: str, recipe_dir: Path | None) -> None:
     where = f"next to the recipe ({recipe_dir}) or " if recipe_dir is not None else ""
     if path.is_dir():
         if not ((path / "config.json").is_file() or (path / "adapter_config.json").is_file()):
-            raise RecipeError(f"{key}={value!r} is a folder without config.json (not a saved model); give the folder "
-                              "save_pretrained wrote, or a Hub id.")  # fmt: skip
+            raise RecipeError(
+                f"{key}={value!r} is a folder without config.json (not a saved model); give the folder "
+                "save_pretrained wrote, or a Hub id."
+            )
         return
     if path.exists():
         raise RecipeError(f"{key}={value!r} is a file; give the model's folder (with config.json) or a Hub id.")
@@ -90,9 +92,11 @@ def check_model_source(key: str, value: str, recipe_dir: Path | None) -> None:
         except HFValidationError:
             problem = "no such folder, and not a valid Hub id (org/name)"
     if problem is not None:
-        raise RecipeError(f"{key}={value!r}: {problem} {where}in the working directory ({Path.cwd()}); give an "
-                          "existing model folder (relative paths: next to the recipe, then the working directory) or a "
-                          "Hub id.")  # fmt: skip
+        raise RecipeError(
+            f"{key}={value!r}: {problem} {where}in the working directory ({Path.cwd()}); give an "
+            "existing model folder (relative paths: next to the recipe, then the working directory) or a "
+            "Hub id."
+        )
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(value, "config.json"), str):
         raise RecipeError(
             f"{key}={value!r}: not a local folder ({where}in the working directory), and HF_HUB_OFFLINE is set but "
@@ -169,7 +173,9 @@ def reconcile_precision(accelerate: str | None, bf16, fp16, use_cpu, cuda: bool)
             ignored.append(f"the recipe's {said}")
         if not ignored:
             return None
-        return f"{'no CUDA device' if not cuda else 'use_cpu is set'}: training in fp32, ignoring {' and '.join(ignored)}."
+        return (
+            f"{'no CUDA device' if not cuda else 'use_cpu is set'}: training in fp32, ignoring {' and '.join(ignored)}."
+        )
     if accelerate != "no" and accelerate != wanted:
         flag = {"no": "bf16: false", "bf16": "bf16: true", "fp16": "fp16: true"}[accelerate]
         raise RecipeError(

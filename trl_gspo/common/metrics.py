@@ -131,14 +131,23 @@ def dispersion_stats(lr: torch.Tensor, valid: torch.Tensor, max_length: int) -> 
     nonempty = (n > 0).float()
     seq = sequence_log_ratio(lr, valid)
     token_std = (losses.masked_sequence_mean((lr - seq[:, None]) ** 2, valid)).sqrt()
-    overall = {"token_std": "token_logratio_std", "token_abs": "token_logratio_abs", "seq_abs": "seq_logratio_abs",
-               "sum_abs": "seq_logratio_sum_abs"}  # fmt: skip
-    per_seq = torch.stack([
-        token_std,
-        (lr.abs() * valid).sum(-1),  # summed per sequence; divided by tokens, not sequences
-        seq.abs(),
-        (lr * valid).sum(-1).abs(),
-    ]).double() * nonempty.double()  # (4, B), rows in `overall`'s order; empty sequences contribute nothing
+    overall = {
+        "token_std": "token_logratio_std",
+        "token_abs": "token_logratio_abs",
+        "seq_abs": "seq_logratio_abs",
+        "sum_abs": "seq_logratio_sum_abs",
+    }
+    per_seq = (
+        torch.stack(
+            [
+                token_std,
+                (lr.abs() * valid).sum(-1),  # summed per sequence; divided by tokens, not sequences
+                seq.abs(),
+                (lr * valid).sum(-1).abs(),
+            ]
+        ).double()
+        * nonempty.double()
+    )  # (4, B), rows in `overall`'s order; empty sequences contribute nothing
 
     buckets = length_buckets(max_length)
     # bucket index floor(log2 n), computed without a sync; empty sequences and lengths past the last bucket drop out
@@ -211,6 +220,45 @@ def expert_load_cv(load: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------ logging window
+def loss_metrics(clip, low, high, mask, entropies, per_token_kl, accelerator) -> dict[str, float]:
+    """TRL's loss metrics of one micro-batch (same names and values: `entropy`, `kl`, the clip metrics `clip` names,
+    a `losses.Clip`), from one gather and one device-to-host copy; stock TRL issues a reduce or gather, each followed
+    by a sync, per metric (six for the clipped losses). `low` / `high` are the clip indicators, `(B, 1)` per sequence
+    or `(B, T)` per token."""
+    mask = mask.float()
+
+    def sum_and_count(x):  # per-sequence tensors (B, 1) count sequences, per-token ones count valid tokens
+        if x.size(1) == 1:
+            return x.sum(), torch.tensor(float(x.size(0)), device=x.device)
+        x = x.expand_as(mask)
+        return (x * mask).sum(), mask.sum()
+
+    def per_sequence(x):  # (B,) mean over each completion's tokens, for the min/max over sequences
+        return losses.masked_sequence_mean(x.expand_as(mask), mask) if x.size(1) > 1 else x[:, 0]
+
+    def indicator(which):
+        return {"low": low, "high": high}[which] if which != "region" else torch.maximum(low, high)
+
+    names, stats = ["entropy"], [*sum_and_count(entropies)]
+    if per_token_kl is not None:
+        names.append("kl")
+        stats += sum_and_count(per_token_kl)
+    for name, which in clip.means:
+        names.append(name)
+        stats += sum_and_count(indicator(which))
+    local = torch.stack(stats)
+    if clip.extremes:
+        local = torch.cat([local, *(per_sequence(indicator(which)) for _, which, _ in clip.extremes)])
+    gathered = accelerator.gather(local.detach().float()).view(accelerator.num_processes, -1).cpu()
+    totals = gathered[:, : len(stats)].sum(0).tolist()
+    values = {name: totals[2 * i] / max(totals[2 * i + 1], 1.0) for i, name in enumerate(names)}
+    if clip.extremes:
+        per_seq = gathered[:, len(stats) :].view(gathered.size(0), len(clip.extremes), -1)  # (processes, extreme, B)
+        for i, (name, _, reduction) in enumerate(clip.extremes):
+            values[name] = getattr(per_seq[:, i], reduction)().item()
+    return values
+
+
 class MetricWindow:
     """Device-side partial statistics of one logging window (one per mode: train / eval).
 
@@ -284,11 +332,14 @@ class MetricWindow:
         device = accelerator.device if accelerator is not None else torch.device("cpu")
         out = {}
         if signature:
-            flat = torch.cat([
-                additive[name][1].flatten().to(device) if name in additive
-                else torch.zeros(math.prod(shape), dtype=torch.float64, device=device)
-                for name, _, shape in signature
-            ])  # fmt: skip
+            flat = torch.cat(
+                [
+                    additive[name][1].flatten().to(device)
+                    if name in additive
+                    else torch.zeros(math.prod(shape), dtype=torch.float64, device=device)
+                    for name, _, shape in signature
+                ]
+            )
             if distributed:
                 flat = accelerator.reduce(flat, reduction="sum")
             flat, offset = flat.cpu(), 0

@@ -24,6 +24,8 @@ GSPO_PAPER = {
         }"""),
 }
 
+#: The loss type of the GSPO paper (and GSPOConfig's default): a card names any other.
+PAPER_LOSS_TYPE = "grpo"
 #: importance_sampling_level -> (trainer name shown on the card, tags besides "trl" and "trl-gspo").
 VARIANTS = {
     "sequence": ("GSPO", ["gspo"]),
@@ -35,8 +37,7 @@ VARIANTS = {
 def card_fields(level: str, loss_type: str, grpo_paper: dict) -> tuple[str, dict, list[str]]:
     """(`_name`, `_paper`, `_tag_names`) for a run: GSPO's paper for the sequence levels, GRPO's for `token`."""
     name, tags = VARIANTS[level]
-    if loss_type != "grpo":
-        name = f"{name} ({loss_type} loss)"
+    name += {PAPER_LOSS_TYPE: ""}.get(loss_type, f" ({loss_type} loss)")  # the loss type, when not the paper's
     paper = grpo_paper if level == "token" else GSPO_PAPER
     return name, paper, ["trl", "trl-gspo", *tags]
 

@@ -10,10 +10,10 @@ batch. A narrower tile bounds that, at the price of more, smaller matmuls. TRL 1
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import contextlib
 from dataclasses import dataclass, field
 
-from ..common import trl_compat
+from ..common import seam, trl_compat
 
 
 @dataclass
@@ -55,25 +55,18 @@ def available() -> bool:
     return trl_compat.fused_logprob_head_module() is not None
 
 
-@contextmanager
 def vocab_chunk(chunk_size: int | None):
     """Run TRL's fused log-prob head with `chunk_size` vocabulary columns per tile (None: leave TRL's default).
 
     TRL reads the module constant when the forward runs and stores it for the backward, so setting it around
-    the forward call is enough.
+    the forward call is enough (common/seam.py: `fused_head_tile`).
     """
     if chunk_size is None:
-        yield
-        return
+        return contextlib.nullcontext()
     owner = trl_compat.fused_logprob_head_module()
     if owner is None:
         raise RuntimeError(
             f"logprob_vocab_chunk_size={chunk_size} needs TRL's fused log-prob head (TRL >= 1.15); the installed TRL "
             "computes full logits. Unset it (None)."
         )
-    previous = owner._CHUNKED_LOGPROB_CHUNK_SIZE
-    owner._CHUNKED_LOGPROB_CHUNK_SIZE = chunk_size
-    try:
-        yield
-    finally:
-        owner._CHUNKED_LOGPROB_CHUNK_SIZE = previous
+    return seam.fused_head_tile(owner, chunk_size)

@@ -55,9 +55,14 @@ class ForwardLayout:
             return self
         moved = {k: getattr(self, k) for k in ("source", "position_ids", "rows", "aliases")}
         moved = {k: None if v is None else v.to(device) for k, v in moved.items()}
-        return ForwardLayout(**moved, batch_shape=self.batch_shape, packed=self.packed,
-                             segment_lengths=self.segment_lengths, columns=self.columns,
-                             segments=self.segments)  # fmt: skip  (the plan moves when its call is built)
+        return ForwardLayout(
+            **moved,
+            batch_shape=self.batch_shape,
+            packed=self.packed,
+            segment_lengths=self.segment_lengths,
+            columns=self.columns,
+            segments=self.segments,
+        )  # (the plan moves when its call is built)
 
     def to_model(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """`[B, S, ...]` -> `[rows, width, ...]`: the values at the positions this call's input holds, `fill` at
@@ -85,9 +90,11 @@ def layouts_to_batch(layouts, outputs, fill=0, columns_from: int = 0) -> torch.T
         if rows.numel() == b:  # trimmed calls that cover every row once: pad each back, then undo the row order
             parts = [_pad_columns(y, layout.columns, columns_from, s, fill) for layout, y in zip(layouts, outputs)]
             out = torch.cat(parts)
-            return out if len(layouts) == 1 and bool((rows == torch.arange(b, device=rows.device)).all()) else (
-                out.index_select(0, torch.argsort(rows))
-            )  # fmt: skip
+            return (
+                out
+                if len(layouts) == 1 and bool((rows == torch.arange(b, device=rows.device)).all())
+                else (out.index_select(0, torch.argsort(rows)))
+            )
     index, values = [], []
     for layout, y in zip(layouts, outputs):
         col = layout.source % s
@@ -162,7 +169,9 @@ def trimmed_layout(rows: torch.Tensor, spans, batch_shape, prompt_width: int, tr
 def packed_layout(rows: torch.Tensor, spans, batch_shape, one_row: bool, multiple_of=None) -> ForwardLayout:
     """Layout of one call with the real tokens of `rows` laid end to end (`segment_layout` with one sequence per
     unit), each token at its position in the padded batch, sequences kept apart by the segment attention."""
-    return segment_layout([[int(r)] for r in rows], spans, batch_shape, None, one_row, pack=True, multiple_of=multiple_of)
+    return segment_layout(
+        [[int(r)] for r in rows], spans, batch_shape, None, one_row, pack=True, multiple_of=multiple_of
+    )
 
 
 def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack: bool = True, multiple_of=None):
@@ -227,22 +236,6 @@ def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack:
         aliases = torch.stack([torch.cat(alias_model), torch.cat(alias_batch)])
     plan = SegmentPlan.from_units(plan_rows, capacity)
     return ForwardLayout(source, batch_shape, position_ids, True, tuple(seg_lengths), segments=plan, aliases=aliases)
-
-
-def plan_layouts(spans, batch_shape, prompt_width, chunk_rows, *, sort, trim, pack, one_row=False, multiple_of=None):
-    """The model calls for one `_get_per_token_logps_and_entropies` call: one layout per chunk of `chunk_rows` rows
-    (TRL's chunking, so ZeRO-3 ranks make the same number of calls), rows sorted by length first if `sort`. The
-    trainer's forward (forward/pipeline.py) chooses among layouts by cost; this is the fixed plan of the given settings."""
-    b = batch_shape[0]
-    order = length_order(spans) if sort else torch.arange(b)
-    layouts = []
-    for start in range(0, b, chunk_rows):
-        rows = order[start : start + chunk_rows]
-        if pack and packable(spans, rows):
-            layouts.append(packed_layout(rows, spans, batch_shape, one_row, multiple_of))
-        else:  # a row with padding inside its span cannot be packed as one sequence: trim instead
-            layouts.append(trimmed_layout(rows, spans, batch_shape, prompt_width, trim or pack, multiple_of))
-    return layouts
 
 
 def packable(spans, rows) -> bool:

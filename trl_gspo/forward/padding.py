@@ -1,4 +1,4 @@
-"""Stop running the model on padding: trimmed, length-sorted and packed layouts (`PaddingRemoval` mixin).
+"""Stop running the model on padding: trimmed, length-sorted and packed layouts (the `PaddingRemoval` part).
 
 TRL 1.16 pads the whole rollout batch once (prompts left, completions right, each to the longest in the batch)
 and runs every forward at that width: the loss forward, the no-grad pi_old pass and the reference pass. With
@@ -151,9 +151,11 @@ def sort_rows_by_length(micro_batches: list[dict], grouped: bool = False) -> lis
         batch = dict(pooled)
         for key in keys:
             value, take = pooled[key], order[i * rows : (i + 1) * rows]
-            batch[key] = value[torch.tensor(take, device=value.device)] if isinstance(value, torch.Tensor) else [
-                value[j] for j in take
-            ]
+            batch[key] = (
+                value[torch.tensor(take, device=value.device)]
+                if isinstance(value, torch.Tensor)
+                else [value[j] for j in take]
+            )
         out.append(batch)
     return out
 
@@ -175,105 +177,112 @@ def optimizer_step_groups(first_step: int, steps_per_generation: int, num_iterat
     return list(groups.values())
 
 
-# ------------------------------------------------------------------------------------------------- mixin
+# ------------------------------------------------------------------------------------------------- the part
 class PaddingRemoval:
-    """`GSPOTrainer` mixin: length-sorted (and, with `group_minibatches`, whole-group) micro-batches of each fresh
-    rollout buffer (`_arrange_micro_batches`, called by rollout/pipeline.py after TRL's shuffle and split), the settings the
-    forward pipeline (forward/pipeline.py) plans with, and `throughput/*` at each `log`."""
+    """The run's padding-removal decisions (which forwards may trim, sort or pack), the arrangement of each fresh
+    rollout buffer (`arrange`: length-sorted and, with `group_minibatches`, whole-group micro-batches, after TRL's
+    shuffle and split), and the `throughput/*` counts of the forwards (`count`, `flush`)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        config = self.args
+    def __init__(self, args, run, num_iterations: int, per_micro_batch_statistics: list[str]):
+        self.args, self.run, self.num_iterations = args, run, num_iterations  # run: trainer.RunView
         # The path calls the model with TRL's fused log-prob head (TRL >= 1.15); older TRL: its own padded loop.
-        self._padding_path = fused_head.available()
-        if not self._padding_path:
-            if config.padding_free is True:
+        self.fused = fused_head.available()
+        if not self.fused:
+            if args.padding_free is True:
                 raise ValueError(
                     f"padding_free=True needs TRL's fused log-prob head (TRL >= 1.15); the installed TRL is "
                     f"{trl_compat.installed_trl_version()}. Upgrade TRL or set padding_free=False."
                 )
-            if config.trim_padding or config.sort_by_length != "never":
+            if args.trim_padding or args.sort_by_length != "never":
                 logger.warning(
                     "TRL %s has no fused log-prob head (TRL >= 1.15): trim_padding and sort_by_length are off, every "
-                    "forward runs TRL's own padded loop.", trl_compat.installed_trl_version()
+                    "forward runs TRL's own padded loop.",
+                    trl_compat.installed_trl_version(),
                 )
-        reasons = sort_changes_statistics(self)
-        self._sort_micro_batches = self._padding_path and (
-            config.sort_by_length == "always" or (config.sort_by_length == "auto" and not reasons)
+        reasons = per_micro_batch_statistics
+        self.sort_micro_batches = self.fused and (
+            args.sort_by_length == "always" or (args.sort_by_length == "auto" and not reasons)
         )
-        if config.sort_by_length == "auto" and reasons:
+        if args.sort_by_length == "auto" and reasons:
             logger.info(
                 "sort_by_length='auto': micro-batches keep TRL's order because %s is computed per micro-batch "
-                "(sorting would change it); set sort_by_length='always' to sort anyway.", " and ".join(reasons)
+                "(sorting would change it); set sort_by_length='always' to sort anyway.",
+                " and ".join(reasons),
             )
-        self._sort_no_grad = self._padding_path and config.sort_by_length != "never"
+        self.sort_no_grad = self.fused and args.sort_by_length != "never"
         # real tokens, positions run, positions TRL would run, prompt positions a shared prefix did not run again
-        self._throughput = torch.zeros(4, dtype=torch.float64)
-        self._throughput_step = 0
+        self.throughput = torch.zeros(4, dtype=torch.float64)
+        self.throughput_step = 0
         self._warned = set()
 
     # ------------------------------------------------------------------------------ sorted micro-batches
-    def _arrange_micro_batches(self, micro_batches: list[dict], first_step: int) -> list[dict]:
-        """A fresh rollout buffer arranged for the forwards (`arrange_micro_batches`; called by rollout/pipeline.py after TRL's
-        shuffle and split; `first_step` is the micro-step that will use entry 0 first)."""
+    def arrange(self, micro_batches: list[dict], first_step: int, cost=None) -> list[dict]:
+        """A fresh rollout buffer (TRL's shuffled, split micro-batches) arranged for the forwards
+        (`arrange_micro_batches`); `first_step` is the micro-step that will use entry 0 first. `cost`: the loss
+        forward's estimated cost of a micro-batch (forward/pipeline.py) when it may share prompts, else None: sorting
+        then also weighs keeping each prompt's rows together (rows still never leave their optimizer step)."""
         grouped = self.args.group_minibatches
-        if not (self._sort_micro_batches or grouped):
+        if not (self.sort_micro_batches or grouped):
             return micro_batches
-        # Sorting may also keep each prompt's rows together inside an optimizer step, so the loss forward shares the
-        # prompt: the forward's cost model picks between the two orders (rows still never leave their step).
-        sharing = self.args.shared_prefix is not False and not self._segment_support(self.model).problem
         buffer = arrange_micro_batches(
-            list(micro_batches), first_step, self.args.steps_per_generation, self.num_iterations,
-            self.args.gradient_accumulation_steps, sort=self._sort_micro_batches, group_minibatches=grouped,
-            cost=self._loss_forward_cost if sharing else None,
-        )  # fmt: skip
+            list(micro_batches),
+            first_step,
+            self.args.steps_per_generation,
+            self.num_iterations,
+            self.args.gradient_accumulation_steps,
+            sort=self.sort_micro_batches,
+            group_minibatches=grouped,
+            cost=cost,
+        )
         if buffer is None:
-            self._warn_once("sort", "Rollout batch holds values that are not per row (e.g. image patches): "
-                                    "micro-batches keep TRL's order.")  # fmt: skip
+            self.warn_once(
+                "sort",
+                "Rollout batch holds values that are not per row (e.g. image patches): micro-batches keep TRL's order.",
+            )
             return micro_batches
         return buffer
 
     # ------------------------------------------------------------------------------------ throughput/*
-    def _count_throughput(self, spans, layouts, batch_shape):
-        if not self.model.training:
+    def count(self, spans, layouts, batch_shape) -> None:
+        """Count one planned forward of the training phase (real tokens, positions run, positions TRL would run)."""
+        if not self.run.training:
             return
         processed = sum(layout.source.numel() for layout in layouts)
         saved = sum(layout.shared_positions for layout in layouts)
-        self._throughput += torch.tensor([float(spans[:, 2].sum()), processed, batch_shape[0] * batch_shape[1], saved],
-                                         dtype=torch.float64)  # fmt: skip
+        counts = [float(spans[:, 2].sum()), processed, batch_shape[0] * batch_shape[1], saved]
+        self.throughput += torch.tensor(counts, dtype=torch.float64)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training:  # TRL's own split: training logs are the train-mode ones (every rank calls log)
-            self._log_throughput()
-        super().log(logs, start_time)
-
-    def _log_throughput(self):
-        """Counts of the logging window, summed over processes (one all-reduce per log call), per optimizer step."""
-        totals = self._throughput.to(self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            totals = self.accelerator.reduce(totals, reduction="sum")
+    def flush(self, accelerator) -> dict[str, float]:
+        """`throughput/*` of the logging window, summed over processes (one all-reduce per log call), per optimizer
+        step; the counts start again."""
+        totals = self.throughput.to(accelerator.device)
+        if accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
         real, processed, stock, saved = totals.tolist()
-        steps = max(self.state.global_step - self._throughput_step, 1)
-        self._throughput.zero_()
-        self._throughput_step = self.state.global_step
+        steps = max(self.run.global_step - self.throughput_step, 1)
+        self.throughput.zero_()
+        self.throughput_step = self.run.global_step
         if stock == 0:
-            return
-        metrics = self._metrics["train"]
-        metrics["throughput/tokens_per_step"].append(real / steps)
-        metrics["throughput/padding_per_step"].append(max(processed + saved - real, 0.0) / steps)
-        metrics["throughput/padding_fraction"].append(max(processed + saved - real, 0.0) / max(processed, 1.0))
-        metrics["throughput/stock_padding_fraction"].append((stock - real) / stock)
-        metrics["throughput/positions_vs_stock"].append(processed / stock)
-        metrics["throughput/prompt_tokens_saved_per_step"].append(saved / steps)
+            return {}
+        padding = max(processed + saved - real, 0.0)
+        return {
+            "throughput/tokens_per_step": real / steps,
+            "throughput/padding_per_step": padding / steps,
+            "throughput/padding_fraction": padding / max(processed, 1.0),
+            "throughput/stock_padding_fraction": (stock - real) / stock,
+            "throughput/positions_vs_stock": processed / stock,
+            "throughput/prompt_tokens_saved_per_step": saved / steps,
+        }
 
-    def _warn_once(self, key, message):
+    def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message)
 
 
-def arrange_micro_batches(buffer, first_step, steps_per_generation, num_iterations, accumulation, *, sort,
-                          group_minibatches, cost=None):  # fmt: skip
+def arrange_micro_batches(
+    buffer, first_step, steps_per_generation, num_iterations, accumulation, *, sort, group_minibatches, cost=None
+):
     """A fresh rollout buffer (TRL's shuffled, split micro-batches) arranged for the forwards, a pure function.
 
     `group_minibatches`: rows laid out again group by group over the whole buffer (shared_prefix.group_rows), so
@@ -304,15 +313,17 @@ def arrange_micro_batches(buffer, first_step, steps_per_generation, num_iteratio
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def sort_changes_statistics(trainer) -> list[str]:
-    """What a length-sorted micro-batch would change (each is computed per micro-batch), for `sort_by_length='auto'`."""
+def sort_changes_statistics(loss, entropy_bonus: bool, top_entropy_quantile: float, aux_loss: bool) -> list[str]:
+    """What a length-sorted micro-batch would change (each is computed per micro-batch), for `sort_by_length='auto'`:
+    a loss normalised by the micro-batch's own tokens (`loss`: its losses.PolicyLoss), the entropy bonus, the
+    top-entropy mask, the MoE aux loss."""
     reasons = []
-    if trainer.loss_type == "bnpo":
-        reasons.append("loss_type='bnpo' (token mean per micro-batch)")
-    if getattr(trainer, "_entropy_bonus_enabled", False):
+    if loss.per_micro_batch_normalizer:
+        reasons.append(f"loss_type={loss.name!r} (token mean per micro-batch)")
+    if entropy_bonus:
         reasons.append("the entropy bonus")
-    if trainer.top_entropy_quantile < 1.0:
+    if top_entropy_quantile < 1.0:
         reasons.append("the top-entropy mask (top_entropy_quantile < 1)")
-    if getattr(trainer, "aux_loss_enabled", False):
+    if aux_loss:
         reasons.append("the MoE router aux loss")
     return reasons

@@ -1,17 +1,17 @@
-"""Every log-prob forward of the training phase, as one explicit pipeline (`LogprobForward` mixin).
+"""Every log-prob forward of the training phase, as one explicit pipeline (the `LogprobForward` part).
 
 TRL calls `_get_per_token_logps_and_entropies` for the loss forward (one call per micro-batch, with grad), its
-no-grad pi_old pass over the rollout batch, and the reference pass. This module owns that method; each feature is a
-named step in it, in this order:
+no-grad pi_old pass over the rollout batch, and the reference pass. The trainer's override of that method calls the
+`LogprobForward` part; each feature is a named step in it, in this order:
 
     1. pi_old from the sampler         rollout/sampler_logprobs.py   (`old_logprobs_source="sampler"`: no model call)
     2. the router pass                 moe/routing_replay.py     (MoE: record / replay routes for pi_old and loss)
-    3. the plan                        `plan_forward` here   (forward/padding.py layouts, forward/shared_prefix.py groups)
+    3. the plan                        `plan_forward` (forward/planner.py: layouts.py, shared_prefix.py groups)
     4. the model calls                 `_call_model` here    (routes follow each layout; segment attention armed)
-    5. back to the batch               forward/padding.py            (`layouts_to_batch`), throughput counts, routes kept
+    5. back to the batch               layouts.py (`layouts_to_batch`), padding.py (throughput counts), routes kept
 
 The plan cuts the batch into TRL's chunks (the same number of model calls on every ZeRO-3 rank) and gives each chunk
-the cheapest exact layout by a token-count cost model (`layout_cost`): trimmed (the model's own attention on the
+the cheapest exact layout by a token-count cost model (planner.py): trimmed (the model's own attention on the
 columns some row uses), packed (sequences end to end, segment attention) or shared (each prompt once for the
 completions of it in the chunk, segment attention). `trim_padding`, `sort_by_length`, `padding_free` and
 `shared_prefix` say which are allowed or forced. Multimodal inputs, and TRL without its fused log-prob head
@@ -21,192 +21,19 @@ completions of it in the chunk, segment attention). `trim_padding`, `sort_by_len
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
-from trl.extras.profiling import profiling_decorator
 
+from ..common import trl_compat
 from . import fused_head, segment_attention, shared_prefix
-from .layouts import (
-    ForwardLayout,
-    layouts_to_batch,
-    length_order,
-    packable,
-    packed_layout,
-    row_spans,
-    segment_layout,
-    trimmed_layout,
-)
+from .layouts import ForwardLayout, layouts_to_batch, row_spans
+from .planner import choose_layout, pair_cost, plan_forward
 
 logger = logging.getLogger(__name__)
 
-#: Token-equivalents one SDPA block of a segment call costs beyond its arithmetic (kernel launch, gathers), and
-#: the extra per-position cost of gathering a packed call's input and scattering its output (a trimmed call slices).
-BLOCK_OVERHEAD, GATHER_OVERHEAD = 4.0, 0.02
 
-
-# ------------------------------------------------------------------------------------------------ cost model
-def pair_cost(config) -> float:
-    """Cost of one attention (query, key) pair relative to one token through a decoder layer's matmuls:
-    `2 * heads * head_dim / (multiply-adds per token)`. From the model config; 1e-3 if it lacks the fields."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    try:
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        experts = getattr(config, "num_experts_per_tok", None)
-        inner = (config.moe_intermediate_size * experts) if experts and getattr(config, "moe_intermediate_size", None) \
-            else config.intermediate_size  # fmt: skip
-        macs = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inner
-        return 2.0 * heads * head_dim / macs
-    except (AttributeError, TypeError, ZeroDivisionError):
-        return 1e-3
-
-
-def trimmed_cost(spans, rows, prompt_width, alpha) -> float:
-    lead = min(int(spans[rows, 0].min()), prompt_width - 1)
-    end = max(int(spans[rows, 1].max()), prompt_width + 1)
-    width, n = end - lead, len(rows)
-    padded = bool(((spans[rows, 0] > lead) | (spans[rows, 1] < end)).any())
-    pairs = n * width * width if padded else n * width * (width + 1) / 2  # a mask disables SDPA's causal skip
-    return n * width + alpha * pairs
-
-
-def unit_widths(spans, units, prompt_width) -> list[tuple[int, int, list[int]]]:
-    """(width, prefix, segment lengths) of each unit of a segment layout (see layouts.segment_layout)."""
-    out = []
-    for unit in units:
-        if len(unit) == 1:
-            n = int(spans[unit[0], 1] - spans[unit[0], 0])
-            out.append((n, 0, [n]))
-        else:
-            prefix = prompt_width - 1 - int(spans[unit[0], 0])
-            segments = [int(spans[r, 1]) - prompt_width + 1 for r in unit]
-            out.append((prefix + sum(segments), prefix, segments))
-    return out
-
-
-def segment_cost(widths, pack, one_row, alpha) -> float:
-    """Cost of a segment layout: positions run (rows x capacity, from first-fit decreasing as `segment_layout`
-    places the units), the (query, key) pairs its SDPA blocks compute (`block_pairs`, the rule
-    `SegmentPlan.build_blocks` follows), the blocks' fixed cost and the gather."""
-    order = sorted(range(len(widths)), key=lambda i: -widths[i][0]) if pack else range(len(widths))
-    capacity = (sum(w for w, _, _ in widths) if one_row else max(w for w, _, _ in widths))
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        j = next((j for j, r in enumerate(room) if r >= widths[i][0]), None) if pack else None
-        if j is None:
-            rows.append([]), room.append(capacity)
-            j = len(rows) - 1
-        rows[j].append(i), room.__setitem__(j, room[j] - widths[i][0])
-    layout_rows = [[widths[i][1:] for i in members] for members in rows]
-    blocks = len(rows) * math.ceil(capacity / segment_attention.BLOCK)
-    pairs = block_pairs(layout_rows, capacity, segment_attention.BLOCK)
-    return len(rows) * capacity * (1 + GATHER_OVERHEAD) + alpha * pairs + BLOCK_OVERHEAD * blocks
-
-
-def block_pairs(rows, width, block) -> int:
-    """(query, key) pairs the SDPA blocks of a segment layout compute: `rows[r]` lists the units of row `r` as
-    `(prefix, [segment lengths])`. Per block of `block` query columns, the keys reach back to the earliest own range
-    start of its queries (over all rows), plus the prefixes they see (gathered when far), as `build_blocks` does."""
-    intervals = []  # per row: (start, end, own_start, ctx_start, ctx_end), in order
-    for units in rows:
-        row, at = [], 0
-        for prefix, segments in units:
-            if prefix:
-                row.append((at, at + prefix, at, 0, 0))
-            start = at + prefix
-            for length in segments:
-                row.append((start, start + length, start, at, at + prefix if prefix else 0))
-                start += length
-            at = start
-        intervals.append(row)
-    total = 0
-    for q0 in range(0, width, block):
-        q1 = min(q0 + block, width)
-        own_min, c0, c1 = q0, None, None
-        for row in intervals:
-            for start, end, own, ctx0, ctx1 in row:
-                if end <= q0 or start >= q1:
-                    continue
-                own_min = min(own_min, own)
-                if ctx1 > ctx0:
-                    c0, c1 = (ctx0, ctx1) if c0 is None else (min(c0, ctx0), max(c1, ctx1))
-        if c0 is None:
-            keys = q1 - own_min
-        elif own_min - c1 > block // 2:
-            keys = (c1 - c0) + (q1 - own_min)
-        else:
-            keys = q1 - min(c0, own_min)
-        total += len(rows) * (q1 - q0) * keys
-    return total
-
-
-def plan_forward(spans, batch_shape, prompt_width, chunk_rows, *, groups, sort, trim, pack, share, one_row, alpha,
-                 multiple_of=None) -> list[ForwardLayout]:  # fmt: skip
-    """One layout per chunk of `chunk_rows` rows, each the cheapest allowed (see the module docstring).
-
-    `pack` / `share`: "auto" (when cheaper), True (wherever possible), False (never). `groups`: rows that share a
-    prompt prefix (shared_prefix.prompt_groups); empty when sharing is off for this forward. Rows are taken in
-    length order (`sort`) or TRL's; with groups, also in group order, and the cheaper of the two orders wins."""
-    b = batch_shape[0]
-    orders = [length_order(spans) if sort else torch.arange(b)]
-    if share is not False and groups:
-        orders.append(shared_prefix.group_order(spans, groups))
-    group_of = {r: tuple(rows) for rows in groups for r in rows}
-    best = None
-    for order in orders:
-        choices, total = [], 0.0
-        for start in range(0, b, chunk_rows):
-            rows = order[start : start + chunk_rows].tolist()
-            kind, cost, units = _choose(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha)
-            choices.append((kind, rows, units))
-            total += cost
-        if best is None or total < best[0]:
-            best = (total, choices)
-    layouts = []
-    for kind, rows, units in best[1]:
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        if kind == "trimmed":
-            layouts.append(trimmed_layout(rows_t, spans, batch_shape, prompt_width, trim, multiple_of))
-        elif kind == "packed":
-            layouts.append(packed_layout(rows_t, spans, batch_shape, one_row, multiple_of))
-        else:
-            layouts.append(segment_layout(units, spans, batch_shape, prompt_width, one_row, pack is not False,
-                                          multiple_of))  # fmt: skip
-    return layouts
-
-
-def _choose(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha):
-    """(kind, cost, units) of the cheapest allowed layout for one chunk."""
-    candidates = []
-    segments_ok = packable(spans, rows) and bool((spans[rows, 0] < prompt_width).all())
-    units = []
-    if share is not False and segments_ok:
-        seen = set()
-        for r in rows:
-            key = group_of.get(r)
-            members = [x for x in rows if group_of.get(x) == key] if key is not None else [r]
-            if key is None or key not in seen:
-                units.append(members)
-                seen.add(key)
-    shared_ok = any(len(u) > 1 for u in units)
-    if shared_ok:
-        candidates.append(("shared", segment_cost(unit_widths(spans, units, prompt_width), pack is not False,
-                                                  one_row, alpha)))  # fmt: skip
-    if pack is not False and segments_ok and not (share is True and shared_ok):
-        singles = unit_widths(spans, [[r] for r in rows], prompt_width)
-        candidates.append(("packed", segment_cost(singles, True, one_row, alpha)))
-    if not ((pack is True and segments_ok) or (share is True and shared_ok)):
-        cost = trimmed_cost(spans, torch.tensor(rows), prompt_width, alpha) if trim else math.inf
-        candidates.append(("trimmed", cost))
-    kind, cost = min(candidates, key=lambda c: c[1])
-    return kind, (0.0 if math.isinf(cost) else cost), units
-
-
-# ------------------------------------------------------------------------------------------------- the mixin
+# -------------------------------------------------------------------------------------------------- the part
 @dataclass
 class SegmentSupport:
     """What the forward pipeline knows of one model it runs (the policy, the reference model, ...)."""
@@ -218,36 +45,63 @@ class SegmentSupport:
 
 
 class LogprobForward:
-    """`GSPOTrainer` mixin that owns TRL's `_get_per_token_logps_and_entropies` (the steps in the module docstring),
-    and ends each training / evaluation step by disarming what its forwards armed (replayed routes kept for the
-    backward's recompute, the segment attention).
+    """Every log-prob forward (the steps in the module docstring): the trainer's `_get_per_token_logps_and_entropies`
+    calls it, and `release` ends each training / evaluation step by disarming what its forwards armed (replayed routes
+    kept for the backward's recompute, the segment attention).
+
+    Collaborators: `trl`, TRL's own implementations (common/seam.py `TRLCalls`: its
+    `_get_per_token_logps_and_entropies` is the padded loop multimodal inputs and TRL < 1.15 take); `sampler` (rollout/sampler_logprobs.py: pi_old without a model call); `routes`
+    (moe/routing_replay.py: the router pass); `padding` (forward/padding.py: which layouts the run allows, the
+    throughput counts).
 
     Layouts are chosen per model: every model a forward runs (the policy, TRL's reference model, a reference made by
     disabling a PEFT adapter, which is the policy, each inside its DDP / DeepSpeed wrapper) is looked at once
-    (`_segment_support`). One that cannot take a segment layout (segment_attention.unsupported) runs trimmed and
+    (`segment_support`). One that cannot take a segment layout (segment_attention.unsupported) runs trimmed and
     sorted layouts under `"auto"`, said once in the log; `padding_free=True` / `shared_prefix=True` refuse it, for
     the policy and the reference model before the first step."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._pair_cost = pair_cost(self.model.config)
-        self._segment_models: dict[int, SegmentSupport] = {}
-        self._armed: dict[int, object] = {}  # configs switched to the segment attention during this step
-        if self.args.shared_prefix is True and not fused_head.available():
-            raise ValueError(f"shared_prefix=True: TRL {__import__('trl').__version__} has no fused log-prob head "
-                             "(TRL >= 1.15). Set shared_prefix='auto' or False.")  # fmt: skip
-        for role, model in (("the policy", self.model), ("the reference model", getattr(self, "ref_model", None))):
+    def __init__(
+        self,
+        args,
+        run,
+        accelerator,
+        *,
+        trl,
+        sampler,
+        routes,
+        padding,
+        pad_token_id,
+        aux_loss: bool,
+        reference=None,
+    ):
+        self.args, self.run, self.accelerator = args, run, accelerator  # run: trainer.RunView
+        self.trl, self.sampler, self.routes, self.padding = trl, sampler, routes, padding
+        self.pad_token_id = pad_token_id or 0
+        self.aux_loss = aux_loss  # the loss forward adds the MoE load-balancing loss
+        self.pair_cost = pair_cost(run.model.config)
+        self.segment_models: dict[int, SegmentSupport] = {}
+        self.armed: dict[int, object] = {}  # configs switched to the segment attention during this step
+        if args.shared_prefix is True and not padding.fused:
+            raise ValueError(
+                f"shared_prefix=True: TRL {trl_compat.installed_trl_version()} has no fused log-prob head "
+                "(TRL >= 1.15). Set shared_prefix='auto' or False."
+            )
+        for role, model in (("the policy", run.model), ("the reference model", reference)):
             if model is not None:
-                self._segment_support(model, role)
+                self.segment_support(model, role)
 
-    def _segment_support(self, model, role: str | None = None) -> SegmentSupport:
+    def segment_support(self, model, role: str | None = None) -> SegmentSupport:
         """The forward pipeline's record of `model` (see the class docstring), made on first sight."""
         base = segment_attention.base_model(model)
-        support = self._segment_models.get(id(base))
+        support = self.segment_models.get(id(base))
         if support is None:
-            support = SegmentSupport(base, segment_attention.attention_configs(base), segment_attention.unsupported(base),
-                                     "flash" in segment_attention.attention_implementation(base))  # fmt: skip
-            self._segment_models[id(base)] = support
+            support = SegmentSupport(
+                base,
+                segment_attention.attention_configs(base),
+                segment_attention.unsupported(base),
+                "flash" in segment_attention.attention_implementation(base),
+            )
+            self.segment_models[id(base)] = support
             if support.problem:
                 self._segment_layouts_off(support, role or "a model the forward runs")
         return support
@@ -257,71 +111,118 @@ class LogprobForward:
         what = f"{who} ({type(support.model).__name__}) cannot take packed or shared-prefix layouts: {support.problem}"
         forced = [name for name in ("padding_free", "shared_prefix") if getattr(self.args, name) is True]
         if forced:
-            raise ValueError(f"{' and '.join(f'{name}=True' for name in forced)}: {what}. Set {forced[0]}='auto' (its "
-                             "forwards then run trimmed and length-sorted) or False.")  # fmt: skip
+            raise ValueError(
+                f"{' and '.join(f'{name}=True' for name in forced)}: {what}. Set {forced[0]}='auto' (its "
+                "forwards then run trimmed and length-sorted) or False."
+            )
         if "auto" in (self.args.padding_free, self.args.shared_prefix):
             logger.warning("padding_free / shared_prefix 'auto': %s. Its forwards run trimmed and length-sorted.", what)
 
     # ------------------------------------------------------------------------------------------ the pipeline
-    @profiling_decorator
-    def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-        compute_aux_loss=False, **multimodal,
-    ):  # fmt: skip
-        role = self._take_route_role()  # 2. which observed forward this is (moe/routing_replay.py), one shot
-        old = self._sampler_pi_old(input_ids.size(0), logits_to_keep, input_ids.device)  # 1. rollout/sampler_logprobs.py
+    def __call__(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        role = self.routes.take_role()  # 2. which observed forward this is (moe/routing_replay.py), one shot
+        old = self.sampler.pi_old(input_ids.size(0), logits_to_keep, input_ids.device)  # 1. rollout/sampler_logprobs.py
         if old is not None:
             return old, None, None
         b, s = input_ids.shape
-        replay = self._replay_table(role, s, logits_to_keep) if role is not None else None
-        with self._route_pass(role, replay, b, s) as observed, fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size):
+        replay = self.routes.replay_table(role, s, logits_to_keep) if role is not None else None
+        with self.routes.route_pass(role, replay, b, s) as observed, self._vocab_tile():
             prompt_width = s - logits_to_keep
             unsupported = any(v is not None for v in multimodal.values()) or logits_to_keep < 1 or prompt_width < 1
-            if not self._padding_path or unsupported:  # TRL < 1.15 was logged at construction
-                if self._padding_path:
-                    self._warn_once("fallback", "Multimodal inputs (or no prompt / no completion column): this "
-                                                "forward runs TRL's own padded loop, without trimming, sorting, "
-                                                "packing or prompt sharing.")  # fmt: skip
-                out = super()._get_per_token_logps_and_entropies(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+            if not self.padding.fused or unsupported:  # TRL < 1.15 was logged at construction
+                if self.padding.fused:
+                    self.padding.warn_once(
+                        "fallback",
+                        "Multimodal inputs (or no prompt / no completion column): this forward runs TRL's own padded "
+                        "loop, without trimming, sorting, packing or prompt sharing.",
+                    )
+                # Keywords from `batch_size` on: TRL 1.14 takes them keyword-only.
+                out = self.trl._get_per_token_logps_and_entropies(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    batch_size=batch_size,
+                    compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
                     **multimodal,
-                )  # fmt: skip
+                )
             else:
-                support = self._segment_support(model)
+                support = self.segment_support(model)
+                call = (
+                    model,
+                    support,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    batch_size or b,
+                    compute_entropy,
+                    compute_aux_loss,
+                    observed,
+                    replay,
+                )
                 try:
-                    out = self._planned_forward(model, support, input_ids, attention_mask, logits_to_keep,
-                                                batch_size or b, compute_entropy, compute_aux_loss, observed, replay)
+                    out = self._planned_forward(*call)
                 except segment_attention.NotServed:
                     # Passed the checks made before the call, yet its attention bypassed the registry. Under "auto",
                     # run this forward again trimmed (no router pass: it has recorded the discarded call's routes).
                     if observed is not None or True in (self.args.padding_free, self.args.shared_prefix):
                         raise
-                    support.problem = ("its attention never reached the segment attention in a packed call (it "
-                                       "bypasses transformers' AttentionInterface)")
+                    support.problem = (
+                        "its attention never reached the segment attention in a packed call (it bypasses transformers' "
+                        "AttentionInterface)"
+                    )
                     self._segment_layouts_off(support, "a model the forward runs")
-                    out = self._planned_forward(model, support, input_ids, attention_mask, logits_to_keep,
-                                                batch_size or b, compute_entropy, compute_aux_loss, observed, replay)
+                    out = self._planned_forward(*call)
         if role is not None:
-            self._after_route_pass(role, replay, observed, out, logits_to_keep)  # 5. routes kept / metrics
+            self.routes.after_route_pass(role, replay, observed, out, logits_to_keep)  # 5. routes kept / metrics
         if not torch.is_grad_enabled():
-            self._release_forward()  # no backward follows a no-grad pass
+            self.release()  # no backward follows a no-grad pass
         return out
 
-    def _planned_forward(self, model, support, input_ids, attention_mask, logits_to_keep, chunk_rows, compute_entropy,
-                         compute_aux_loss, observed, replay):  # fmt: skip
+    def _vocab_tile(self):
+        """`logprob_vocab_chunk_size` set around the model calls (forward/fused_head.py)."""
+        return fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size)
+
+    def _planned_forward(
+        self,
+        model,
+        support,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        chunk_rows,
+        compute_entropy,
+        compute_aux_loss,
+        observed,
+        replay,
+    ):
         b, s = input_ids.shape
         prompt_width = s - logits_to_keep
         spans = row_spans(attention_mask)
-        layouts = self._plan(spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay,
-                             support)  # fmt: skip
+        layouts = self._plan(
+            spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay, support
+        )
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :prompt_width] = -100  # only completion tokens are scored
-        pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         logps, entropies, aux_losses = [], [], []
         for layout in layouts:
             layout = layout.to(input_ids.device)
-            inputs = {"input_ids": layout.to_model(input_ids, pad_id), "fused_lm_head": True,
-                      "labels": layout.to_model(labels, -100)}  # fmt: skip
+            inputs = {
+                "input_ids": layout.to_model(input_ids, self.pad_token_id),
+                "fused_lm_head": True,
+                "labels": layout.to_model(labels, -100),
+            }
             if layout.packed:
                 inputs["position_ids"], inputs["use_cache"] = layout.position_ids, False
             else:
@@ -340,7 +241,7 @@ class LogprobForward:
                 entropies.append(torch.nn.functional.pad(out.entropy, (1, 0)))
             if compute_aux_loss:
                 aux_losses.append(out.aux_loss)
-        self._count_throughput(spans, layouts, (b, s))
+        self.padding.count(spans, layouts, (b, s))
         logps = layouts_to_batch(layouts, logps, 0.0, columns_from=prompt_width)
         entropies = layouts_to_batch(layouts, entropies, 0.0, columns_from=prompt_width) if compute_entropy else None
         aux_loss = torch.stack(aux_losses).mean() if compute_aux_loss else None
@@ -370,24 +271,38 @@ class LogprobForward:
             if groups and replay is not None:
                 groups = shared_prefix.split_by_routes(groups, replay.ids, replay.valid, prompt_width)
         return plan_forward(
-            spans, tuple(input_ids.shape), prompt_width, chunk_rows, groups=groups,
-            sort=self._sort_no_grad and not torch.is_grad_enabled(),  # no-grad passes: sort the batch, unsort outputs
-            trim=self.args.trim_padding, pack=pack, share=share, one_row=support.flash, alpha=self._pair_cost,
+            spans,
+            tuple(input_ids.shape),
+            prompt_width,
+            chunk_rows,
+            groups=groups,
+            sort=self.padding.sort_no_grad and not torch.is_grad_enabled(),  # no-grad passes: sort, unsort outputs
+            trim=self.args.trim_padding,
+            pack=pack,
+            share=share,
+            one_row=support.flash,
+            alpha=self.pair_cost,
             multiple_of=self.args.pad_to_multiple_of,
-        )  # fmt: skip
+        )
 
-    def _loss_forward_cost(self, batch: dict) -> float:
+    def loss_cost_estimator(self):
+        """`loss_cost` when the policy's loss forwards may share prompts (so arranging a rollout buffer weighs keeping
+        each prompt's rows together, forward/padding.py), else None."""
+        may_share = self.args.shared_prefix is not False and not self.segment_support(self.run.model).problem
+        return self.loss_cost if may_share else None
+
+    def loss_cost(self, batch: dict) -> float:
         """Estimated cost of the loss forward on a rollout micro-batch (the cheapest layout `plan_forward` would
-        pick), so `_prepare_inputs` can compare arrangements of an optimizer step's rows."""
-        support = self._segment_support(self.model)
-        pack, share = self._layout_settings(self.aux_loss_enabled, support)
+        pick), so arrangements of an optimizer step's rows can be compared."""
+        support = self.segment_support(self.run.model)
+        pack, share = self._layout_settings(self.aux_loss, support)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         spans, prompt_width = row_spans(mask), batch["prompt_mask"].size(1)
         groups = shared_prefix.prompt_groups(batch["prompt_ids"], batch["prompt_mask"]) if share is not False else []
         group_of = {r: tuple(rows) for rows in groups for r in rows}
         rows = list(range(mask.size(0)))
-        return _choose(spans, rows, prompt_width, group_of, self.args.trim_padding, pack, share, support.flash,
-                       self._pair_cost)[1]  # fmt: skip
+        trim = self.args.trim_padding
+        return choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, support.flash, self.pair_cost)[1]
 
     # ------------------------------------------------------------------------------------- 4. the model call
     def _call_model(self, model, layout: ForwardLayout, **model_inputs):
@@ -395,7 +310,7 @@ class LogprobForward:
         attention (forward/segment_attention.py), armed here for the model called and disarmed when the step is over."""
         if not layout.packed:
             return model(**model_inputs)
-        support = self._segment_support(model)
+        support = self.segment_support(model)
         if model_inputs.get("attention_mask") is not None:
             raise RuntimeError(
                 "A packed forward got an attention_mask: its sequences are kept apart by the segment attention's plan, "
@@ -407,29 +322,18 @@ class LogprobForward:
             plan.build_varlen() if support.flash and _flash_available() else plan.build_blocks()
             plan = plan.to(model_inputs["input_ids"].device)
         segment_attention.arm(support.configs)
-        self._armed.update((id(config), config) for config in support.configs)
+        self.armed.update((id(config), config) for config in support.configs)
         with segment_attention.segment_call():
             out = model(**model_inputs, segment_plan=plan)
         segment_attention.check_served(plan, type(support.model).__name__)
         return out
 
-    def _release_forward(self):
-        """The step's forwards and backward are done: disarm the segment attention and any replayed routes."""
-        segment_attention.disarm(list(self._armed.values()))
-        self._armed.clear()
-        self._release_routes()
-
-    def training_step(self, *args, **kwargs):
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:  # the backward (and its checkpointing recompute) is done: generate() must run the plain model
-            self._release_forward()
-
-    def prediction_step(self, *args, **kwargs):
-        try:
-            return super().prediction_step(*args, **kwargs)
-        finally:
-            self._release_forward()
+    def release(self) -> None:
+        """The step's forwards and backward are done: disarm the segment attention and any replayed routes, so
+        `generate()` runs the plain model."""
+        segment_attention.disarm(list(self.armed.values()))
+        self.armed.clear()
+        self.routes.release()
 
 
 def _flash_available() -> bool:

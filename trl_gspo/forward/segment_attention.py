@@ -83,7 +83,11 @@ class SegmentPlan:
         after the last unit are filler."""
         n = len(rows)
         col = torch.arange(width)
-        own_start, ctx_start, ctx_end = col.repeat(n, 1), torch.zeros(n, width, dtype=torch.long), torch.zeros(n, width, dtype=torch.long)
+        own_start, ctx_start, ctx_end = (
+            col.repeat(n, 1),
+            torch.zeros(n, width, dtype=torch.long),
+            torch.zeros(n, width, dtype=torch.long),
+        )
         for r, units in enumerate(rows):
             at = 0
             for prefix, segments in units:
@@ -143,14 +147,24 @@ class SegmentPlan:
             ctx = torch.arange(int(c0[s]), int(c1[s]))
             key_cols += [ctx, torch.arange(s, e)]
             q_lens.append(e - s), k_lens.append(len(ctx) + e - s)
-        cu = lambda lens: torch.nn.functional.pad(torch.tensor(lens, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))  # noqa: E731
-        self.varlen = {"key_index": torch.cat(key_cols), "cu_seqlens_q": cu(q_lens), "cu_seqlens_k": cu(k_lens),
-                       "max_seqlen_q": max(q_lens), "max_seqlen_k": max(k_lens)}  # fmt: skip
+
+        def cu(lens):  # cumulative sequence lengths from 0, as flash-attention's varlen kernels take them
+            return torch.nn.functional.pad(torch.tensor(lens, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+
+        self.varlen = {
+            "key_index": torch.cat(key_cols),
+            "cu_seqlens_q": cu(q_lens),
+            "cu_seqlens_k": cu(k_lens),
+            "max_seqlen_q": max(q_lens),
+            "max_seqlen_k": max(k_lens),
+        }
         return self
 
     def to(self, device) -> SegmentPlan:
         move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        blocks = None if self.blocks is None else [SdpaBlock(b.q0, b.q1, move(b.keys), move(b.mask)) for b in self.blocks]
+        blocks = (
+            None if self.blocks is None else [SdpaBlock(b.q0, b.q1, move(b.keys), move(b.mask)) for b in self.blocks]
+        )
         varlen = None if self.varlen is None else {k: move(v) for k, v in self.varlen.items()}
         return SegmentPlan(self.own_start, self.ctx_start, self.ctx_end, blocks, varlen)
 
@@ -176,8 +190,9 @@ def _original_attention(module, name: str):
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, segment_plan=None,
-                      **kwargs):  # fmt: skip
+def segment_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, segment_plan=None, **kwargs
+):
     """Registered attention function: the original implementation without a plan, the segment attention with one."""
     if segment_plan is None:
         original = _original_attention(module, _original_name(module.config._attn_implementation))
@@ -204,9 +219,11 @@ def _sdpa_blocks(query, key, value, blocks, dropout, scaling):
             k, v = key[:, :, b.keys[0] : b.keys[1]], value[:, :, b.keys[0] : b.keys[1]]
         else:
             k, v = key.index_select(2, b.keys), value.index_select(2, b.keys)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, b.q0 : b.q1], k, v, attn_mask=b.mask, dropout_p=dropout, scale=scaling, **gqa
-        ))  # fmt: skip
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, b.q0 : b.q1], k, v, attn_mask=b.mask, dropout_p=dropout, scale=scaling, **gqa
+            )
+        )
     return torch.cat(outs, 2) if len(outs) > 1 else outs[0]
 
 
@@ -223,9 +240,17 @@ def _flash_varlen(query, key, value, varlen, dropout, scaling):
     index = varlen["key_index"]
     k, v = key[0].transpose(0, 1).index_select(0, index), value[0].transpose(0, 1).index_select(0, index)
     out = flash_attn_varlen_func(
-        q, k, v, varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], varlen["max_seqlen_q"], varlen["max_seqlen_k"],
-        dropout_p=dropout, softmax_scale=scaling, causal=True,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        varlen["cu_seqlens_q"],
+        varlen["cu_seqlens_k"],
+        varlen["max_seqlen_q"],
+        varlen["max_seqlen_k"],
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+    )
     return out.transpose(0, 1)[None]  # [1, H, W, D]
 
 
@@ -334,12 +359,16 @@ def unsupported(model) -> str | None:
     model = base_model(model)
     implementation = attention_implementation(model)
     if "flash" not in implementation and implementation not in WRAPS:
-        return (f"its attn_implementation={implementation!r} is not one the segment attention wraps "
-                f"({', '.join(WRAPS)}, flash-attention)")  # fmt: skip
+        return (
+            f"its attn_implementation={implementation!r} is not one the segment attention wraps "
+            f"({', '.join(WRAPS)}, flash-attention)"
+        )
     pretrained = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     if pretrained is not None and not getattr(type(pretrained), "_supports_attention_backend", False):
-        return (f"{type(pretrained).__name__} computes attention in its own code, not through transformers' "
-                "AttentionInterface, where the segment attention is registered")  # fmt: skip
+        return (
+            f"{type(pretrained).__name__} computes attention in its own code, not through transformers' "
+            "AttentionInterface, where the segment attention is registered"
+        )
     config = _text_config(model)
     other = sorted({t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"})
     if other:
@@ -348,6 +377,8 @@ def unsupported(model) -> str | None:
         return "it uses sliding-window attention, which the segment attention does not reproduce"
     peft_config = getattr(model, "active_peft_config", None)
     if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-        return ("a prompt-learning PEFT adapter is active: its virtual tokens come with an attention mask or a cache, "
-                "which a packed row cannot have")  # fmt: skip
+        return (
+            "a prompt-learning PEFT adapter is active: its virtual tokens come with an attention mask or a cache, "
+            "which a packed row cannot have"
+        )
     return None

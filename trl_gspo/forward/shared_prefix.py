@@ -152,9 +152,11 @@ def cut(pooled: dict, per_row_keys: list[str], order: list[int], pieces: int) ->
         take = order[i * rows : (i + 1) * rows]
         for key in per_row_keys:
             value = pooled[key]
-            batch[key] = value[torch.tensor(take, device=value.device)] if isinstance(value, torch.Tensor) else [
-                value[j] for j in take
-            ]
+            batch[key] = (
+                value[torch.tensor(take, device=value.device)]
+                if isinstance(value, torch.Tensor)
+                else [value[j] for j in take]
+            )
         out.append(batch)
     return out
 

@@ -1,14 +1,14 @@
 """Checkpoints that are either complete or ignored, exact resume mid-rollout, and a checkpoint on SIGTERM/SIGINT.
 
-- Completion marker: `GSPOTrainer._save_checkpoint` deletes `checkpoint-N/gspo_checkpoint_complete.json` before HF
+- Completion marker: the trainer's `_save_checkpoint` (`completion_marked`) deletes `checkpoint-N/gspo_checkpoint_complete.json` before HF
   writes the folder and writes it last (atomically: temp file, fsync, rename), listing every file and its size.
   `resolve_resume_checkpoint` only accepts a folder whose marker exists and whose files still match it, so a crash
   mid-save (or a truncated copy) is never resumed from: `resume_from_checkpoint=True` takes the newest complete one.
 - Rollout state: TRL generates one rollout batch every `steps_per_generation` micro-steps and keeps it in memory, so
   a checkpoint taken mid-rollout would resume with a freshly generated (different) batch. Each process also saves its
-  micro-step counter and the buffered rollout (`gspo_rollout_state_rank{i}.pt`, tensors and numbers only, loaded with
-  `weights_only=True`); resume restores them (`ResumableTraining._resume_state` / `_restore_resume_state`, the pair a
-  rollout pipeline holding more extends). TRL itself saves the adaptive entropy controller (`entropy_ctrl_state.json`).
+  micro-step counter, the buffered rollout and the rollout source's state (`gspo_rollout_state_rank{i}.pt`, tensors
+  and numbers only, loaded with `weights_only=True`); resume restores them (the trainer's `_save_checkpoint` and
+  `train`). TRL itself saves the adaptive entropy controller (`entropy_ctrl_state.json`).
 - Prompt order across epochs: TRL's `RepeatSampler` draws each epoch's permutation from one seeded generator, one
   draw per pass over the data, so a process that resumes in epoch `e` (HF fast-forwards to it without iterating the
   sampler through the epochs before) would replay epoch 1's order. `EpochRepeatSampler` makes epoch `e`'s order draw
@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -35,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import RepeatSampler
 
 from ..common.validation import check_bool
@@ -161,8 +161,22 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
 
 
 # ---------------------------------------------------------------------------------------------- rollout state
+@contextlib.contextmanager
+def completion_marked(checkpoint: str, should_save: bool, accelerator):
+    """Around the writing of `checkpoint` (HF's folder, then the rollout state): its marker is deleted first, and
+    written last, once every process has written its part, only when the block completed."""
+    if should_save:
+        mark_incomplete(checkpoint)
+    yield
+    accelerator.wait_for_everyone()
+    if should_save:
+        mark_complete(checkpoint)
+
+
 def save_rollout_state(checkpoint: str, process_index: int, state: dict) -> None:
-    """This process's part of the training state HF's checkpoint lacks (`ResumableTraining._resume_state`)."""
+    """This process's part of the training state HF's checkpoint lacks: TRL's micro-step counter, its buffered rollout
+    batch and the rollout source's state (the trainer's `_save_checkpoint`)."""
+    os.makedirs(checkpoint, exist_ok=True)
     torch.save(state, rollout_state_file(checkpoint, process_index))
 
 
@@ -173,8 +187,43 @@ def load_rollout_state(checkpoint: str, process_index: int, device) -> dict | No
         return None
     # Load on CPU, then move: a distributed CPU run tags storages "cpu:0", which map_location cannot restore.
     state = torch.load(path, map_location="cpu", weights_only=True)
-    return {**state, "buffered_inputs": _to_device(state["buffered_inputs"], device),
-            "source": _to_device(state.get("source", {}), device)}  # `source`: {} in checkpoints that predate it
+    return {
+        **state,
+        "buffered_inputs": _to_device(state["buffered_inputs"], device),
+        "source": _to_device(state.get("source", {}), device),  # `source`: {} in checkpoints that predate it
+    }
+
+
+def rollout_state_matches(state: dict, steps_per_generation: int, checkpoint: str) -> bool:
+    """Whether a saved rollout state can be put back: a buffered rollout saved with another `steps_per_generation` is
+    dropped (logged; TRL then generates a new one, as stock TRL does on every resume)."""
+    buffered = state["buffered_inputs"]
+    if buffered is None or len(buffered) == steps_per_generation:
+        return True
+    logger.warning(
+        "Rollout state of %s does not match steps_per_generation=%d; ignored.", checkpoint, steps_per_generation
+    )
+    return False
+
+
+def optimizer_needs_cpu_map(args, distributed_engine: bool) -> bool:
+    """A plain multi-process run on CPU (no DeepSpeed, no FSDP): there transformers < 5.18 loads the optimizer state
+    onto the device the run names, the indexed `cpu:0`, which torch's `map_location` cannot restore, so the resume
+    fails. Such a run loads it on `"cpu"` instead (`load_optimizer_and_scheduler`), as transformers >= 5.18 does."""
+    device = args.device
+    return not distributed_engine and args.world_size > 1 and device.type == "cpu" and device.index is not None
+
+
+def load_optimizer_and_scheduler(checkpoint: str | None, optimizer, scheduler) -> bool:
+    """Load the optimizer and scheduler states of `checkpoint` on the CPU; False (nothing loaded) when either file is
+    missing."""
+    files = [os.path.join(checkpoint or "", name) for name in (OPTIMIZER_NAME, SCHEDULER_NAME)]
+    if not all(os.path.isfile(f) for f in files):
+        return False
+    optimizer_state, scheduler_state = (torch.load(f, map_location="cpu", weights_only=True) for f in files)
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(scheduler_state)
+    return True
 
 
 def _to_device(obj, device):
@@ -201,9 +250,14 @@ class EpochRepeatSampler(RepeatSampler):
     @classmethod
     def like(cls, sampler: RepeatSampler) -> EpochRepeatSampler:
         """The same sampler (data, repeats, batch size, shuffle, seed: whatever TRL chose) with epoch-exact order."""
-        return cls(data_source=sampler.data_source, mini_repeat_count=sampler.mini_repeat_count,
-                   batch_size=sampler.batch_size, repeat_count=sampler.repeat_count, shuffle=sampler.shuffle,
-                   seed=sampler.seed)  # fmt: skip
+        return cls(
+            data_source=sampler.data_source,
+            mini_repeat_count=sampler.mini_repeat_count,
+            batch_size=sampler.batch_size,
+            repeat_count=sampler.repeat_count,
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+        )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -235,13 +289,16 @@ class SamplerEpoch(TrainerCallback):
     wrappers, which do not reach the sampler on every path (several processes, or the fast-forwarded epoch of a
     resume); this callback does, on every process, before the epoch's first batch is drawn."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self):
+        self.sampler: EpochRepeatSampler | None = None
+
+    def follow(self, sampler: EpochRepeatSampler) -> None:
+        """The sampler HF's training dataloader draws from (the trainer's `_get_train_sampler` made it)."""
+        self.sampler = sampler
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        sampler = getattr(self.trainer, "_epoch_sampler", None)
-        if sampler is not None:
-            sampler.set_epoch(epoch_about_to_run(state))
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch_about_to_run(state))
 
 
 # ----------------------------------------------------------------------------------------- signal checkpoint
@@ -250,8 +307,8 @@ class SignalCheckpoint(TrainerCallback):
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
         self.received: int | None = None
         self._stopping = False
         self._previous: dict[int, object] = {}
@@ -281,7 +338,7 @@ class SignalCheckpoint(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         stop = self.received is not None
-        accelerator = self.trainer.accelerator
+        accelerator = self.accelerator
         if accelerator.num_processes > 1:  # every rank must stop at the same step to save together
             stop = accelerator.reduce(torch.tensor(float(stop), device=accelerator.device), reduction="sum").item() > 0
         if stop:
@@ -306,77 +363,3 @@ class SignalCheckpoint(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.restore_handlers()
-
-
-class ResumableTraining:
-    """`GSPOTrainer` mixin: checkpoints with a completion marker, TRL's rollout buffer and the rollout source's state;
-    resume only from complete ones; each epoch's prompt order fixed by (seed, epoch); signal handlers restored and
-    the rollout source closed when `train()` returns or raises."""
-
-    _epoch_sampler: EpochRepeatSampler | None = None
-
-    def _resume_state(self) -> dict:
-        """This process's training state that neither HF's checkpoint nor TRL's holds: TRL's micro-step counter, its
-        buffered rollout batch and the rollout source's state (rollout/pipeline.py)."""
-        return {"step": self._step, "buffered_inputs": self._buffered_inputs, "source": self._rollouts.state_dict()}
-
-    def _restore_resume_state(self, state: dict, checkpoint: str) -> None:
-        """Put back what `_resume_state` saved. A buffered rollout saved with another `steps_per_generation` is
-        dropped (TRL then generates a new one, as stock TRL does on every resume)."""
-        buffered = state["buffered_inputs"]
-        if buffered is None or len(buffered) == self.args.steps_per_generation:
-            self._step, self._buffered_inputs = state["step"], buffered
-            self._rollouts.load_state_dict(state.get("source", {}))
-        else:
-            logger.warning("Rollout state of %s does not match steps_per_generation=%d; ignored.", checkpoint,
-                           self.args.steps_per_generation)  # fmt: skip
-
-    def _get_train_sampler(self, *args, **kwargs):
-        """TRL's sampler with epoch-exact order (`EpochRepeatSampler`); `SamplerEpoch` sets its epoch."""
-        sampler = super()._get_train_sampler(*args, **kwargs)
-        if type(sampler) is RepeatSampler:
-            sampler = EpochRepeatSampler.like(sampler)
-            self._epoch_sampler = sampler
-        return sampler
-
-    def _save_checkpoint(self, model, trial):
-        """HF's checkpoint plus TRL's rollout buffer, with a completion marker written last (see py)."""
-        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:
-            mark_incomplete(path)
-        super()._save_checkpoint(model, trial)
-        os.makedirs(path, exist_ok=True)
-        save_rollout_state(path, self.accelerator.process_index, self._resume_state())
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            mark_complete(path)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        """HF's, except in a plain multi-process run on CPU (no DeepSpeed, no FSDP): there transformers < 5.18 loads
-        the optimizer state onto the device the run names, the indexed `cpu:0`, which torch's `map_location` cannot
-        restore, so the resume fails. Loaded on `"cpu"` instead, as transformers >= 5.18 does."""
-        device = self.args.device
-        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-        files = [os.path.join(checkpoint or "", name) for name in (OPTIMIZER_NAME, SCHEDULER_NAME)]
-        if not (plain and self.args.world_size > 1 and device.type == "cpu" and device.index is not None
-                and all(os.path.isfile(f) for f in files)):  # fmt: skip
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        optimizer_state, scheduler_state = (torch.load(f, map_location="cpu", weights_only=True) for f in files)
-        self.optimizer.load_state_dict(optimizer_state)
-        self.lr_scheduler.load_state_dict(scheduler_state)
-
-    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        """`Trainer.train`, resuming only from complete checkpoints and restoring TRL's rollout buffer."""
-        resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        if resume_from_checkpoint is not None:
-            state = load_rollout_state(
-                resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
-            )
-            if state is not None:
-                self._restore_resume_state(state, resume_from_checkpoint)
-        try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
-        finally:  # also when training raised: give the process its own signal handlers back, stop the rollout source
-            if self._signal_checkpoint is not None:
-                self._signal_checkpoint.restore_handlers()
-            self._rollouts.close()

@@ -1,12 +1,10 @@
-"""`TrainingDiagnostics`: the trainer side of `common/metrics.py`, as a mixin placed before `trl.GRPOTrainer`.
+"""`Diagnostics`: the trainer side of `common/metrics.py`.
 
-    class GSPOTrainer(TrainingDiagnostics, GRPOTrainer): ...
-
-The loss calls :meth:`TrainingDiagnostics._record_diagnostics` once per micro-batch. That only adds device tensors
-to a per-mode :class:`metrics.MetricWindow`; ``log`` reduces the window across processes once per logging step and
-hands the floats to TRL's ``_metrics``, so they reach every logger TRL feeds. Other mixins add their own
-per-micro-batch statistics to the same window through :meth:`_diagnostics_window` (MoE routing: `moe/routing_replay.py`),
-so everything is reduced in the same collectives. Every override here calls ``super()``.
+The loss calls `Diagnostics.record` once per micro-batch. That only adds device tensors to a per-mode
+`metrics.MetricWindow`; the trainer's `log` reduces the window across processes once per logging step (`flush`) and
+hands the floats to TRL's metrics, so they reach every logger TRL feeds. Other parts add their own per-micro-batch
+statistics to the same window (`Diagnostics.window`: MoE routing in `moe/routing_replay.py`, the asynchronous
+behaviour weight in `rollout/async_rollouts.py`), so everything is reduced in the same collectives.
 """
 
 from __future__ import annotations
@@ -45,24 +43,28 @@ class DiagnosticsOptions:
         check_bool("diagnostics", self.diagnostics)
 
 
-class TrainingDiagnostics:
-    """Mixin for a `trl.GRPOTrainer` subclass: GSPO diagnostics (`metrics.METRIC_NAMES`) in TRL's logs."""
+class Diagnostics:
+    """GSPO's diagnostics (`metrics.METRIC_NAMES`) of a run: one logging window per mode.
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._diagnostics = {"train": metrics.MetricWindow(), "eval": metrics.MetricWindow()}
+    The loss records each micro-batch (`record`); other parts add their own per-micro-batch statistics to the same
+    window (`window`: MoE routing, the async behaviour weight), so everything is reduced in the same collectives when
+    the trainer logs (`flush`)."""
 
-    def _diagnostics_window(self) -> metrics.MetricWindow | None:
-        """The logging window of the current mode, for statistics recorded outside the loss (None when
-        `diagnostics=False`)."""
-        return self._diagnostics["train" if self.model.training else "eval"] if self.args.diagnostics else None
+    def __init__(self, enabled: bool, max_completion_length: int):
+        self.enabled = enabled
+        self.max_completion_length = max_completion_length
+        self.windows = {"train": metrics.MetricWindow(), "eval": metrics.MetricWindow()}
 
-    def _record_diagnostics(self, mode, inputs, logps, old_logps, low, high, advantages, mask):
-        """Add this micro-batch's diagnostics to the logging window, without a host-device sync. `low`/`high`
-        are the loss's clip indicators (`GSPOTrainer._clip_indicators`). Nothing with `diagnostics=False`."""
-        if not self.args.diagnostics:
+    def window(self, mode: str) -> metrics.MetricWindow | None:
+        """The logging window of `mode` for optional statistics: None when `diagnostics=False`."""
+        return self.windows[mode] if self.enabled else None
+
+    def record(self, mode, logps, old_logps, low, high, advantages, mask) -> None:
+        """Add this micro-batch's diagnostics to the logging window, without a host-device sync. `low`/`high` are the
+        loss's clip indicators (losses.Clip). Nothing with `diagnostics=False`."""
+        window = self.window(mode)
+        if window is None:
             return
-        window = self._diagnostics[mode]
         lr, valid = metrics.token_log_ratios(logps, old_logps, mask)
         window.add_values("seq_ratio", metrics.sequence_log_ratio(lr, valid), valid.sum(-1) > 0)
         window.add_means(metrics.clip_fraction_stats(low, high, mask))
@@ -70,8 +72,6 @@ class TrainingDiagnostics:
         for name, x in (("logps", logps), ("old_logps", old_logps), ("advantages", advantages)):
             window.add_sums(f"nonfinite/{name}", metrics.count_nonfinite(x, mask if x.shape == mask.shape else None))
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
-        for name, value in self._diagnostics[mode].flush(self.accelerator, {"seq_ratio": torch.exp}).items():
-            self._metrics[mode][name].append(value)
-        super().log(logs, start_time)
+    def flush(self, mode: str, accelerator) -> dict[str, float]:
+        """The window of `mode`, reduced across processes (one all-reduce and one gather), and emptied."""
+        return self.windows[mode].flush(accelerator, {"seq_ratio": torch.exp})

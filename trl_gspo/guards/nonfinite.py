@@ -54,8 +54,12 @@ class NonFiniteOptions:
     )
 
     def _validate_options(self):
-        check_int("max_consecutive_nonfinite", self.max_consecutive_nonfinite, 1,
-                  "consecutive optimizer steps with a NaN/inf before training stops")  # fmt: skip
+        check_int(
+            "max_consecutive_nonfinite",
+            self.max_consecutive_nonfinite,
+            1,
+            "consecutive optimizer steps with a NaN/inf before training stops",
+        )
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -65,15 +69,21 @@ class NonFiniteTrainingError(RuntimeError):
 class NonFiniteGuard(TrainerCallback):
     """Drops non-finite micro-batches, skips non-finite optimizer steps, counts both, stops a run that keeps failing."""
 
-    def __init__(self, trainer, max_consecutive: int):
-        self.trainer = trainer
+    def __init__(self, run, accelerator, max_consecutive: int):
+        self.run, self.accelerator = run, accelerator  # run: the trainer's state (trainer.RunView)
         self.max_consecutive = max_consecutive
         self.consecutive = 0
         self.total_dropped_microbatches = 0
         self.total_skipped_steps = 0
+        self.grad_norm = None  # HF's pre-clip gradient norm of the step (`observe_grad_norm`)
         self._dropped = None  # device tensor: micro-batches dropped since the last optimizer step
         self._seen = 0  # micro-batches since the last optimizer step
         self._abort_message = None
+
+    def observe_grad_norm(self, norm) -> None:
+        """HF's pre-clip gradient norm of the optimizer step about to run (the trainer's `_get_grad_norm`): a NaN/inf
+        anywhere in the gradients makes it non-finite, so the step check reuses it instead of a pass over them."""
+        self.grad_norm = norm
 
     # --------------------------------------------------------------------------------------- micro-batch layer
     def guard_loss(self, loss: torch.Tensor, mode: str, ratio=None, logps=None) -> torch.Tensor:
@@ -95,38 +105,32 @@ class NonFiniteGuard(TrainerCallback):
             self._dropped = dropped if self._dropped is None else self._dropped + dropped
             self._seen += 1
         else:
-            accelerator = self.trainer.accelerator
-            dropped = accelerator.reduce((~ok).float().reshape(1), reduction="sum")
-            self.trainer._metrics[mode]["nonfinite/microbatches"].append(dropped.item())
+            dropped = self.accelerator.reduce((~ok).float().reshape(1), reduction="sum")
+            self.run.log_metric("nonfinite/microbatches", dropped.item(), mode)
         return torch.where(ok, loss, torch.zeros_like(loss))
 
     # ---------------------------------------------------------------------------------- optimizer-step layer
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        trainer = self.trainer
-        device = trainer.accelerator.device
-        # HF has just computed the pre-clip gradient norm (GSPOTrainer._get_grad_norm keeps it): a NaN/inf anywhere
-        # in the gradients makes it non-finite, so reuse it rather than pass over every gradient again.
-        norm = getattr(trainer, "last_grad_norm", None)
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        device, norm = self.accelerator.device, self.grad_norm
         if norm is None:
             # DeepSpeed keeps gradients in its own buffers (p.grad is None) and runs its own overflow check.
-            grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+            grads = [p.grad for p in self.run.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         grad_bad = (~torch.isfinite(torch.as_tensor(norm, dtype=torch.float32))).float()
         dropped = self._dropped if self._dropped is not None else torch.zeros((), dtype=torch.int64)
         seen = torch.tensor(float(self._seen), device=device)
         stats = torch.stack([dropped.float().to(device), grad_bad.to(device), seen])
-        if trainer.accelerator.num_processes > 1:
-            stats = trainer.accelerator.reduce(stats, reduction="sum")
+        if self.accelerator.num_processes > 1:
+            stats = self.accelerator.reduce(stats, reduction="sum")
         dropped, grad_bad, seen = stats.tolist()  # the one sync per optimizer step
         self._dropped, self._seen = None, 0
 
         skip = grad_bad > 0 or (seen > 0 and dropped >= seen)
         if skip:
-            for p in trainer.model.parameters():
+            for p in self.run.model.parameters():
                 p.grad = None
-        metrics = trainer._metrics["train"]
-        metrics["nonfinite/microbatches"].append(dropped)
-        metrics["nonfinite/skipped_steps"].append(float(skip))
+        self.run.log_metric("nonfinite/microbatches", dropped, "train")
+        self.run.log_metric("nonfinite/skipped_steps", float(skip), "train")
         self.total_dropped_microbatches += int(dropped)
         self.total_skipped_steps += int(skip)
 

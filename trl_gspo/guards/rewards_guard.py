@@ -58,6 +58,7 @@ class RewardGuardOptions:
     def _validate_options(self):
         check_choice("nonfinite_reward", self.nonfinite_reward, NONFINITE_REWARD_POLICIES)
 
+
 _PREVIEW_CHARS = 200
 _TRAINER_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
 
@@ -214,21 +215,11 @@ def check_reward_matrix(rewards_per_func: torch.Tensor, reward_funcs: list, name
         )
 
 
-class GuardedRewards:
-    """`GSPOTrainer` mixin: wraps the reward callables with the checks above and checks TRL's reward matrix."""
-
-    def _guard_reward_funcs(self):
-        """Wrap reward callables so raising, malformed or non-finite rewards fail clearly (see py)."""
-        policy = self.args.nonfinite_reward
-        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
-            if not isinstance(func, nn.Module) and not getattr(func, "__gspo_guarded__", False):
-                count = functools.partial(self._count_nonfinite_rewards, name) if policy == "none" else None
-                self.reward_funcs[i] = guard_reward_function(func, name, policy, count)
-
-    def _count_nonfinite_rewards(self, name: str, count: int):
-        self._metrics["train" if self.model.training else "eval"][f"rewards/{name}/nonfinite"].append(count)
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        check_reward_matrix(rewards_per_func, self.reward_funcs, self.reward_func_names)
-        return rewards_per_func
+def guard_reward_funcs(reward_funcs: list, names: list[str], policy: str, on_nonfinite=None) -> None:
+    """Wrap the reward callables of TRL's `reward_funcs` list in place (reward models are left alone; they are
+    checked on the reward matrix, `check_reward_matrix`). `on_nonfinite(name, count)` is told, under `policy="none"`,
+    how many NaN/inf values of the function `name` were turned into `None` in a batch."""
+    for i, (func, name) in enumerate(zip(reward_funcs, names)):
+        if not isinstance(func, nn.Module) and not getattr(func, "__gspo_guarded__", False):
+            count = functools.partial(on_nonfinite, name) if policy == "none" and on_nonfinite else None
+            reward_funcs[i] = guard_reward_function(func, name, policy, count)

@@ -34,12 +34,16 @@ def routes_from_generate(log: CallLog, batch: int, prompt_lens: list[int], compl
     """
     error = log.check()
     if error is not None or not log.calls:
-        raise RuntimeError(f"routing_replay='R3': could not record the routes of generate(): {error or 'no forward ran'}.")
+        raise RuntimeError(
+            f"routing_replay='R3': could not record the routes of generate(): {error or 'no forward ran'}."
+        )
 
     def per_row(call):  # [tokens, k] per layer -> [batch, positions, L, k]
         stacked = torch.stack(call, dim=1)
         if stacked.size(0) % batch:
-            raise RuntimeError(f"routing_replay='R3': a generate() step routed {stacked.size(0)} tokens for {batch} rows.")
+            raise RuntimeError(
+                f"routing_replay='R3': a generate() step routed {stacked.size(0)} tokens for {batch} rows."
+            )
         return stacked.view(batch, stacked.size(0) // batch, *stacked.shape[1:])
 
     prefill = per_row(log.calls[0]).long()
@@ -67,8 +71,16 @@ def _as_array(raw, where: str) -> np.ndarray:
     return np.asarray(raw)
 
 
-def routes_from_engine(raw, prompt_len: int, completion_len: int, moe_layers: list[int | None], num_decoder_layers: int,
-                       top_k: int, num_experts: int, where: str = "sampler") -> torch.Tensor:  # fmt: skip
+def routes_from_engine(
+    raw,
+    prompt_len: int,
+    completion_len: int,
+    moe_layers: list[int | None],
+    num_decoder_layers: int,
+    top_k: int,
+    num_experts: int,
+    where: str = "sampler",
+) -> torch.Tensor:
     """One completion's routes from an inference engine, as ``[prompt_len + completion_len, L, k]`` int64 (-1: none).
 
     Accepted layouts of ``raw`` (anything else raises, naming what was received):
@@ -85,7 +97,9 @@ def routes_from_engine(raw, prompt_len: int, completion_len: int, moe_layers: li
     """
     if isinstance(raw, dict):
         if set(raw) != {"prompt", "completion"}:
-            raise ValueError(f"{where}: routed_experts dict must have keys 'prompt' and 'completion', got {sorted(raw)}.")
+            raise ValueError(
+                f"{where}: routed_experts dict must have keys 'prompt' and 'completion', got {sorted(raw)}."
+            )
         raw = (raw["prompt"], raw["completion"])
     if isinstance(raw, (tuple, list)) and len(raw) == 2 and not isinstance(raw[0], (int, float, np.integer)):
         parts = [_as_array(part, where) for part in raw]
@@ -106,7 +120,9 @@ def routes_from_engine(raw, prompt_len: int, completion_len: int, moe_layers: li
         raise ValueError(f"{where}: routed_experts has top_k={k}, the model routes to {top_k} experts per token.")
     if layers == num_decoder_layers and layers != num_moe:
         if any(index is None for index in moe_layers):
-            raise ValueError(f"{where}: routed_experts covers {layers} decoder layers, but the MoE layers' indices are unknown.")
+            raise ValueError(
+                f"{where}: routed_experts covers {layers} decoder layers, but the MoE layers' indices are unknown."
+            )
         array = array[:, moe_layers]
     elif layers != num_moe:
         raise ValueError(
@@ -138,8 +154,14 @@ def routes_from_engine(raw, prompt_len: int, completion_len: int, moe_layers: li
     return routes.masked_fill(missing, -1)
 
 
-def place_routes(routes: list[torch.Tensor], prompt_lens: list[int], completion_lens: list[int], prompt_width: int,
-                 completion_width: int, dtype: torch.dtype) -> RouteTable:  # fmt: skip
+def place_routes(
+    routes: list[torch.Tensor],
+    prompt_lens: list[int],
+    completion_lens: list[int],
+    prompt_width: int,
+    completion_width: int,
+    dtype: torch.dtype,
+) -> RouteTable:
     """Lay per-completion routes out like TRL's rollout batch ``cat(left-padded prompts, right-padded completions)``.
 
     A position is valid when its route has no -1; padding positions are invalid (the router decides natively).
@@ -199,8 +221,9 @@ class ServerResponses:
             return
         index = next((i for i, p in enumerate(self.prompts) if p is token_ids), None)
         if index is None:  # the client copied the ids: the first prompt with these ids not yet answered
-            index = next((i for i, p in enumerate(self.prompts) if list(p) == list(token_ids) and i not in
-                          self.per_prompt), None)  # fmt: skip
+            index = next(
+                (i for i, p in enumerate(self.prompts) if list(p) == list(token_ids) and i not in self.per_prompt), None
+            )
         if index is not None:
             self.per_prompt[index] = vllm_routes_from_choices(response["choices"])
 
@@ -220,7 +243,10 @@ def server_returns_routes(client) -> bool | None:
         info = client.get_server_info()
     except Exception:  # noqa: BLE001 - TRL's client raises a bare Exception for an unexpected status
         return None
-    flags = [section.get("enable_return_routed_experts") for section in (info.get("aux_output_config"),
-             info.get("model_config")) if isinstance(section, dict)]  # fmt: skip
+    flags = [
+        section.get("enable_return_routed_experts")
+        for section in (info.get("aux_output_config"), info.get("model_config"))
+        if isinstance(section, dict)
+    ]
     flags = [flag for flag in flags if isinstance(flag, bool)]
     return any(flags) if flags else None

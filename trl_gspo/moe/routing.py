@@ -194,14 +194,18 @@ class RouterPass:
             number, positions = self.call
             self.calls_seen[layer] += 1
             if positions.numel() != n_tokens:
-                self.error = f"a model call has {positions.numel()} positions but MoE layer {layer} saw {n_tokens} tokens"
+                self.error = (
+                    f"a model call has {positions.numel()} positions but MoE layer {layer} saw {n_tokens} tokens"
+                )
                 return None
             span = (("call", number), positions)
         else:
             start = self.cursor[layer]
             self.cursor[layer] += n_tokens
             if self.cursor[layer] > self.total:
-                self.error = f"MoE layer {layer}'s router saw more than the {self.batch}x{self.width} tokens of the batch"
+                self.error = (
+                    f"MoE layer {layer}'s router saw more than the {self.batch}x{self.width} tokens of the batch"
+                )
                 return None
             span = (("rows", start, n_tokens), slice(start, start + n_tokens))
         self.last_span[layer] = span
@@ -317,7 +321,9 @@ class RouterHooks:
         self.routers, self.top_k, self.num_experts = routers, top_k, num_experts
         self.num_layers, self.model_type = len(routers), model_type
         self.id_dtype = route_dtype(num_experts)
-        self.unsupported = sorted({type(r.module).__name__ for r in routers if type(r.module).__name__ not in GATE_WEIGHTS})
+        self.unsupported = sorted(
+            {type(r.module).__name__ for r in routers if type(r.module).__name__ not in GATE_WEIGHTS}
+        )
         self.active: RouterPass | CallLog | None = None
         self._handles = [r.module.register_forward_hook(self._hook(i, r)) for i, r in enumerate(routers)]
 
@@ -346,8 +352,14 @@ class RouterHooks:
             )
 
     @contextlib.contextmanager
-    def forward_pass(self, batch: int, width: int, record: bool = True, replay: RouteTable | None = None,
-                     keep_for_recompute: bool = False):  # fmt: skip
+    def forward_pass(
+        self,
+        batch: int,
+        width: int,
+        record: bool = True,
+        replay: RouteTable | None = None,
+        keep_for_recompute: bool = False,
+    ):
         """Observe (and with ``replay``, force) the routes of the model calls inside the block, over a ``[B, W]``
         batch. With ``keep_for_recompute`` the replay stays in place after the block for gradient checkpointing's
         recompute, until :meth:`release`. Yields the :class:`RouterPass` (read it after the block)."""

@@ -1,12 +1,10 @@
 """`MoERouting`: MoE routes observed in the forwards TRL runs, and replayed when `GSPOConfig.routing_replay` asks.
 
-    class GSPOTrainer(..., MoERouting, SamplerLogprobReuse, TrainingDiagnostics, GRPOTrainer): ...
-
 Which routes pi_old used, per rollout batch. After generation TRL runs at most two forwards over the rollout batch
-(pi_old, then the reference) and one loss forward per micro-batch. This mixin opens a :class:`routing.RouterPass` on
-exactly two of them: the first log-prob call inside `_generate_and_score_completions` when TRL needs pi_old (its
-no-grad pi_old pass; never the reference forward, which runs the same modules under PEFT), and the loss forward
-inside `compute_loss`. The routes pi_old's forward used ride along in the rollout batch as `old_routes` /
+(pi_old, then the reference) and one loss forward per micro-batch. The `MoERouting` part (held by the trainer, called
+by the rollout and forward paths) opens a :class:`routing.RouterPass` on exactly two of them: the first log-prob call
+inside `_generate_and_score_completions` when TRL needs pi_old (its no-grad pi_old pass; never the reference
+forward, which runs the same modules under PEFT), and the loss forward (`loss_forward`, opened by the loss). The routes pi_old's forward used ride along in the rollout batch as `old_routes` /
 `old_routes_valid` (compact ids and a validity mask; TRL shuffles and splits them with every other per-row tensor):
 
 | `routing_replay` | pi_old forward                    | loss forward                 | `old_routes` hold          |
@@ -42,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common import metrics, trl_compat
+from ..common import metrics, seam, trl_compat
 from ..common.validation import check_choice
 from .route_sources import (
     ServerResponses,
@@ -103,9 +101,11 @@ class RoutingReplayOptions:
         check_choice("routing_replay", mode, ROUTING_REPLAY_MODES)
         if mode == "R2":
             old_pass = trl_compat.old_logprob_pass_runs(
-                self.steps_per_generation, self.num_iterations, self.gradient_accumulation_steps,
+                self.steps_per_generation,
+                self.num_iterations,
+                self.gradient_accumulation_steps,
                 bool(self.use_vllm and self.vllm_importance_sampling_correction),
-            )  # fmt: skip
+            )
             if not old_pass:
                 raise ValueError(
                     f"routing_replay='R2' records routes in TRL's pi_old forward, which does not run here: with "
@@ -134,217 +134,265 @@ class RoutingReplayOptions:
 
 
 class MoERouting:
-    """`GSPOTrainer` mixin: MoE routing metrics, and routing replay (R2 / R3) when `routing_replay` asks for it.
+    """MoE routing metrics, and routing replay (R2 / R3) when `routing_replay` asks for it (module docstring).
 
-    The state read on the rollout path has class-level defaults (no replay, no routes), so TRL's generation methods
-    that rollout.py overrides also run on a trainer whose `__init__` did not set it (as TRL's own unit tests build
-    one)."""
+    Built by the trainer with the router hooks of its model (None for a dense model, or with diagnostics off and no
+    replay: then every step here does nothing). The rollout path calls the `*_rollout` and `keep_*` steps around
+    TRL's generation and scoring, the forward path the router-pass steps around each log-prob forward, and the loss
+    opens `loss_forward` around its own."""
 
-    _replay = "none"  # `routing_replay`, read from the config by `__init__`
-    _router_hooks = None  # None for dense models, and with diagnostics=False and no replay (no hook installed)
-    _moe_role = None  # "old" or "loss" while one of the two observed forwards is next; None otherwise
-    _moe_inputs = None  # the micro-batch of the running loss forward
-    _sampler_routes = None  # R3: per-completion routes of the rollout being scored (moe/route_sources.py)
-    _rollout_routes = None  # RouteTable of pi_old's routes for the rollout being scored
-
-    def __init__(self, *args, **kwargs):
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        with _vllm_returns_routes(getattr(config, "routing_replay", "none") == "R3" and getattr(config, "use_vllm", False)):
-            super().__init__(*args, **kwargs)
-        self._replay = self.args.routing_replay
-        observe = self.args.diagnostics or self._replay != "none"
-        self._router_hooks = RouterHooks.for_model(self.model) if observe else None
-        self._check_routing_replay()
-        if self._replay == "R3" and self.use_vllm:
-            _capture_vllm_routes(self)
+    def __init__(self, run, replay: str, hooks: RouterHooks | None, model_config, diagnostics):
+        self.run, self.replay, self.hooks = run, replay, hooks  # run: trainer.RunView
+        self.model_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.diagnostics = diagnostics  # guards/diagnostics.py: the window the loss forward's metrics go to
+        self.role = None  # "old" or "loss" while one of the two observed forwards is next; None otherwise
+        self.loss_inputs = None  # the micro-batch of the running loss forward
+        self.at_sampler_weights = False  # the running loss forward's weights sampled its micro-batch
+        self.sampler_routes = None  # R3: per-completion routes of the rollout being scored (moe/route_sources.py)
+        self.rollout_routes = None  # RouteTable of pi_old's routes for the rollout being scored
+        self.old_pass_logps = None  # the log-probs of the observed pi_old forward (to pair them with TRL's pi_old)
+        self.vllm_routes = None  # R3 with vLLM: the routes of the last generation call, this process's completions
 
     # ------------------------------------------------------------------------------------------------ set-up
-    def _check_routing_replay(self):
-        mode = self._replay
-        if mode == "none":
+    def check(self, tools=None) -> None:
+        """Refuse replay on a model or a generation path it cannot serve (before the first step)."""
+        if self.replay == "none":
             return
-        name = getattr(self.model.config, "model_type", type(self.model).__name__)
-        if self._router_hooks is None:
+        name = getattr(self.model_config, "model_type", type(self.model_config).__name__)
+        if self.hooks is None:
             raise ValueError(
-                f"routing_replay={mode!r} needs a Mixture-of-Experts model, but {name!r} has no expert routers; use "
-                "routing_replay='none' for dense models."
+                f"routing_replay={self.replay!r} needs a Mixture-of-Experts model, but {name!r} has no expert routers; "
+                "use routing_replay='none' for dense models."
             )
-        self._router_hooks.check_replay_supported("routing_replay", mode)
-        if mode == "R3" and getattr(self, "tools", None):
+        self.hooks.check_replay_supported("routing_replay", self.replay)
+        if self.replay == "R3" and tools:
             raise ValueError(
                 "routing_replay='R3' records the sampler's routes of one generation call; multi-turn tool completions "
                 "(tools / environment_factory) interleave tool output the sampler never routed. Use routing_replay='R2'."
             )
 
-    # ------------------------------------------------------------ sampler routes (R3), called by rollout/pipeline.py
-    def _recording_sampler_routes(self):
-        """Context for one generation call of TRL's `generate` path: under R3, a log of the router calls (else None)."""
-        record = self._replay == "R3" and not self.use_vllm and not self.use_transformers_continuous_batching
-        return self._router_hooks.log_calls() if record else contextlib.nullcontext()
+    def capture_vllm_routes(self, generation, accelerator) -> None:
+        """R3 with vLLM: keep the routes the engine (colocate) or the server returns with each of TRL's generation
+        calls, this process's completions in TRL's order (`keep_sampler_routes` reads them). Server mode: TRL gathers
+        every process's prompts, only the main process has a client (`vllm_client`) and talks to the server, then
+        broadcasts the completions: the routes are read from the main process's client and broadcast the same way."""
+        seen = {"raw": None}
+        if getattr(generation, "mode", None) == "colocate":
+            seam.on_engine_outputs(generation.llm, lambda outputs: seen.update(raw=vllm_routes_from_outputs(outputs)))
+        elif not trl_compat.vllm_server_returns_routes():  # decided from TRL's client class: the same on every rank
+            raise ValueError(
+                f"routing_replay='R3' with vllm_mode='server': this TRL ({trl_compat.installed_trl_version()}) talks "
+                "to `trl vllm-serve`'s own endpoint, whose responses carry no expert routes. Use vllm_mode='colocate', "
+                "a TRL whose client calls vLLM's server directly (1.14.2 and 1.16 do), or routing_replay='R2'."
+            )
+        elif getattr(generation, "vllm_client", None) is not None:  # TRL creates the client on the main process only
+            client, responses = generation.vllm_client, ServerResponses()
+            if server_returns_routes(client) is False:  # said now, not at the first rollout
+                raise ValueError(
+                    f"routing_replay='R3' with vllm_mode='server': the vLLM server at {client.base_url} was started "
+                    "without --enable-return-routed-experts, so its replies carry no expert routes. Restart it with the "
+                    f"flag (`trl vllm-serve --model ... --enable-return-routed-experts`). {VLLM_ROUTES_PRECONDITIONS}"
+                )
 
-    def _keep_sampler_routes(self, prompt_ids, completion_ids, log):
+            def keep(url, payload, response):
+                responses.keep(url, payload, response)
+                seen["raw"] = responses.routes()
+
+            seam.on_server_responses(client, responses.start, keep)
+
+        def after(prompts):
+            self.vllm_routes = this_process_routes(seen["raw"], prompts, generation, accelerator)
+
+        seam.around_vllm_generate(generation, lambda: seen.update(raw=None), after)
+
+    # ------------------------------------------------------------------ sampler routes (R3), the rollout path
+    def recording_sampler_routes(self):
+        """Context for one generation call of TRL's `generate` path: under R3, a log of the router calls (else None)."""
+        record = self.replay == "R3" and self.run.sampling_path == "generate"
+        return self.hooks.log_calls() if record else contextlib.nullcontext()
+
+    def keep_sampler_routes(self, prompt_ids, completion_ids, log) -> None:
         """After one generation call: R3's routes of this call's completions, from the router log or from vLLM."""
         if log is not None:
             lengths = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
-            self._sampler_routes = (routes_from_generate(log, len(prompt_ids), *lengths), *lengths)
-        elif self._replay == "R3" and self.use_vllm:
-            raw = self.vllm_generation.last_routed_experts  # set by _capture_vllm_routes
-            self._sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "vLLM")
+            self.sampler_routes = (routes_from_generate(log, len(prompt_ids), *lengths), *lengths)
+        elif self.replay == "R3" and self.run.sampling_path == "vllm":
+            self.sampler_routes = self._ingest(self.vllm_routes, prompt_ids, completion_ids, "vLLM")
 
-    def _keep_generated_routes(self, prompt_ids, completion_ids, routes):
-        """R3 routes recorded by another copy of the model (rollout/async_rollouts.py's generator): one tensor per completion,
-        as `routes_from_generate` returns them."""
-        if self._replay == "R3":
+    def keep_earlier_routes(self, sampler_routes) -> None:
+        """R3's routes of completions sampled earlier (`Generation.sampler_routes`: the rollout pipeline scores them
+        now), or None before a generation that records its own."""
+        self.sampler_routes = sampler_routes
+
+    def keep_generated_routes(self, prompt_ids, completion_ids, routes) -> None:
+        """R3 routes recorded by another copy of the model (rollout/async_rollouts.py's generator): one tensor per
+        completion, as `routes_from_generate` returns them."""
+        if self.replay == "R3":
             if routes is None or len(routes) != len(completion_ids):
                 raise RuntimeError("routing_replay='R3': the generator returned no routes for these completions.")
-            self._sampler_routes = (routes, [len(p) for p in prompt_ids], [len(c) for c in completion_ids])
+            self.sampler_routes = (routes, [len(p) for p in prompt_ids], [len(c) for c in completion_ids])
 
-    def _keep_rollout_func_routes(self, outputs):
-        """After TRL's `_generate`: R3's routes returned by a `rollout_func` (`routed_experts`), and the check that
-        R3 got routes from whichever path generated."""
+    def keep_rollout_func_routes(self, outputs) -> None:
+        """After TRL's `_generate`: R3's routes returned by a `rollout_func` (`routed_experts`), and the check that R3
+        got routes from whichever path generated."""
         prompt_ids, completion_ids, extra_fields = outputs[0], outputs[1], outputs[5]
-        if self._replay == "R3" and self.rollout_func is not None:
+        if self.replay == "R3" and self.run.sampling_path == "rollout_func":
             raw = extra_fields.pop("routed_experts", None)  # not a reward-function column
             if raw is None:
                 raise ValueError(
                     "routing_replay='R3' with a rollout_func needs it to return 'routed_experts' (one [tokens, layers, "
                     "top_k] array per completion, layouts as in trl_gspo.moe.route_sources.routes_from_engine)."
                 )
-            self._sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "rollout_func")
-        if self._replay == "R3" and self._sampler_routes is None:
+            self.sampler_routes = self._ingest(raw, prompt_ids, completion_ids, "rollout_func")
+        if self.replay == "R3" and self.sampler_routes is None:
             raise RuntimeError("routing_replay='R3' but this generation path returned no routes.")
 
     def _ingest(self, raw, prompt_ids, completion_ids, where):
-        hooks = self._router_hooks
+        hooks = self.hooks
         if raw is None or len(raw) != len(completion_ids):
             raise ValueError(
                 f"routing_replay='R3': {where} returned routes for {0 if raw is None else len(raw)} completions, the "
                 f"batch has {len(completion_ids)} (vLLM: start it with enable_return_routed_experts / "
                 f"--enable-return-routed-experts; {VLLM_ROUTES_PRECONDITIONS})"
             )
-        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         layers = [r.decoder_layer for r in hooks.routers]
         routes = [
-            routes_from_engine(r, len(p), len(c), layers, config.num_hidden_layers, hooks.top_k, hooks.num_experts,
-                               f"{where} completion {i}")  # fmt: skip
+            routes_from_engine(
+                r,
+                len(p),
+                len(c),
+                layers,
+                self.model_config.num_hidden_layers,
+                hooks.top_k,
+                hooks.num_experts,
+                f"{where} completion {i}",
+            )
             for i, (r, p, c) in enumerate(zip(raw, prompt_ids, completion_ids, strict=True))
         ]
         return routes, [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
 
-    # ---------------------------------------------------------------- rollout batch, called by rollout/pipeline.py
-    def _begin_route_recording(self):
+    # ----------------------------------------------------------------------------- a rollout batch, scored
+    def begin_rollout(self) -> None:
         """Before TRL scores a rollout batch: observe its pi_old pass (when TRL runs one), nothing else."""
-        self._release_routes()
-        self._sampler_routes, self._rollout_routes = None, None
-        needed = self._router_hooks is not None and trl_compat.old_logprob_pass_needed(self)
-        self._moe_role = "old" if needed else None
-        self._old_pass_logps = None
+        self.release()
+        self.sampler_routes, self.rollout_routes = None, None
+        self.role = "old" if self.hooks is not None and self.run.old_pass_runs else None
+        self.old_pass_logps = None
 
-    def _end_route_recording(self):
-        self._moe_role = None
+    def end_rollout(self) -> None:
+        self.role = None
 
-    def _attach_routes(self, output):
+    def attach(self, output: dict) -> None:
         """Put pi_old's routes (R3: the sampler's) into the scored rollout batch as `old_routes` / `old_routes_valid`,
         per row like every other rollout tensor, so TRL's shuffle and split carry them to each micro-batch."""
-        if self._replay == "R3":
+        if self.replay == "R3":
             table = self._rollout_table(output["prompt_ids"].size(1), output["completion_ids"].size(1))
-        elif self._old_pass_logps is not None and output.get("old_per_token_logps") is self._old_pass_logps:
-            table = self._rollout_routes  # recorded in the forward whose log-probs TRL kept as pi_old
+        elif self.old_pass_logps is not None and output.get("old_per_token_logps") is self.old_pass_logps:
+            table = self.rollout_routes  # recorded in the forward whose log-probs TRL kept as pi_old
         else:
             table = None  # no pi_old forward ran (on-policy, or pi_old from the sampler): no routes to pair with it
         if table is not None:
             output["old_routes"], output["old_routes_valid"] = table.ids, table.valid
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["moe/replay/route_mb"].append(table.nbytes / 2**20)
-        self._sampler_routes, self._rollout_routes = None, None
+            self.run.log_metric("moe/replay/route_mb", table.nbytes / 2**20)
+        self.sampler_routes, self.rollout_routes = None, None
 
     def _rollout_table(self, prompt_width, completion_width) -> RouteTable:
         """R3: the sampler's routes in the rollout batch's layout (built once per rollout batch)."""
-        if self._rollout_routes is None:
-            routes, prompt_lens, completion_lens = self._sampler_routes
-            self._rollout_routes = place_routes(routes, prompt_lens, completion_lens, prompt_width, completion_width,
-                                                self._router_hooks.id_dtype)  # fmt: skip
-        return self._rollout_routes
+        if self.rollout_routes is None:
+            routes, prompt_lens, completion_lens = self.sampler_routes
+            self.rollout_routes = place_routes(
+                routes, prompt_lens, completion_lens, prompt_width, completion_width, self.hooks.id_dtype
+            )
+        return self.rollout_routes
 
     # ------------------------------------------------------------------------------------------ the forwards
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self._moe_role, self._moe_inputs = ("loss", inputs) if self._router_hooks is not None else (None, None)
+    @contextlib.contextmanager
+    def loss_forward(self, inputs: dict, at_sampler_weights: bool):
+        """Around the loss of one micro-batch: its forward is observed (replayed under R2 / R3, metrics recorded).
+        `at_sampler_weights`: the weights that sampled the micro-batch are the current ones (R3's mismatch metric)."""
+        observed = self.hooks is not None
+        self.role, self.loss_inputs = ("loss", inputs) if observed else (None, None)
+        self.at_sampler_weights = at_sampler_weights
         try:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            yield
         finally:
-            self._moe_role, self._moe_inputs = None, None
+            self.role, self.loss_inputs = None, None
 
-    def _release_routes(self):
-        if self._router_hooks is not None:
-            self._router_hooks.release()
+    def release(self) -> None:
+        """The step's forwards and backward are done: replayed routes are disarmed (generate() routes natively)."""
+        if self.hooks is not None:
+            self.hooks.release()
 
-    # Steps of the forward pipeline (forward/pipeline.py): which forward this is, the router pass around it, what it recorded.
-    def _take_route_role(self) -> str | None:
-        """"old" (TRL's pi_old pass), "loss" (the loss forward) or None: one observed forward per role."""
-        role, self._moe_role = self._moe_role, None
+    # Steps of the forward pipeline (forward/pipeline.py): which forward this is, the router pass around it, what it
+    # recorded.
+    def take_role(self) -> str | None:
+        """ "old" (TRL's pi_old pass), "loss" (the loss forward) or None: one observed forward per role."""
+        role, self.role = self.role, None
         return role
 
     @contextlib.contextmanager
-    def _route_pass(self, role, replay, batch, width):
+    def route_pass(self, role, replay, batch, width):
         """The router pass of one observed forward. Not observed (`role` None): a pass opened around this forward by
         the caller, if any, so its model calls still say which positions they hold; else None."""
         if role is None:
-            current = None if self._router_hooks is None else self._router_hooks.active
+            current = None if self.hooks is None else self.hooks.active
             yield current if isinstance(current, RouterPass) and not current.closed else None
             return
-        record = not (role == "old" and self._replay == "R3")  # R3's pi_old routes are the sampler's, already known
-        with self._router_hooks.forward_pass(
+        record = not (role == "old" and self.replay == "R3")  # R3's pi_old routes are the sampler's, already known
+        with self.hooks.forward_pass(
             batch, width, record=record, replay=replay, keep_for_recompute=torch.is_grad_enabled()
         ) as observed:
             yield observed
 
-    def _after_route_pass(self, role, replay, observed, out, logits_to_keep):
+    def after_route_pass(self, role, replay, observed, out, logits_to_keep) -> None:
         """Keep pi_old's routes for the rollout batch, or record the loss forward's routing metrics."""
         if observed.idle:
             return  # no model call ran: nothing observed
         problem = observed.check()
         if problem is not None:
-            if self._replay != "none":  # replay would force routes onto the wrong tokens, or have none to force
-                raise RuntimeError(f"routing_replay={self._replay!r}: {problem}; routes cannot be replayed reliably.")
+            if self.replay != "none":  # replay would force routes onto the wrong tokens, or have none to force
+                raise RuntimeError(f"routing_replay={self.replay!r}: {problem}; routes cannot be replayed reliably.")
             logger.warning("MoE routing metrics skipped for this forward: %s.", problem)
             return
         native = observed.native_routes()
         if role == "old":
-            self._old_pass_logps = out[0]
-            if self._replay == "R3":  # its pi_old routes are the sampler's, replayed here, not recorded
+            self.old_pass_logps = out[0]
+            if self.replay == "R3":  # its pi_old routes are the sampler's, replayed here, not recorded
                 return
             valid = observed.recorded_positions()  # forward/padding.py may have skipped all-padding columns
-            if self._replay == "none":  # metrics only need the completion part
+            if self.replay == "none":  # metrics only need the completion part
                 native, valid = native[:, -logits_to_keep:], valid[:, -logits_to_keep:]
-            self._rollout_routes = RouteTable(native.cpu(), valid.cpu())
+            self.rollout_routes = RouteTable(native.cpu(), valid.cpu())
         else:
-            self._record_moe_metrics(native[:, -logits_to_keep:], replay, logits_to_keep)
+            self._record_metrics(native[:, -logits_to_keep:], replay, logits_to_keep)
 
-    def _replay_table(self, role, width, logits_to_keep) -> RouteTable | None:
+    def replay_table(self, role, width, logits_to_keep) -> RouteTable | None:
         """Routes to force in this forward: R3's sampler routes in the pi_old pass; R2/R3's `old_routes` in the loss."""
-        if self._replay == "none":
+        if self.replay == "none":
             return None
         if role == "old":
-            return self._rollout_table(width - logits_to_keep, logits_to_keep) if self._replay == "R3" else None
-        ids, valid = self._moe_inputs.get("old_routes"), self._moe_inputs.get("old_routes_valid")
+            return self._rollout_table(width - logits_to_keep, logits_to_keep) if self.replay == "R3" else None
+        ids, valid = self.loss_inputs.get("old_routes"), self.loss_inputs.get("old_routes_valid")
         if ids is None:
             raise RuntimeError(
-                f"routing_replay={self._replay!r} but this micro-batch carries no routes (TRL skipped the pi_old forward "
-                "they are recorded in?)."
+                f"routing_replay={self.replay!r} but this micro-batch carries no routes (TRL skipped the pi_old "
+                "forward they are recorded in?)."
             )
         return RouteTable(ids, valid)
 
-    def _record_moe_metrics(self, current, replay, width):
+    def _record_metrics(self, current, replay, width):
         """Per micro-batch (device tensors only, no sync): shift, load, replay coverage, R3 sampler mismatch."""
-        window = self._diagnostics_window()
+        window = self.diagnostics.window(self.run.mode)
         if window is None:
             return
-        inputs = self._moe_inputs
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        inputs = self.loss_inputs
+        mask = (
+            inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        )
         mask = mask.bool()
         window.add_counts(
             "moe/expert_load",
-            metrics.expert_load(current, mask, self._router_hooks.num_experts),
+            metrics.expert_load(current, mask, self.hooks.num_experts),
             lambda load: {"moe/expert_load_cv": metrics.expert_load_cv(load)},
         )
         old = inputs.get("old_routes")
@@ -356,106 +404,36 @@ class MoERouting:
         window.add_means(shift)
         if replay is not None:
             window.add_means(metrics.replay_coverage_stats(old.valid, mask))
-        if self._replay == "R3" and self.model.training and self.state.global_step == self._rollout_sampled_at:
-            window.add_means({"moe/r3/sampler_mismatch": shift["moe/routing_shift"],
-                              "moe/r3/sampler_mismatch_any_layer": shift["moe/routing_shift_any_layer"]})  # fmt: skip
+        if self.replay == "R3" and self.run.training and self.at_sampler_weights:
+            window.add_means(
+                {
+                    "moe/r3/sampler_mismatch": shift["moe/routing_shift"],
+                    "moe/r3/sampler_mismatch_any_layer": shift["moe/routing_shift_any_layer"],
+                }
+            )
 
 
 # ------------------------------------------------------------------------------------------------- vLLM (R3)
-@contextlib.contextmanager
-def _vllm_returns_routes(enabled: bool):
-    """While TRL builds its colocated vLLM engine, build it with `enable_return_routed_experts=True`.
+def this_process_routes(raw, prompts, generation, accelerator):
+    """The routes of this process's completions among those one of TRL's vLLM generation calls returned (`raw`, in
+    TRL's order), or raise when the engine returned none. Server mode: the main process generated for all, so its
+    routes are broadcast and each process keeps its slice; tensor parallelism: every rank of a group generated the
+    group's prompts."""
+    if generation.mode == "server":
+        from accelerate.utils import broadcast_object_list
 
-    TRL constructs `vllm.LLM(...)` inside `VLLMGeneration` with a fixed argument list; the name `LLM` is looked up in
-    TRL's module at that moment, so it is swapped for the duration of the trainer's construction only."""
-    module = None
-    if enabled:
-        try:
-            from trl.generation import vllm_generation as module
-        except ImportError:
-            module = None
-    llm = getattr(module, "LLM", None)
-    if llm is None:
-        yield
-        return
-
-    def llm_with_routes(*args, **kwargs):
-        return llm(*args, **{**kwargs, "enable_return_routed_experts": True})
-
-    module.LLM = llm_with_routes
-    try:
-        yield
-    finally:
-        module.LLM = llm
-
-
-def _capture_vllm_routes(trainer):
-    """Keep the routes vLLM returns with each `VLLMGeneration.generate` call in `vllm_generation.last_routed_experts`
-    (this process's completions, in TRL's order), by wrapping the engine / client calls TRL makes on this instance.
-
-    Server mode: TRL gathers every process's prompts, and only the main process has a client (`vllm_client`) and
-    talks to the server; it then broadcasts the completions. The routes are read from the main process's client and
-    broadcast the same way, so every rank gets its own slice."""
-    generation = trainer.vllm_generation
-    seen = {"raw": None}
-    if getattr(generation, "mode", None) == "colocate":
-        llm_generate = generation.llm.generate
-
-        def generate_and_keep(*args, **kwargs):
-            outputs = llm_generate(*args, **kwargs)
-            seen["raw"] = vllm_routes_from_outputs(outputs)
-            return outputs
-
-        generation.llm.generate = generate_and_keep
-    elif not trl_compat.vllm_server_returns_routes():  # decided from TRL's client class: the same on every rank
+        box = [raw]
+        broadcast_object_list(box, from_process=0)
+        start = accelerator.process_index * len(prompts)
+        raw = None if box[0] is None else box[0][start : start + len(prompts)]
+    elif getattr(generation, "tensor_parallel_size", 1) > 1 and raw is not None:
+        rank = torch.distributed.get_rank(group=generation.tp_group)
+        raw = raw[rank * len(prompts) : (rank + 1) * len(prompts)]
+    if raw is None or any(r is None for r in raw):
         raise ValueError(
-            f"routing_replay='R3' with vllm_mode='server': this TRL ({trl_compat.installed_trl_version()}) talks to "
-            "`trl vllm-serve`'s own endpoint, whose responses carry no expert routes. Use vllm_mode='colocate', "
-            "a TRL whose client calls vLLM's server directly (1.14.2 and 1.16 do), or routing_replay='R2'."
+            "routing_replay='R3' with vLLM: the engine returned no routed_experts. Colocate: trl-gspo builds the "
+            "engine with enable_return_routed_experts=True (needs vLLM >= 0.14). Server: start the server with "
+            "--enable-return-routed-experts (e.g. `trl vllm-serve --model ... --enable-return-routed-experts`). "
+            f"{VLLM_ROUTES_PRECONDITIONS}"
         )
-    elif getattr(generation, "vllm_client", None) is not None:  # TRL creates the client on the main process only
-        client, responses = generation.vllm_client, ServerResponses()
-        if server_returns_routes(client) is False:  # said now, not at the first rollout
-            raise ValueError(
-                f"routing_replay='R3' with vllm_mode='server': the vLLM server at {client.base_url} was started "
-                "without --enable-return-routed-experts, so its replies carry no expert routes. Restart it with the "
-                f"flag (`trl vllm-serve --model ... --enable-return-routed-experts`). {VLLM_ROUTES_PRECONDITIONS}"
-            )
-        client_generate = client.generate
-
-        def client_generate_and_keep(*args, **kwargs):
-            responses.start(kwargs.get("prompts", args[0] if args else None))
-            out = client_generate(*args, **kwargs)
-            seen["raw"] = responses.routes()
-            return out
-
-        client.generate = client_generate_and_keep
-        trl_compat.watch_vllm_server_responses(client, responses.keep)
-    generate = generation.generate
-
-    def generate_with_routes(prompts, *args, **kwargs):
-        seen["raw"] = None
-        out = generate(prompts, *args, **kwargs)
-        raw = seen["raw"]
-        accelerator = trainer.accelerator
-        if generation.mode == "server":  # the main process generated for all: share, then keep this process's slice
-            from accelerate.utils import broadcast_object_list
-
-            box = [raw]
-            broadcast_object_list(box, from_process=0)
-            start = accelerator.process_index * len(prompts)
-            raw = None if box[0] is None else box[0][start : start + len(prompts)]
-        elif getattr(generation, "tensor_parallel_size", 1) > 1 and raw is not None:  # every TP rank generated the group's
-            rank = torch.distributed.get_rank(group=generation.tp_group)
-            raw = raw[rank * len(prompts) : (rank + 1) * len(prompts)]
-        if raw is None or any(r is None for r in raw):
-            raise ValueError(
-                "routing_replay='R3' with vLLM: the engine returned no routed_experts. Colocate: trl-gspo builds the "
-                "engine with enable_return_routed_experts=True (needs vLLM >= 0.14). Server: start the server with "
-                f"--enable-return-routed-experts (e.g. `trl vllm-serve --model ... --enable-return-routed-experts`). "
-                f"{VLLM_ROUTES_PRECONDITIONS}"
-            )
-        generation.last_routed_experts = raw
-        return out
-
-    generation.generate = generate_with_routes
+    return raw

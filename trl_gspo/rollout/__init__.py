@@ -1,8 +1,8 @@
 """The rollout path: how a scored rollout batch is produced.
 
-`pipeline` (the `RolloutPipeline` mixin, `SynchronousRollouts`, sampling apart from scoring); its other sources:
+`pipeline` (the `RolloutPipeline` part, `SynchronousRollouts`, sampling apart from scoring); its other sources:
 `dynamic_sampling` (with its filter and filling policy, `group_filling`) and `async_rollouts` (with the generator
-thread and backends, `async_backends`, and its options, `async_options`); the registry that picks one from the
+thread and backends, `async_backends` and `async_server`, and its options, `async_options`); the registry that picks one from the
 config (`sources`); `prompt_stream` (TRL's prompt order computed ahead) and `sampler_logprobs` (the sampler's
 log-probs reused as pi_old).
 

@@ -16,13 +16,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from urllib.parse import urlsplit
 
 import torch
 
-from ..common import trl_compat
+from ..common import seam, trl_compat
 from ..moe.route_sources import routes_from_generate
 from ..moe.routing import RouterHooks
+from .async_server import VLLMServerGenerator
 from .pipeline import Completions, GenerationRequest
 from .sampler_logprobs import SamplerLogprobRecorder
 
@@ -57,7 +57,9 @@ class GenerationWorker:
         return future
 
     def _run(self):
-        torch.set_num_threads(torch.get_num_threads())  # this thread's OpenMP team: the process's setting, not its default
+        torch.set_num_threads(
+            torch.get_num_threads()
+        )  # this thread's OpenMP team: the process's setting, not its default
         while True:
             item = self._queue.get()
             if item is None:
@@ -98,9 +100,19 @@ class GenerationWorker:
 
 
 # ---------------------------------------------------------------------------------------------------- backends
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")  # fmt: skip
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 def generator_copy(module: torch.nn.Module, device) -> torch.nn.Module:
@@ -170,9 +182,12 @@ def seeded_sampling(config):
     def cutoff(value):
         return value is not None and 0.0 < value < 1.0
 
-    others = {"top_h": getattr(config, "top_h", None) is not None, "typical_p": cutoff(getattr(config, "typical_p", None)),
-              "epsilon_cutoff": cutoff(getattr(config, "epsilon_cutoff", None)),
-              "eta_cutoff": cutoff(getattr(config, "eta_cutoff", None))}  # fmt: skip
+    others = {
+        "top_h": getattr(config, "top_h", None) is not None,
+        "typical_p": cutoff(getattr(config, "typical_p", None)),
+        "epsilon_cutoff": cutoff(getattr(config, "epsilon_cutoff", None)),
+        "eta_cutoff": cutoff(getattr(config, "eta_cutoff", None)),
+    }
     for name in (name for name, active in others.items() if active):
         raise ValueError(
             f"async_generation with max_staleness >= 1 samples with its own seeded sampler, which rebuilds temperature, "
@@ -210,7 +225,7 @@ class TransformersGenerator:
         self._filled = False
         module = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self._recorder = functools.partial(SamplerLogprobRecorder, module, trainer.temperature)
-        self._routes = RouterHooks.for_model(self.model) if getattr(trainer, "_replay", "none") == "R3" else None
+        self._routes = RouterHooks.for_model(self.model) if args.routing_replay == "R3" else None
         self.config = trainer.generation_config
         self.sampling = seeded_sampling(self.config) if seeded else None
         self.seed, self.process_index = args.seed, trainer.accelerator.process_index
@@ -244,15 +259,17 @@ class TransformersGenerator:
         return deepspeed.zero.GatheredParameters([param], modifier_rank=None)
 
     def request(self, request: GenerationRequest, rollout: int, sampled_at: int):
-        images, fields, _ = trl_compat.single_turn_request(self.trainer, request.single_turn_args,
-                                                           request.single_turn_kwargs or {})  # fmt: skip
+        images, fields, _ = trl_compat.single_turn_request(
+            self.trainer, request.single_turn_args, request.single_turn_kwargs or {}
+        )
         if images is not None or fields:
             raise ValueError("async_generation does not support image prompts yet; set async_generation=False.")
-        return functools.partial(self._generate, request.prompt_ids, rollout, sampled_at)
+        return functools.partial(self._generate_batch, request.prompt_ids, rollout, sampled_at)
 
     def completions(self, result: dict) -> Completions:
-        return Completions(result["sampled_at"], result["prompt_ids"], result["completion_ids"], result["logprobs"],
-                           result["routes"])  # fmt: skip
+        return Completions(
+            result["sampled_at"], result["prompt_ids"], result["completion_ids"], result["logprobs"], result["routes"]
+        )
 
     def answering(self, result):
         return _nothing()
@@ -268,28 +285,41 @@ class TransformersGenerator:
             self._params[name].copy_(tensor)
 
     @torch.no_grad()
-    def _generate(self, prompt_ids: list, rollout: int, sampled_at: int) -> dict:
+    def _generate_batch(self, prompt_ids: list, rollout: int, sampled_at: int) -> dict:
         """TRL's transformers generation (left-padded prompts, `generate`, cut after the first EOS) on the copy."""
         from transformers import LogitsProcessorList, StoppingCriteriaList
         from trl.trainer.utils import pad
 
         rows = [torch.tensor(ids) for ids in prompt_ids]
-        input_ids = pad(rows, padding_value=self.pad_token_id, padding_side="left", pad_to_multiple_of=self.pad_to_multiple_of)
-        attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left",
-                             pad_to_multiple_of=self.pad_to_multiple_of)  # fmt: skip
+        input_ids = pad(
+            rows, padding_value=self.pad_token_id, padding_side="left", pad_to_multiple_of=self.pad_to_multiple_of
+        )
+        attention_mask = pad(
+            [torch.ones_like(r) for r in rows],
+            padding_value=0,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
         kwargs = {"generation_config": self.config}
         if self.sampling is not None:  # overlapping the trainer: noise from a generator of this rollout, not global
             greedy, warpers = self.sampling
             g = torch.Generator(device=self.device)
             g.manual_seed(((self.seed * 1_000_003 + rollout) * 1_009 + self.process_index) % 2**63)
-            kwargs = {"generation_config": greedy, "logits_processor": LogitsProcessorList([*warpers, _GumbelMaxSampling(g)])}
+            kwargs = {
+                "generation_config": greedy,
+                "logits_processor": LogitsProcessorList([*warpers, _GumbelMaxSampling(g)]),
+            }
         route_log = self._routes.log_calls() if self._routes is not None else _nothing()
         # synced_gpus=False: transformers turns it on under ZeRO-3 / FSDP (an all-reduce per token, a collective this
         # thread must not make); the copy holds full weights, so each process generates on its own.
         with self.autocast(), self._recorder() as recorder, route_log as log:
-            out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                      stopping_criteria=StoppingCriteriaList([_StopWhenClosing(self.closing)]),
-                                      synced_gpus=False, **kwargs)  # fmt: skip
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                stopping_criteria=StoppingCriteriaList([_StopWhenClosing(self.closing)]),
+                synced_gpus=False,
+                **kwargs,
+            )
         if self.closing.is_set():
             raise _Cancelled()
         completion = out[:, input_ids.size(1) :]
@@ -299,10 +329,16 @@ class TransformersGenerator:
         completion_ids = [c[m].tolist() for c, m in zip(completion.cpu(), keep.cpu(), strict=True)]
         routes = None
         if log is not None:
-            routes = routes_from_generate(log, len(prompt_ids), [len(p) for p in prompt_ids],
-                                          [len(c) for c in completion_ids])  # fmt: skip
-        return {"sampled_at": sampled_at, "prompt_ids": prompt_ids, "completion_ids": completion_ids,
-                "logprobs": recorder.completion_logprobs(completion_ids), "routes": routes}  # fmt: skip
+            routes = routes_from_generate(
+                log, len(prompt_ids), [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
+            )
+        return {
+            "sampled_at": sampled_at,
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "logprobs": recorder.completion_logprobs(completion_ids),
+            "routes": routes,
+        }
 
 
 class _nothing:
@@ -315,133 +351,6 @@ class _nothing:
         return False
 
 
-class _Captured(Exception):
-    def __init__(self, url, kwargs):
-        super().__init__("captured")
-        self.url, self.kwargs = url, kwargs
-
-
-def _same_request(url: str, body, sent_url: str, sent_body) -> bool:
-    """Whether TRL's request now is the one sent ahead of time. The server's address and the served name may differ
-    after a resume (a server restarted elsewhere, whose model `check_served_model` has compared): the endpoint and the
-    rest of the body may not."""
-
-    def without_model(body):
-        return {k: v for k, v in body.items() if k != "model"} if isinstance(body, dict) else body
-
-    return urlsplit(url).path == urlsplit(sent_url).path and without_model(body) == without_model(sent_body)
-
-
-class _ServerRequests:
-    """Wraps the main process's TRL vLLM client `session.post`: capture the request TRL's client would send (to send it
-    from the generator thread), and answer TRL's own call with that response when the batch is scored. Other requests
-    (weight updates, cache resets, evaluation) pass through."""
-
-    def __init__(self, client):
-        self.client, self.post = client, client.session.post
-        self._capturing, self._answer = False, None
-        client.session.post = self._post
-
-    def capture(self, call):
-        self._capturing = True
-        try:
-            call()
-        except _Captured as captured:
-            return captured.url, captured.kwargs
-        finally:
-            self._capturing = False
-        raise RuntimeError("TRL's vLLM client returned without sending a generation request.")
-
-    def send(self, url: str, kwargs: dict, timeout: float) -> dict:
-        """Generator thread: the request, as TRL's client would send it; the response as plain values."""
-        import requests
-
-        try:
-            response = self.post(url, timeout=timeout, **kwargs)
-        except requests.exceptions.Timeout as exc:
-            raise TimeoutError(f"The vLLM server at {url} did not answer within {timeout:g} s.") from exc
-        if response.status_code != 200:
-            raise RuntimeError(f"The vLLM server at {url} answered {response.status_code}: {response.text[:2000]}")
-        return {"url": url, "json": kwargs.get("json"), "text": response.text}
-
-    def answer(self, result: dict | None):
-        self._answer = result
-
-    def _post(self, url, **kwargs):
-        if self._capturing:
-            raise _Captured(url, kwargs)
-        answer, self._answer = self._answer, None
-        if answer is None:
-            return self.post(url, **kwargs)
-        if not _same_request(url, kwargs.get("json"), answer["url"], answer["json"]):
-            raise RuntimeError(
-                "async_generation: the request TRL's vLLM client makes now differs from the one sent ahead of time "
-                "(trl_compat.vllm_server_sampling_params is out of date for this TRL?); use async_generation=False."
-            )
-        import requests
-
-        response = requests.models.Response()
-        response.status_code, response._content, response.encoding, response.url = 200, answer["text"].encode(), "utf-8", url
-        return response
-
-    def close(self):
-        self.client.session.__dict__.pop("post", None)
-
-
-class VLLMServerGenerator:
-    """TRL's vLLM server path with only the HTTP request in the generator thread (module docstring)."""
-
-    needs_idle_sync = True  # the server holds one set of weights: they change only when no request is in flight
-
-    def __init__(self, trainer, timeout: float):
-        self.trainer, self.generation, self.timeout = trainer, trainer.vllm_generation, timeout
-        self.main = trainer.accelerator.is_main_process
-        self.requests = _ServerRequests(self.generation.vllm_client) if self.main else None
-        self.where = getattr(getattr(self.generation, "vllm_client", None), "base_url", "the vLLM server")
-
-    def push_weights(self, busy: bool):
-        self.generation.sync_weights()  # collective: every process, main thread
-        self.trainer._last_loaded_step = self.trainer.state.global_step  # TRL's own call then finds them current
-        return None
-
-    def request(self, request: GenerationRequest, rollout: int, sampled_at: int):
-        from accelerate.utils import gather_object
-
-        images, fields, n = trl_compat.single_turn_request(self.trainer, request.single_turn_args,
-                                                           request.single_turn_kwargs or {})  # fmt: skip
-        if images is not None or fields:
-            raise ValueError("async_generation does not support image prompts yet; set async_generation=False.")
-        prompts = gather_object(request.prompt_ids)  # collective, as TRL's server path gathers them
-        if not self.main:
-            return None
-        params = trl_compat.vllm_server_sampling_params(self.generation, n)
-        client = self.generation.vllm_client
-        url, kwargs = self.requests.capture(lambda: client.generate(prompts=prompts[::n], **params))
-        return functools.partial(self.requests.send, url, kwargs, self.timeout)
-
-    def completions(self, result) -> Completions:
-        return Completions(sampled_at=-1)  # no ids: TRL's server path runs, `answering` makes its client answer
-
-    def answering(self, result):
-        requests = self.requests
-
-        class _Answer:
-            def __enter__(self):
-                if requests is not None:
-                    requests.answer(result)
-
-            def __exit__(self, *exc):
-                if requests is not None:
-                    requests.answer(None)
-                return False
-
-        return _Answer()
-
-    def close(self):
-        if self.requests is not None:
-            self.requests.close()
-
-
 class RolloutFuncGenerator:
     """The `rollout_func`, called in the generator thread with the prompts TRL would pass it."""
 
@@ -452,7 +361,7 @@ class RolloutFuncGenerator:
     def push_weights(self, busy: bool):
         if self.trainer.use_vllm:  # TRL pushes weights before calling a rollout_func that relies on its vLLM
             self.trainer.vllm_generation.sync_weights()
-            self.trainer._last_loaded_step = self.trainer.state.global_step
+            seam.mark_weights_pushed(self.trainer)
         return None
 
     def request(self, request: GenerationRequest, rollout: int, sampled_at: int):

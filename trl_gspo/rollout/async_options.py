@@ -85,7 +85,9 @@ class AsyncOptions:
             try:
                 torch.device(self.generation_device)
             except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"generation_device={self.generation_device!r} is not a torch device ({exc}).") from None
+                raise ValueError(
+                    f"generation_device={self.generation_device!r} is not a torch device ({exc})."
+                ) from None
         if not self.async_generation:
             return
         if self.use_vllm and self.vllm_mode == "colocate":

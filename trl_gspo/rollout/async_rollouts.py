@@ -43,7 +43,7 @@ process. Backends (the generator side, async_backends.py):
 With dynamic sampling (`dynamic_sampling=True` too) the jobs are sampling rounds (positions of the prompt stream)
 instead of rollout batches, and the main thread fills each batch from them (`_next_filled_batch`).
 
-The decoupled objective (`decoupled_behaviour_weight`, the loss's hook 3): the clipped ratio stays current / proximal
+The decoupled objective (`DecoupledBehaviourWeight`, the loss's hook 3): the clipped ratio stays current / proximal
 (TRL's pi_old pass, recomputed when training on the batch starts; without off-policy mini-batches pi_old is the
 current policy itself), and a detached behaviour weight proximal / sampler multiplies the loss: length-normalised
 per sequence for `sequence` / `sequence_token`, per token for `token`, bounded by TRL's `vllm_importance_sampling_*`
@@ -76,32 +76,41 @@ CLOSE_TIMEOUT_S = 10.0
 
 
 # ------------------------------------------------------------------------------------- the decoupled objective
-def decoupled_behaviour_weight(trainer, inputs: dict, proximal_logps, mask) -> torch.Tensor | None:
-    """The behaviour weight `pi_prox / mu` of one training micro-batch, bounded as the config says (module docstring),
-    with its statistics added to the logging window; None when the correction is off or the sampler returned no
-    log-probs (logged once)."""
-    args = trainer.args
-    if not args.vllm_importance_sampling_correction:
-        return None
-    behaviour = inputs.get("sampling_per_token_logps")
-    if behaviour is None:
-        if not getattr(trainer, "_warned_no_behaviour_logps", False):
-            logger.warning("async_generation: this generation path returned no sampler log-probs (a rollout_func "
-                           "without 'logprobs'?), so stale samples are trained without the behaviour weight.")  # fmt: skip
-            trainer._warned_no_behaviour_logps = True
-        return None
-    per_sequence = trainer.importance_sampling_level in losses.SEQUENCE_LEVELS
-    log_w = losses.behaviour_log_weights(proximal_logps, behaviour, mask, per_sequence,
-                                         args.vllm_importance_sampling_length_normalized)  # fmt: skip
-    bound = "truncate" if args.vllm_importance_sampling_mode.endswith("truncate") else "mask"
-    weights, outside = losses.bounded_behaviour_weights(
-        log_w, bound, args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max, args.max_log_ratio
-    )
-    valid = (mask.sum(-1, keepdim=True) > 0) if per_sequence else mask.bool()
-    window = trainer._diagnostics["train"]  # reduced across processes at log time (metrics.MetricWindow)
-    window.add_values("async/behaviour_weight", losses.importance_ratio(log_w, args.max_log_ratio), valid)
-    window.add_means({"async/behaviour_weight/outside_frac": torch.stack([(outside & valid).sum(), valid.sum()]).float()})
-    return weights
+class DecoupledBehaviourWeight:
+    """The loss's hook 3 under asynchronous generation: the behaviour weight `pi_prox / mu` of one training
+    micro-batch, bounded as the config says (module docstring), its statistics added to `window` (the diagnostics'
+    training window, reduced across processes at log time, whatever `diagnostics` says)."""
+
+    def __init__(self, args, window):
+        self.args, self.window = args, window
+        self.per_sequence = args.importance_sampling_level in losses.SEQUENCE_LEVELS
+        self._warned = False
+
+    def __call__(self, inputs: dict, proximal_logps, mask) -> torch.Tensor | None:
+        """The weight, or None when the correction is off or the sampler returned no log-probs (logged once)."""
+        args = self.args
+        if not args.vllm_importance_sampling_correction:
+            return None
+        behaviour = inputs.get("sampling_per_token_logps")
+        if behaviour is None:
+            if not self._warned:
+                logger.warning(
+                    "async_generation: this generation path returned no sampler log-probs (a rollout_func "
+                    "without 'logprobs'?), so stale samples are trained without the behaviour weight."
+                )
+                self._warned = True
+            return None
+        log_w = losses.behaviour_log_weights(
+            proximal_logps, behaviour, mask, self.per_sequence, args.vllm_importance_sampling_length_normalized
+        )
+        bound = "truncate" if args.vllm_importance_sampling_mode.endswith("truncate") else "mask"
+        low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+        weights, outside = losses.bounded_behaviour_weights(log_w, bound, low, high, args.max_log_ratio)
+        valid = (mask.sum(-1, keepdim=True) > 0) if self.per_sequence else mask.bool()
+        self.window.add_values("async/behaviour_weight", losses.importance_ratio(log_w, args.max_log_ratio), valid)
+        outside_frac = torch.stack([(outside & valid).sum(), valid.sum()]).float()
+        self.window.add_means({"async/behaviour_weight/outside_frac": outside_frac})
+        return weights
 
 
 # ------------------------------------------------------------------------------------------------- the source
@@ -120,8 +129,8 @@ class _Job:
 class AsyncRollouts:
     """`RolloutSource` that generates rollout batches ahead of time in a generator thread (module docstring)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, trainer, pipeline):
+        self.trainer, self.pipeline = trainer, pipeline  # TRL's trainer; rollout/pipeline.py's steps over its code
         self.staleness = trainer.args.max_staleness
         self.timeout = float(trainer.args.async_generation_timeout)
         for name in ("tools", "environment_factories"):
@@ -132,7 +141,7 @@ class AsyncRollouts:
                 )
         self.filler = None  # dynamic sampling: the filling policy, answered by the jobs (see `_next_filled_batch`)
         if trainer.args.dynamic_sampling:
-            self.filler = DynamicSampling(trainer)
+            self.filler = DynamicSampling(trainer, pipeline)
         self.worker = self.backend = self.stream = None
         # rollout index (with dynamic sampling: position of the generation round in the prompt stream) -> its
         # generation, sent and not yet consumed
@@ -225,7 +234,7 @@ class AsyncRollouts:
         completions = self.backend.completions(job.result)
         completions.sampled_at = job.sampled_at
         with self.backend.answering(job.result):
-            return self.trainer._sample(inputs, completions)
+            return self.pipeline.sample(inputs, completions)
 
     def _sync_point(self, first: int, last: int) -> float:
         """Wait as the backend needs, push the trainer's weights, send the requests through `last`; seconds waited."""
@@ -292,9 +301,12 @@ class AsyncRollouts:
 
     def close(self) -> None:
         if self.worker is not None and not self.worker.close(CLOSE_TIMEOUT_S):
-            logger.warning("The generator thread is still waiting for %s after %.0f s; it is a daemon thread and ends "
-                           "with its request or with the process.", getattr(self.backend, "where", "a request"),
-                           CLOSE_TIMEOUT_S)  # fmt: skip
+            logger.warning(
+                "The generator thread is still waiting for %s after %.0f s; it is a daemon thread and ends "
+                "with its request or with the process.",
+                getattr(self.backend, "where", "a request"),
+                CLOSE_TIMEOUT_S,
+            )
         if self.backend is not None:
             self.backend.close()
         self.worker = self.backend = None
@@ -341,7 +353,7 @@ class AsyncRollouts:
 
     def _send(self, rollout: int):
         """TRL's prompt preparation for `rollout` (a collective on some backends), its request to the generator."""
-        request = self.trainer._generation_request(self.stream.batch(rollout))
+        request = self.pipeline.request(self.stream.batch(rollout))
         fn = self.backend.request(request, rollout, self._pushed_at)
         future = self.worker.submit(fn) if fn is not None else None
         self.jobs[rollout] = _Job(self._pushed_at, future, batch=self._batch)
@@ -370,16 +382,13 @@ class AsyncRollouts:
         return sum(self._wait(rollout, job) for rollout, job in sorted(self.jobs.items()))
 
     def _score(self, generation_batch: list, job: _Job) -> dict:
-        trainer = self.trainer
         completions = self.backend.completions(job.result)
         completions.sampled_at = job.sampled_at
-        trainer._injected = completions
-        try:
-            with self.backend.answering(job.result):
-                batch = trainer._generate_and_score_completions(generation_batch)
-        finally:
-            trainer._injected = None
+        with self.backend.answering(job.result):
+            batch = self.pipeline.score_completions(generation_batch, completions)
         rows = batch["completion_ids"].size(0)
-        batch["sampled_at"] = torch.full((rows,), job.sampled_at, dtype=torch.long, device=batch["completion_ids"].device)
+        batch["sampled_at"] = torch.full(
+            (rows,), job.sampled_at, dtype=torch.long, device=batch["completion_ids"].device
+        )
         self._sampled_at = job.sampled_at
         return batch

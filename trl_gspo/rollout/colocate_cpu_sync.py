@@ -25,8 +25,9 @@ sync writes the engine's parameters directly there.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+
+from ..common import seam
 
 logger = logging.getLogger(__name__)
 
@@ -62,22 +63,20 @@ def check_cpu_colocate_supported(use_vllm: bool, vllm_mode: str) -> None:
 
 
 def enable_cpu_colocate_sync(trainer) -> bool:
-    """On the CPU build in colocate mode, wrap `trainer.vllm_generation.sync_weights` (TRL's sync, which TRL calls
-    before generating with new weights) in vLLM's layer-wise reload. Returns whether it did."""
+    """On the CPU build in colocate mode, run TRL's `trainer.vllm_generation.sync_weights` (which TRL calls before
+    generating with new weights) inside vLLM's layer-wise reload (common/seam.py: `sync_weights_inside`). Returns
+    whether it did."""
     if not (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_mode", None) == "colocate"):
         return False
     if not cpu_build():
         return False
     generation = trainer.vllm_generation
-    trl_sync = generation.sync_weights
 
-    @functools.wraps(trl_sync)
-    def sync_weights(*args, **kwargs):
+    def reload():
         runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
-        with layerwise_reload(runner.model, runner.model_config):
-            return trl_sync(*args, **kwargs)
+        return layerwise_reload(runner.model, runner.model_config)
 
-    generation.sync_weights = sync_weights
+    seam.sync_weights_inside(generation, reload)
     logger.info("vLLM colocate on the CPU build: weight syncs run inside vLLM's layer-wise reload.")
     return True
 
@@ -103,8 +102,11 @@ def _repack_tied_heads(model) -> None:
     """An output head that shares the input embedding's weight: pack it again from that (updated) weight."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    embeddings = {id(module.weight) for module in model.modules()
-                  if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)}  # fmt: skip
+    embeddings = {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+    }
     for module in model.modules():
         if isinstance(module, ParallelLMHead) and id(getattr(module, "weight", None)) in embeddings:
             module.quant_method.process_weights_after_loading(module)

@@ -8,14 +8,14 @@ until the batch is full. `GSPOConfig(dynamic_sampling=True)` does that as the ro
 
     fill():  round r = 0, 1, ... until the batch is full or r = max_sampling_rounds:
         inputs     = the next generation batch of the training data, in the sampler's order (rollout/prompt_stream.py)
-        generation = trainer._sample(inputs)                    TRL's prompt preparation and generation
+        generation = pipeline.sample(inputs)                    TRL's prompt preparation and generation
         rewards    = trainer._calculate_rewards(...)            TRL's reward functions, gathered over processes
         keep       = the groups that pass the filter, decided on the gathered rewards (so every process agrees)
       plan = GroupFilling.plan(): the first passing groups in data order, up to the batch size; if the cap came
              first, `shrink` (train on what passed) or `pad` (fill up with the best groups that failed)
       assemble(): the planned groups dealt to processes in equal shares, whole groups kept in order where possible
              (rows move between processes only where one passed more groups than its share)
-    next_batch() = trainer._score(inputs, generation, rewards)     TRL's scoring of the kept rows only (pi_old and
+    next_batch() = pipeline.score(inputs, generation, rewards)     TRL's scoring of the kept rows only (pi_old and
                                                                     reference passes, advantages): nothing dropped
                                                                     is forwarded again
 
@@ -31,7 +31,7 @@ rounded down to a multiple of `batch_unit` (1 on one process whenever `steps_per
 the best failing groups pad up to it. With equal micro-batches every `loss_type` normalises a shrunk batch as a batch
 of that size generated from the start: `grpo`/`sapo`/`luspo` average over the rows of each optimizer step,
 `dr_grpo` divides by rows x `max_completion_length`, `bnpo` by the micro-batch's tokens, and `dapo`/`cispo` by the
-kept batch's own token count (TRL's `num_items_in_batch`, computed by `_score` on the kept rows) per optimizer step.
+kept batch's own token count (TRL's `num_items_in_batch`, computed by `score` on the kept rows) per optimizer step.
 So a shrunk step has the per-sequence (or per-token) weight of a full one; it is noisier, not larger or smaller.
 `tests/test_dynamic_sampling.py` checks loss and gradients against a hand computation for `grpo` and `dapo`.
 
@@ -146,8 +146,12 @@ class DynamicSamplingOptions:
 
     def _validate_options(self):
         check_bool("dynamic_sampling", self.dynamic_sampling)
-        check_int("max_sampling_rounds", self.max_sampling_rounds, 1, "generation rounds per rollout batch, the "
-                  "first included")  # fmt: skip
+        check_int(
+            "max_sampling_rounds",
+            self.max_sampling_rounds,
+            1,
+            "generation rounds per rollout batch, the first included",
+        )
         check_choice("dynamic_sampling_underfill", self.dynamic_sampling_underfill, UNDERFILL_POLICIES)
         rule = self.dynamic_sampling_filter
         if not isinstance(rule, str) or (rule != REWARD_STD and "." not in rule):
@@ -170,12 +174,12 @@ class Round:
     extra_logs: dict  # completion-table columns the reward functions logged (`log_extra`), per local row
 
 
-def sample_round(trainer, stream, rollout: int, group_filter=None, sample=None) -> Round:
+def sample_round(trainer, pipeline, stream, rollout: int, group_filter=None, sample=None) -> Round:
     """Generate for generation batch `rollout` of the stream, score it with the reward functions and decide which
     groups pass. Collective: every process calls it for the same `rollout`. `sample(rollout, inputs) -> Generation`
-    replaces `trainer._sample(inputs)` (asynchronous generation answers it with completions generated ahead)."""
+    replaces `pipeline.sample(inputs)` (asynchronous generation answers it with completions generated ahead)."""
     inputs = stream.batch(rollout)
-    generation = sample(rollout, inputs) if sample is not None else trainer._sample(inputs)
+    generation = sample(rollout, inputs) if sample is not None else pipeline.sample(inputs)
     if generation.prompts is None:
         raise RuntimeError("dynamic sampling needs the prompts of each generation (Generation.prompts).")
     prompt_ids, completion_ids, _, completions, _, extra_fields, _, _ = generation.outputs
@@ -210,8 +214,13 @@ def assemble(trainer, stream, rounds: list[Round], plan: FillPlan):
 
         outgoing = []  # per round: the keys and rows this process generated that another one will train on
         for r, round_ in enumerate(rounds):
-            keys = [key for p, share in enumerate(shares) if p != me for key in share
-                    if key[0] == r and key[1] // local_rows == me]  # fmt: skip
+            keys = [
+                key
+                for p, share in enumerate(shares)
+                if p != me
+                for key in share
+                if key[0] == r and key[1] // local_rows == me
+            ]
             if keys:
                 rows = [key[1] - me * local_rows for key in keys]
                 logs = {c: [v[i] for i in rows] for c, v in round_.extra_logs.items()}
@@ -264,14 +273,19 @@ def log_fill(trainer, rounds: list[Round], plan: FillPlan, generation: Generatio
     """`dynamic_sampling/*` and TRL's reward metrics measured before filtering (replacing the kept batch's)."""
     metrics = trainer._metrics["train"]
     every = torch.cat([round_.rewards for round_ in rounds])
-    for name, value in prefilter_reward_metrics(every, trainer.reward_weights, trainer.reward_func_names,
-                                                trainer.num_generations).items():  # fmt: skip
+    for name, value in prefilter_reward_metrics(
+        every, trainer.reward_weights, trainer.reward_func_names, trainer.num_generations
+    ).items():
         if metrics.get(name):
-            metrics[name][-1] = value  # the value `_score` just logged for the kept rows
+            metrics[name][-1] = value  # the value `score` just logged for the kept rows
         else:
             metrics[name].append(value)
-    counts = torch.tensor([float(sum(len(ids) for r in rounds for ids in r.generation.outputs[1])),
-                           float(sum(len(ids) for ids in generation.outputs[1]))])  # fmt: skip
+    counts = torch.tensor(
+        [
+            float(sum(len(ids) for r in rounds for ids in r.generation.outputs[1])),
+            float(sum(len(ids) for ids in generation.outputs[1])),
+        ]
+    )
     if trainer.accelerator.num_processes > 1:
         counts = trainer.accelerator.reduce(counts.to(trainer.accelerator.device), reduction="sum").cpu()
     generated_tokens, kept_tokens = counts.tolist()
@@ -294,7 +308,7 @@ def log_fill(trainer, rounds: list[Round], plan: FillPlan, generation: Generatio
 # ---------------------------------------------------------------------------------------------- the source
 @dataclass
 class Filled:
-    """A filled rollout batch before scoring: what `_score` needs, and how it was obtained."""
+    """A filled rollout batch before scoring: what `pipeline.score` needs, and how it was obtained."""
 
     inputs: list
     generation: Generation
@@ -308,8 +322,8 @@ class DynamicSampling:
     """`RolloutSource` of `dynamic_sampling=True`: fills each rollout batch with groups that pass the filter, reading
     prompts from the training data in the sampler's order with its own cursor (module docstring)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, trainer, pipeline):
+        self.trainer, self.pipeline = trainer, pipeline  # TRL's trainer; rollout/pipeline.py's steps over its code
         args = trainer.args
         if getattr(trainer, "environment_factories", None) is not None:
             raise ValueError(
@@ -351,29 +365,33 @@ class DynamicSampling:
         filled = self.fill(sample)
         trainer = self.trainer
         trainer._pending_extra_logs.update(filled.extra_logs)
-        batch = trainer._score(filled.inputs, filled.generation, filled.rewards)
+        batch = self.pipeline.score(filled.inputs, filled.generation, filled.rewards)
         log_fill(trainer, filled.rounds, filled.plan, filled.generation, self.cursor / self.stream.rollouts_per_epoch)
         return batch
 
     def fill(self, sample=None) -> Filled:
         """Draw rounds until the batch is full or the cap is reached, and assemble this process's share.
         `sample(position, inputs) -> Generation` generates round `position` of the stream (default: now, through
-        `trainer._sample`; rollout/async_rollouts.py answers it with completions generated ahead of time)."""
+        `pipeline.sample`; rollout/async_rollouts.py answers it with completions generated ahead of time)."""
         trainer, args, stream = self.trainer, self.trainer.args, self.stream
         if self.cursor is None:
             self.cursor = self._starting_cursor()
         spg = args.steps_per_generation
         unit = batch_unit(trainer.num_generations, trainer.accelerator.num_processes, spg)
-        filling = GroupFilling(stream.prompts_per_rollout, unit, args.max_sampling_rounds,
-                               args.dynamic_sampling_underfill)  # fmt: skip
+        filling = GroupFilling(
+            stream.prompts_per_rollout, unit, args.max_sampling_rounds, args.dynamic_sampling_underfill
+        )
         rounds, budget = [], self.budget
         while not filling.done:
             if budget is not None and self.cursor >= budget:
                 if rounds:
                     break  # the data of num_train_epochs is used up: this batch is the last
-                logger.warning("dynamic sampling: the data of num_train_epochs=%s is used up but another rollout batch "
-                               "was asked for; reading on into the next epoch.", args.num_train_epochs)  # fmt: skip
-            round_ = sample_round(trainer, stream, self.cursor, self.group_filter, sample)
+                logger.warning(
+                    "dynamic sampling: the data of num_train_epochs=%s is used up but another rollout batch "
+                    "was asked for; reading on into the next epoch.",
+                    args.num_train_epochs,
+                )
+            round_ = sample_round(trainer, self.pipeline, stream, self.cursor, self.group_filter, sample)
             self.cursor += 1
             filling.add_round(round_.keep, round_.spread)
             rounds.append(round_)
@@ -383,21 +401,33 @@ class DynamicSampling:
             logger.warning(
                 "dynamic sampling: %d of %d groups passed the filter in %d rounds (max_sampling_rounds=%d); training "
                 "on %d groups, %d of them failing ones added as padding (dynamic_sampling_underfill=%r). Later "
-                "occurrences are counted in dynamic_sampling/underfilled.", plan.passed, plan.target, plan.rounds,
-                args.max_sampling_rounds, len(plan.groups), plan.padded, args.dynamic_sampling_underfill,
-            )  # fmt: skip
+                "occurrences are counted in dynamic_sampling/underfilled.",
+                plan.passed,
+                plan.target,
+                plan.rounds,
+                args.max_sampling_rounds,
+                len(plan.groups),
+                plan.padded,
+                args.dynamic_sampling_underfill,
+            )
         if budget is not None and self.cursor >= budget and self.end_step is None:
             self.end_step = trainer._step + spg * trainer.num_iterations
-            logger.warning("dynamic sampling: the data of num_train_epochs=%s is used up; training stops after this "
-                           "rollout batch (optimizer step ~%d of %d).", args.num_train_epochs,
-                           self.end_step // args.gradient_accumulation_steps, trainer.state.max_steps)  # fmt: skip
+            logger.warning(
+                "dynamic sampling: the data of num_train_epochs=%s is used up; training stops after this "
+                "rollout batch (optimizer step ~%d of %d).",
+                args.num_train_epochs,
+                self.end_step // args.gradient_accumulation_steps,
+                trainer.state.max_steps,
+            )
         inputs, generation, rewards, extra_logs = assemble(trainer, stream, rounds, plan)
         self.last = Filled(inputs, generation, rewards, extra_logs, rounds, plan)
         return self.last
 
     def state_dict(self) -> dict:
-        return {"cursor": -1 if self.cursor is None else self.cursor,
-                "end_step": -1 if self.end_step is None else self.end_step}  # fmt: skip
+        return {
+            "cursor": -1 if self.cursor is None else self.cursor,
+            "end_step": -1 if self.end_step is None else self.end_step,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("cursor", -1) >= 0:
@@ -421,8 +451,11 @@ class DynamicSampling:
         per_rollout = trainer.args.steps_per_generation * trainer.num_iterations
         done = trainer.state.global_step * trainer.args.gradient_accumulation_steps // per_rollout
         if done:
-            logger.warning("dynamic sampling: the checkpoint holds no dynamic-sampling state; reading prompts from "
-                           "generation batch %d, where TRL's schedule is.", done)  # fmt: skip
+            logger.warning(
+                "dynamic sampling: the checkpoint holds no dynamic-sampling state; reading prompts from "
+                "generation batch %d, where TRL's schedule is.",
+                done,
+            )
         return done
 
 
@@ -438,8 +471,9 @@ class _StopAtDataEnd(TrainerCallback):
                 "dynamic_sampling=True without max_steps: num_train_epochs=%s counts passes over the data, which a "
                 "filled rollout batch reads faster than TRL's schedule, so training will stop before HF's %d steps "
                 "(and before a decaying learning-rate schedule ends). Set max_steps to train a fixed number of steps.",
-                args.num_train_epochs, state.max_steps,
-            )  # fmt: skip
+                args.num_train_epochs,
+                state.max_steps,
+            )
 
     def on_step_end(self, args, state, control, **kwargs):
         end = self.source.end_step

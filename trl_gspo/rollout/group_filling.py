@@ -128,8 +128,15 @@ class GroupFilling:
         else:  # less than one unit passed: pad up to one with the best failing groups (a batch cannot be empty)
             chosen, pad = passing, failing[: self.unit - len(passing)]
         generated = sum(len(k) for k in self.keep)
-        return FillPlan(groups=chosen + pad, target=self.target, rounds=len(self.keep), generated=generated,
-                        passed=len(passing), padded=len(pad), discarded=len(passing) - len(chosen))  # fmt: skip
+        return FillPlan(
+            groups=chosen + pad,
+            target=self.target,
+            rounds=len(self.keep),
+            generated=generated,
+            passed=len(passing),
+            padded=len(pad),
+            discarded=len(passing) - len(chosen),
+        )
 
 
 def _finite_or(value: torch.Tensor, default: float) -> float:

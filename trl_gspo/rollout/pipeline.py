@@ -1,75 +1,72 @@
-"""How a rollout batch is produced, in one place: the `RolloutPipeline` mixin and its `RolloutSource`.
+"""How a rollout batch is produced, in one place: the trainer's rollout buffer, its `RolloutSource` and the
+`RolloutPipeline` part that steers TRL's rollout code.
 
 TRL's `GRPOTrainer` makes rollout batches in `_prepare_inputs`: every `steps_per_generation * num_iterations`
 micro-steps it calls `_generate_and_score_completions` on the local generation batch the dataloader handed it,
-shuffles the result and splits it into `steps_per_generation` micro-batches that it buffers. Several features need
-to act on that path (sampler log-probs, MoE routes, length-sorted micro-batches, and producing batches ahead of time
-or refilling them), so this module owns the four TRL methods of the path and calls each feature's step explicitly,
-instead of one mixin per feature intercepting them through `super()`:
+shuffles the result and splits it into `steps_per_generation` micro-batches that it buffers. Several features act on
+that path (sampler log-probs, MoE routes, length-sorted micro-batches, and producing batches ahead of time or
+refilling them). The trainer overrides the path's TRL methods in `trainer.py`, each delegating here, and every
+feature's step is called by name:
 
-    _prepare_inputs(generation_batch)              training: every micro-step; evaluation: every batch
-      evaluation -> self._rollouts.pause(), _generate_and_score_completions(generation_batch)   (synchronous)
-      a new rollout batch is due (TRL's schedule):
-        batch = self._rollouts.next_batch(generation_batch)   RolloutSource: how a scored batch is obtained
-        micro_batches = split_rollout(batch, steps_per_generation)         TRL's shuffle and split
-        micro_batches = self._arrange_micro_batches(micro_batches, step)   forward/padding.py: length sort per optimizer step
-      self._rollouts.poll()
+    GSPOTrainer._prepare_inputs(generation_batch)   training: every micro-step; evaluation: every batch
+      evaluation -> source.pause(), _generate_and_score_completions(generation_batch)       (synchronous)
+      a new rollout batch is due (TRL's schedule, or a resume left no buffer):
+        batch = source.next_batch(generation_batch)              RolloutSource: how a scored batch is obtained
+        micro_batches = split_rollout(batch, steps_per_generation)   TRL's shuffle and split
+        micro_batches = padding.arrange(micro_batches, step)     forward/padding.py: length sort per optimizer step
+      source.poll()
       return micro_batches[step % steps_per_generation]
 
-    _generate_and_score_completions(inputs)        one scored rollout batch from these prompts, now
-      _begin_sampler_reuse, _begin_route_recording    rollout/sampler_logprobs.py, moe/routing_replay.py
+    RolloutPipeline.generate_and_score(inputs)      one scored rollout batch from these prompts, now
+      sampler.begin_rollout, routes.begin_rollout     rollout/sampler_logprobs.py, moe/routing_replay.py
       TRL: generation (below), rewards, advantages, pi_old and reference passes
-      _attach_routes, _finish_sampler_correction      routes into the batch, length-normalised vLLM correction
-      stamp: the optimizer step whose weights sampled this batch (`_rollout_sampled_at`)
+      routes.attach, sampler.finish_rollout           routes into the batch, length-normalised vLLM correction
+      stamp: the optimizer step whose weights sampled this batch (`sampled_at`)
 
-    _generate(prompts) -> TRL's, then _keep_sampler_logps, _keep_rollout_func_routes
-    _generate_single_turn(prompt_ids, ...) -> TRL's, inside _recording_sampler_logprobs and
-                                              _recording_sampler_routes, then _keep_sampler_routes
+    RolloutPipeline.generate(prompts)               TRL's `_generate`, then sampler.keep, routes.keep_rollout_func_routes
+    RolloutPipeline.generate_single_turn(...)       TRL's `_generate_single_turn` inside sampler.recording and
+                                                    routes.recording_sampler_routes, then routes.keep_sampler_routes
 
 A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousRollouts` (the default) is TRL's
 behaviour: generate and score the dataloader's batch now. `DynamicSampling` (rollout/dynamic_sampling.py,
 `dynamic_sampling=True`) samples rounds of prompts until the batch is filled with groups that carry signal, then
-scores the kept ones. `AsyncRollouts` (rollout/async_rollouts.py, `async_generation=True`) generates later rollout batches
-on a generator thread while the trainer trains. `rollout_source` (sources.py, the registry above the sources; this
-module never imports them) picks the source from the config and `GSPOTrainer` hands it to the pipeline. The pipeline also
-calls its `poll` on every training micro-step (background failures, per-step metrics) and its `pause` before
-evaluation generates. Its `state_dict` is saved with each checkpoint next to TRL's rollout buffer (guards/checkpointing.py)
-and handed back on resume.
+scores the kept ones. `AsyncRollouts` (rollout/async_rollouts.py, `async_generation=True`) generates later rollout
+batches on a generator thread while the trainer trains. `rollout_source` (sources.py, the registry above the sources;
+this module never imports them) picks the source from the config. The trainer also calls its `poll` on every
+training micro-step (background failures, per-step metrics), its `pause` before evaluation generates and its `close`
+when `train()` returns; its `state_dict` is saved with each checkpoint next to TRL's rollout buffer
+(guards/checkpointing.py) and handed back on resume.
 
 Sampling apart from scoring. A source that generates at another time than it scores (ahead of time, or in rounds
 before deciding what to keep) splits the batch in two steps with the same result as the one-call path:
 
-    generation = self._sample(inputs)                   TRL's prompt preparation and `_generate` only, with what
+    generation = pipeline.sample(inputs)                TRL's prompt preparation and `_generate` only, with what
                                                         the features record while sampling (a `Generation`)
-    batch = self._score(inputs, generation[, rewards])  TRL's scoring of exactly that generation: `_generate` returns
-                                                        it instead of sampling, `_calculate_rewards` returns `rewards`
-                                                        (the gathered reward matrix) when given
+    batch = pipeline.score(inputs, generation[, rewards])   TRL's scoring of exactly that generation: `_generate`
+                                                        returns it instead of sampling, `_calculate_rewards` returns
+                                                        `rewards` (the gathered reward matrix) when given
 
 A `Generation` is per completion, so rows can be selected and merged (`Generation.take`, `gather_rows`: every
 per-row output, the prompts and the R3 routes move with their row), e.g. to score the kept groups of several rounds
 as one batch.
 
-`_sample` runs TRL's `_generate_and_score_completions` up to its `_generate` call and stops there, so prompts are
-prepared by TRL's own code; `_score` runs it again with the generation handed in. Both run on the calling thread
+`sample` runs TRL's `_generate_and_score_completions` up to its `_generate` call and stops there, so prompts are
+prepared by TRL's own code; `score` runs it again with the generation handed in. Both run on the calling thread
 (TRL's vLLM paths make collectives inside `_generate`). TRL's prompt preparation runs in both steps, so a batch whose
 preparation has side effects (an `environment_factory`'s `reset`) cannot be split this way.
 
-Generating elsewhere (rollout/async_rollouts.py: a generator thread works on later rollout batches while the trainer trains).
-Only the blocking generation call can leave the main thread, so the path is cut one level deeper:
+Generating elsewhere (rollout/async_rollouts.py: a generator thread works on later rollout batches while the trainer
+trains). Only the blocking generation call can leave the main thread, so the path is cut one level deeper:
 
-    request = self._generation_request(inputs)       TRL's prompt preparation, stopped at its generation call: the
+    request = pipeline.request(inputs)               TRL's prompt preparation, stopped at its generation call: the
                                                      tokenized prompts (`_generate_single_turn`'s arguments) or, with
                                                      a `rollout_func`, the prompts it would be called with
     ... the request is generated elsewhere ...
-    self._injected = Completions(...)                 then TRL's one-call path runs as usual, and its generation call
-    self._generate_and_score_completions(inputs)      returns these completions (or, `completion_ids=None`, generates
-                                                      through TRL, whose vLLM client the source answers)
-    generation = self._sample(inputs, completions)    or the same answer, stopped after generation: a `Generation` for
-                                                      dynamic sampling to filter (async and dynamic sampling together)
-
-Two attributes steer the runs of TRL's `_generate_and_score_completions` above: `_stop_after` ("generate" in
-`_sample`, "request" in `_generation_request`, else None: run to the end) and `_injected` (the `Generation` that
-`_score` scores, or the `Completions` that answer TRL's generation call, else None: generate now).
+    pipeline.score_completions(inputs, completions)  TRL's one-call path, its generation call answered by these
+                                                     completions (or, `completion_ids=None`, generating through TRL,
+                                                     whose vLLM client the source answers)
+    generation = pipeline.sample(inputs, completions)   or the same answer, stopped after generation: a `Generation`
+                                                     for dynamic sampling to filter (async and dynamic sampling)
 """
 
 from __future__ import annotations
@@ -78,7 +75,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from trl.extras.profiling import profiling_decorator
 from trl.trainer.utils import (
     shuffle_sequence_dict,
     split_pixel_values_by_grid,
@@ -86,12 +82,16 @@ from trl.trainer.utils import (
     unsplit_pixel_values_by_grid,
 )
 
+from ..common import seam
+
 
 @dataclass
 class Generation:
     """What sampling one batch of prompts produced: everything scoring needs besides the prompts themselves."""
 
-    outputs: tuple  # TRL's `_generate` 8-tuple (prompt ids, completion ids, tool mask, completions, sampler log-probs, ...)
+    outputs: (
+        tuple  # TRL's `_generate` 8-tuple (prompt ids, completion ids, tool mask, completions, sampler log-probs, ...)
+    )
     sampler_routes: tuple | None  # R3: the sampler's routes of these completions (moe/routing_replay.py), else None
     sampled_at: int  # optimizer step whose weights sampled them
     prompts: list | None = None  # the prompts TRL handed `_generate` (prepared: what reward functions receive)
@@ -123,8 +123,10 @@ def gather_rows(rows: list[tuple[Generation, int]]) -> Generation:
         if not any(present):
             return None
         if not all(present):
-            raise ValueError("gather_rows: some generations carry a per-row output that others lack (tool mask, "
-                             "sampler log-probs or prompts); they cannot be merged.")  # fmt: skip
+            raise ValueError(
+                "gather_rows: some generations carry a per-row output that others lack (tool mask, "
+                "sampler log-probs or prompts); they cannot be merged."
+            )
         return [values_of(g)[i] for g, i in rows]
 
     per_row = (column(lambda g, k=k: g.outputs[k]) for k in range(5))
@@ -171,7 +173,7 @@ class Completions:
 
 
 class _Requested(Exception):
-    """Raised at TRL's generation call to stop `_generate_and_score_completions` there (`_generation_request`)."""
+    """Raised at TRL's generation call to stop `_generate_and_score_completions` there (`RolloutPipeline.request`)."""
 
     def __init__(self, request: GenerationRequest):
         super().__init__("requested")
@@ -179,7 +181,8 @@ class _Requested(Exception):
 
 
 class _Sampled(Exception):
-    """Raised from `_generate` to stop TRL's `_generate_and_score_completions` right after generation (`_sample`)."""
+    """Raised from `_generate` to stop TRL's `_generate_and_score_completions` right after generation
+    (`RolloutPipeline.sample`)."""
 
     def __init__(self, generation: Generation):
         super().__init__("sampled")
@@ -233,7 +236,10 @@ def vllm_server_errors(trainer):
     except OSError as error:  # requests' ConnectionError and Timeout are OSErrors
         if not (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_mode", None) == "server"):
             raise
-        url = trainer.args.vllm_server_base_url or f"http://{trainer.args.vllm_server_host}:{trainer.args.vllm_server_port}"
+        url = (
+            trainer.args.vllm_server_base_url
+            or f"http://{trainer.args.vllm_server_host}:{trainer.args.vllm_server_port}"
+        )
         raise VLLMServerError(
             f"The vLLM server at {url} stopped answering during rollout generation at optimizer step "
             f"{trainer.state.global_step} ({type(error).__name__}). Checkpoints saved so far are complete; restart the "
@@ -242,134 +248,129 @@ def vllm_server_errors(trainer):
 
 
 class RolloutPipeline:
-    """`GSPOTrainer` mixin owning TRL's rollout path (module docstring): one place decides how a rollout batch is
-    produced and what each feature does on the way.
+    """TRL's rollout code, steered (module docstring): the trainer's overrides of `_generate_and_score_completions`,
+    `_generate`, `_generate_single_turn` and `_calculate_rewards` call the steps here, which call each feature's step
+    around TRL's own implementation, and the rollout sources (`sample`, `request`, `score`) run TRL's code stopped
+    early or answered with what they generated elsewhere.
 
-    The pipeline does not choose its source: `make_rollout_source(trainer)` does, set by the class that assembles the
-    trainer (`GSPOTrainer` sets `rollout.sources.rollout_source`, the registry above the sources). The default is
-    TRL's own behaviour, `SynchronousRollouts`.
+    Collaborators: `trainer`, the `GRPOTrainer` whose rollout code runs (its TRL state, and its dispatching
+    `_generate_and_score_completions`); `trl`, TRL's own implementations of the overridden methods, which the
+    overrides bypass (common/seam.py `TRLCalls`);
+    `sampler` (rollout/sampler_logprobs.py) and `routes` (moe/routing_replay.py), whose steps run around TRL's.
 
-    The state the overridden TRL methods read has class-level defaults (nothing injected, nothing stopped early), so
-    those methods also run on a trainer whose `__init__` did not set it, as TRL's own unit tests build one."""
+    State the steps share, the pipeline's own: `stop_after` ("generate" while `sample` runs, "request" while `request`
+    runs, else None: TRL runs to the end), `injected` (the `Generation` that `score` is scoring, or the `Completions`
+    answering TRL's generation call, else None: generate now), `given_rewards` (the reward matrix `score` was given)
+    and `sampled_at` (the optimizer step whose weights sampled the rollout batch being trained on)."""
 
-    make_rollout_source = staticmethod(SynchronousRollouts)
-    _rollout_sampled_at = None  # optimizer step whose weights sampled the rollout batch being trained on
-    _stop_after = None  # where the running TRL path stops: "generate" (`_sample`), "request", None (the end)
-    _injected = None  # the `Generation` that `_score` is scoring, or `Completions` answering the generation
-    _injected_rewards = None  # the reward matrix `_score` was given
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._rollouts = self.make_rollout_source(self)
-
-    # ------------------------------------------------------------------------------------ the rollout buffer
-    @profiling_decorator
-    def _prepare_inputs(self, generation_batch):
-        if not self.model.training:
-            self._rollouts.pause()
-            return self._generate_and_score_completions(generation_batch)
-        spg = self.args.steps_per_generation
-        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:  # None: resumed, no buffer
-            batch = self._rollouts.next_batch(generation_batch)
-            micro_batches = split_rollout(batch, spg)
-            self._buffered_inputs = self._arrange_micro_batches(micro_batches, self._step)
-        self._rollouts.poll()
-        return self._buffered_inputs[self._step % spg]
+    def __init__(self, trainer, run, trl, *, sampler, routes):
+        self.trainer, self.run, self.trl = trainer, run, trl  # run: trainer.RunView
+        self.sampler, self.routes = sampler, routes
+        self.stop_after = None
+        self.injected = None
+        self.given_rewards = None
+        self.sampled_at = None
 
     # -------------------------------------------------------------------------------- one scored batch, now
-    def _generate_and_score_completions(self, inputs):
-        self._begin_sampler_reuse()
-        self._begin_route_recording()
+    def generate_and_score(self, inputs) -> dict:
+        """`_generate_and_score_completions`: TRL's, with the features' steps around it and the sampling stamp."""
+        self.sampler.begin_rollout()
+        self.routes.begin_rollout()
         try:
-            output = super()._generate_and_score_completions(inputs)
+            output = self.trl._generate_and_score_completions(inputs)
         finally:
-            self._end_sampler_reuse()
-            self._end_route_recording()
-        self._attach_routes(output)
-        self._finish_sampler_correction(output)
-        if self.model.training:
-            injected = self._injected
+            self.sampler.end_rollout()
+            self.routes.end_rollout()
+        self.routes.attach(output)
+        self.sampler.finish_rollout(output)
+        if self.run.training:
+            injected = self.injected
             sampled = isinstance(injected, (Generation, Completions))
-            self._rollout_sampled_at = injected.sampled_at if sampled else self.state.global_step
+            self.sampled_at = injected.sampled_at if sampled else self.run.global_step
         return output
 
     # ----------------------------------------------------------------------- sampling apart from scoring
-    def _sample(self, inputs, completions: Completions | None = None) -> Generation:
+    def sample(self, inputs, completions: Completions | None = None) -> Generation:
         """Generate for `inputs` (TRL's prompt preparation and `_generate`), without scoring (module docstring);
         `completions`: generated elsewhere for these prompts, returned by TRL's generation call instead."""
-        self._stop_after, self._injected, self._sampler_routes = "generate", completions, None
+        self.stop_after, self.injected = "generate", completions
+        self.routes.keep_earlier_routes(None)
         try:
-            super()._generate_and_score_completions(inputs)
+            self.trl._generate_and_score_completions(inputs)
         except _Sampled as done:
             return done.generation
         finally:
-            self._stop_after, self._injected = None, None
+            self.stop_after, self.injected = None, None
         raise RuntimeError("TRL's _generate_and_score_completions returned without calling _generate.")
 
-    def _generation_request(self, inputs) -> GenerationRequest:
+    def request(self, inputs) -> GenerationRequest:
         """TRL's prompt preparation for `inputs`, stopped at its generation call: what would be generated (module
         docstring). Nothing is generated, scored or logged."""
-        self._stop_after = "request"
+        self.stop_after = "request"
         try:
-            super()._generate_and_score_completions(inputs)
+            self.trl._generate_and_score_completions(inputs)
         except _Requested as requested:
             return requested.request
         finally:
-            self._stop_after = None
+            self.stop_after = None
         raise RuntimeError("TRL's _generate_and_score_completions returned without calling _generate.")
 
-    def _score(self, inputs, generation: Generation, rewards_per_func: torch.Tensor | None = None) -> dict:
-        """Score `generation` (sampled for `inputs` by `_sample`) as `_generate_and_score_completions` would have;
+    def score(self, inputs, generation: Generation, rewards_per_func: torch.Tensor | None = None) -> dict:
+        """Score `generation` (sampled for `inputs` by `sample`) as `_generate_and_score_completions` would have;
         `rewards_per_func`: TRL's reward matrix for these completions, gathered over processes, to use instead of
         calling the reward functions again."""
-        self._injected, self._injected_rewards = generation, rewards_per_func
+        self.injected, self.given_rewards = generation, rewards_per_func
         try:
-            return self._generate_and_score_completions(inputs)
+            return self.trainer._generate_and_score_completions(inputs)
         finally:
-            self._injected, self._injected_rewards = None, None
+            self.injected, self.given_rewards = None, None
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        if self._injected_rewards is not None:
-            return self._injected_rewards
-        return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+    def score_completions(self, inputs, completions: Completions) -> dict:
+        """TRL's one-call path for `inputs`, its generation call answered by `completions` (generated elsewhere)."""
+        self.injected = completions
+        try:
+            return self.trainer._generate_and_score_completions(inputs)
+        finally:
+            self.injected = None
 
     # ---------------------------------------------------------------------------------------- generation
-    def _generate(self, prompts):
-        injected = self._injected
-        if isinstance(injected, Generation):  # `_score`: the completions were sampled earlier
-            self._keep_sampler_logps(injected.outputs)
-            self._sampler_routes = injected.sampler_routes
+    def generate(self, prompts):
+        """`_generate`: TRL's, answered by an injected generation, stopped for a request or after sampling; the
+        sampler's log-probs and a rollout_func's routes kept."""
+        injected = self.injected
+        if isinstance(injected, Generation):  # `score`: the completions were sampled earlier
+            self.sampler.keep(injected.outputs)
+            self.routes.keep_earlier_routes(injected.sampler_routes)
             return injected.outputs
-        if self.rollout_func is not None and self._stop_after == "request":
+        if self.trainer.rollout_func is not None and self.stop_after == "request":
             raise _Requested(GenerationRequest(prompts=prompts))
         if isinstance(injected, Completions) and injected.rollout_output is not None:  # the rollout_func ran elsewhere
-            rollout_func, self.rollout_func = self.rollout_func, lambda *_: injected.rollout_output
-            try:
-                outputs = super()._generate(prompts)
-            finally:
-                self.rollout_func = rollout_func
+            with seam.rollout_func_answering(self.trainer, injected.rollout_output):
+                outputs = self.trl._generate(prompts)
         else:
-            with vllm_server_errors(self):
-                outputs = super()._generate(prompts)
-        self._keep_sampler_logps(outputs)
-        self._keep_rollout_func_routes(outputs)
-        if self._stop_after == "generate":
-            sampled_at = injected.sampled_at if isinstance(injected, Completions) else self.state.global_step
-            raise _Sampled(Generation(outputs, self._sampler_routes, sampled_at, prompts))
+            with vllm_server_errors(self.trainer):
+                outputs = self.trl._generate(prompts)
+        self.sampler.keep(outputs)
+        self.routes.keep_rollout_func_routes(outputs)
+        if self.stop_after == "generate":
+            sampled_at = injected.sampled_at if isinstance(injected, Completions) else self.run.global_step
+            raise _Sampled(Generation(outputs, self.routes.sampler_routes, sampled_at, prompts))
         return outputs
 
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # arguments vary across TRL releases (trl_compat)
-        injected = self._injected
-        if self._stop_after == "request":
+    def generate_single_turn(self, prompt_ids, args: tuple, kwargs: dict):
+        """`_generate_single_turn` (its arguments vary across TRL releases: trl_compat): TRL's, with the sampler's
+        log-probs and R3's routes recorded, or answered by completions generated elsewhere."""
+        injected = self.injected
+        if self.stop_after == "request":
             raise _Requested(GenerationRequest(None, [list(ids) for ids in prompt_ids], args, kwargs))
         if isinstance(injected, Completions) and injected.completion_ids is not None:  # generated elsewhere
             if injected.prompt_ids != [list(ids) for ids in prompt_ids]:
                 raise RuntimeError("Completions generated ahead of time were for other prompts than this batch's.")
-            self._keep_generated_routes(prompt_ids, injected.completion_ids, injected.routes)
+            self.routes.keep_generated_routes(prompt_ids, injected.completion_ids, injected.routes)
             return injected.completion_ids, injected.logprobs
-        with self._recording_sampler_logprobs() as recorder, self._recording_sampler_routes() as route_log:
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        with self.sampler.recording(self.run.model) as recorder, self.routes.recording_sampler_routes() as route_log:
+            completion_ids, logprobs = self.trl._generate_single_turn(prompt_ids, *args, **kwargs)
         if recorder is not None:  # raw log_softmax(logits / T) of each sampled token (rollout/sampler_logprobs.py)
             logprobs = recorder.completion_logprobs(completion_ids)
-        self._keep_sampler_routes(prompt_ids, completion_ids, route_log)
+        self.routes.keep_sampler_routes(prompt_ids, completion_ids, route_log)
         return completion_ids, logprobs

@@ -22,8 +22,17 @@ import torch
 class PromptStream:
     """Local generation batches by rollout index (0-based from the start of training, across epochs)."""
 
-    def __init__(self, dataset, prompts_per_rollout: int, num_generations: int, local_rows: int, process_index: int,
-                 seed: int | None, shuffle: bool, collate=lambda rows: rows):  # fmt: skip
+    def __init__(
+        self,
+        dataset,
+        prompts_per_rollout: int,
+        num_generations: int,
+        local_rows: int,
+        process_index: int,
+        seed: int | None,
+        shuffle: bool,
+        collate=lambda rows: rows,
+    ):
         if shuffle and seed is None:
             raise ValueError("PromptStream needs a seed to reproduce the sampler's shuffled order (args.seed=None).")
         if len(dataset) < prompts_per_rollout:
@@ -66,9 +75,6 @@ class PromptStream:
             shuffle=trainer.shuffle_dataset,
             collate=trainer.data_collator,
         )
-
-    def epoch_of(self, rollout: int) -> int:
-        return rollout // self.rollouts_per_epoch
 
     def prompt_indices(self, rollout: int) -> list[int]:
         """Dataset indices of the prompts of `rollout`, for all processes (each `num_generations` times in the batch)."""

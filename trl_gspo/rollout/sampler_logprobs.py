@@ -15,8 +15,8 @@ must be the same function at the old weights; a renormalised top-p distribution 
 - vLLM: TRL's colocate engine returns `processed_logprobs` (after temperature and sampling processors), which
   equal the trainer's definition only when top-k/top-p/min-p/penalties are off; `GSPOConfig` enforces that.
 
-The helpers here are pure functions plus one context manager; `SamplerLogprobReuse` (end of file) is the
-`GSPOTrainer` mixin that wires them into TRL's generation and old-policy log-prob pass.
+The helpers here are pure functions plus one context manager; `SamplerLogprobs` (end of file) is the trainer's part
+that the rollout and forward paths call around TRL's generation and old-policy log-prob pass.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common import trl_compat
 from ..common.validation import check_choice
 from ..losses import SEQUENCE_LEVELS, masked_sequence_mean
 
@@ -86,9 +85,10 @@ class SamplerLogprobOptions:
         mode = self.vllm_importance_sampling_mode
         if self.vllm_importance_sampling_length_normalized is None:  # GSPO's levels get GSPO's geometric mean
             self.vllm_importance_sampling_length_normalized = (
-                self.importance_sampling_level in SEQUENCE_LEVELS and mode.startswith("sequence_")
+                self.importance_sampling_level in SEQUENCE_LEVELS
+                and mode.startswith("sequence_")
                 and not (source == "sampler" and self.use_vllm)
-            )  # fmt: skip
+            )
         if self.vllm_importance_sampling_length_normalized and not mode.startswith("sequence_"):
             raise ValueError(
                 f"vllm_importance_sampling_length_normalized=True needs a sequence-level vllm_importance_sampling_mode "
@@ -262,73 +262,91 @@ def length_normalized_is_ratio(old_logps, sampling_logps, mask, mode: str, clip_
     )
 
 
-class SamplerLogprobReuse:
-    """`GSPOTrainer` mixin: pi_old from the sampler when `old_logprobs_source="sampler"`, the sampler-trainer gap
-    metrics, the length-normalised vLLM correction, and the fused log-prob tile size. The rollout pipeline
-    (rollout/pipeline.py) calls the steps below around TRL's generation and scoring; with reuse off they do nothing."""
+class SamplerLogprobs:
+    """pi_old from the sampler when `old_logprobs_source="sampler"`, the sampler-trainer gap metrics and the
+    length-normalised vLLM correction (module docstring). The rollout path calls `begin_rollout`, `recording`, `keep`,
+    `finish_rollout` and `end_rollout` around TRL's generation and scoring, the forward path `pi_old`; with reuse off they do nothing.
 
-    # Class-level defaults (nothing recorded, reuse off): TRL's generation methods that rollout.py overrides call
-    # into this mixin, also on a trainer whose `__init__` did not run (as TRL's own unit tests build one).
-    _reuse_armed = False  # True between generation and TRL's old-policy forward, when that is replaced
-    _sampler_logps = None  # per-completion sampler log-probs of the rollout being scored
-    _warned_no_sampler_logps = False
+    Whether pi_old comes from the sampler (`reuses`) and whether transformers samples (so the recorder is needed; vLLM
+    returns the log-probs itself) are read from the run when a rollout starts. The defaults turn everything off."""
 
-    def _reuses_sampler_logps(self) -> bool:
-        return self.args.old_logprobs_source == "sampler" and trl_compat.old_logprob_pass_needed(self)
+    def __init__(
+        self,
+        run,
+        accelerator,
+        source: str = "recompute",
+        temperature: float = 1.0,
+        length_normalized_is: tuple | None = None,
+    ):
+        self.run, self.accelerator = run, accelerator  # run: trainer.RunView
+        self.source, self.temperature = source, temperature  # `old_logprobs_source`, the sampling temperature
+        # (vllm_importance_sampling_mode, _clip_min, _clip_max) when TRL's vLLM correction, where it runs, is replaced
+        # by its length-normalised form; None: TRL's own
+        self.length_normalized_is = length_normalized_is
+        self.armed = False  # True between generation and TRL's old-policy forward, when that is replaced
+        self.logps = None  # per-completion sampler log-probs of the rollout being scored
+        self._warned_missing = False
 
-    # ------------------------------------------------------------------------- steps called by rollout/pipeline.py
-    def _recording_sampler_logprobs(self):
+    # --------------------------------------------------------------------------------- the rollout path
+    @property
+    def reuses(self) -> bool:
+        """pi_old comes from the sampler: asked for, and TRL runs its pi_old pass at all (else pi_old is the current
+        policy's own log-probs, and nothing is reused)."""
+        return self.source == "sampler" and self.run.old_pass_runs
+
+    def recording(self, model):
         """Context for one generation call of TRL's `generate` path: a `SamplerLogprobRecorder` on the module that
-        generates when pi_old will come from the sampler (else None). vLLM returns the log-probs itself."""
-        if not self._reuses_sampler_logps() or self.use_vllm or self.use_transformers_continuous_batching:
+        generates (`model` inside its DDP / FSDP / DeepSpeed wrapper and PEFT), when pi_old will come from the sampler
+        and transformers samples (else None)."""
+        if not (self.reuses and self.run.sampling_path == "generate"):
             return contextlib.nullcontext()
-        module = self.accelerator.unwrap_model(self.model)  # the module generate() calls (DDP/FSDP/DeepSpeed off)
+        module = self.accelerator.unwrap_model(model)  # the module generate() calls
         module = module.get_base_model() if hasattr(module, "get_base_model") else module  # PEFT: the HF model
         return SamplerLogprobRecorder(module, self.temperature)
 
-    def _keep_sampler_logps(self, outputs):
+    def keep(self, outputs) -> None:
         """After TRL's `_generate`: the final per-completion sampler log-probs (after any tool-call turns)."""
-        self._sampler_logps = outputs[4]
+        self.logps = outputs[4]
 
-    def _begin_sampler_reuse(self):
+    def begin_rollout(self) -> None:
         """Before TRL scores a rollout batch: answer its pi_old pass from the sampler, when that is the source."""
-        self._sampler_logps = None
-        self._reuse_armed = self._reuses_sampler_logps()
+        self.logps = None
+        self.armed = self.reuses
 
-    def _end_sampler_reuse(self):
-        self._reuse_armed, self._sampler_logps = False, None
+    def end_rollout(self) -> None:
+        self.armed, self.logps = False, None
 
-    def _finish_sampler_correction(self, output):
+    def finish_rollout(self, output: dict) -> None:
         """After TRL scored a rollout batch: the length-normalised vLLM correction, when asked for."""
-        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
-        if vllm_is and self.args.vllm_importance_sampling_length_normalized:
+        if self.length_normalized_is is not None and self.run.vllm_correction:
             self._length_normalize_is_ratio(output)
 
-    def _sampler_pi_old(self, batch_size, width, device):
-        """Step 1 of the forward pipeline (forward/pipeline.py): the sampler's log-probs when this forward is TRL's pi_old pass
-        and reuse is on, else None (the model runs)."""
-        if not self._reuse_armed:
+    # --------------------------------------------------------------------------------- the forward path
+    def pi_old(self, batch_size, width, device):
+        """Step 1 of the forward pipeline (forward/pipeline.py): the sampler's log-probs when this forward is TRL's
+        pi_old pass and reuse is on, else None (the model runs)."""
+        if not self.armed:
             return None
         # One shot: after generation, TRL's first log-prob call is the pi_old pass (ref log-probs come later).
-        self._reuse_armed = False
-        return self._sampler_old_logps(batch_size, width, device)
+        self.armed = False
+        return self.old_logps(batch_size, width, device)
 
-    def _sampler_old_logps(self, batch_size, width, device):
+    def old_logps(self, batch_size, width, device):
         """The sampler's log-probs as a `(B, T)` pi_old, or None to fall back to TRL's recompute (logged)."""
-        if self._sampler_logps is None:
-            if not self._warned_no_sampler_logps:
+        if self.logps is None:
+            if not self._warned_missing:
                 logger.warning(
                     "old_logprobs_source='sampler' but this generation path returned no log-probs (e.g. a "
                     "rollout_func without them); recomputing pi_old with a forward pass instead."
                 )
-                self._warned_no_sampler_logps = True
+                self._warned_missing = True
             return None
-        if len(self._sampler_logps) != batch_size:
+        if len(self.logps) != batch_size:
             raise RuntimeError(
-                f"Sampler log-probs cover {len(self._sampler_logps)} completions but the batch has {batch_size}; "
+                f"Sampler log-probs cover {len(self.logps)} completions but the batch has {batch_size}; "
                 "use old_logprobs_source='recompute' with this generation setup."
             )
-        old_logps = pad_logprobs(self._sampler_logps, width, device)
+        old_logps = pad_logprobs(self.logps, width, device)
         # A NaN (vLLM could not score a token) would poison the ratio; every process must take the same branch,
         # since the fallback forward is collective under ZeRO-3.
         has_nan = torch.isnan(old_logps).any().float().reshape(1)
@@ -339,29 +357,25 @@ class SamplerLogprobReuse:
             return None
         return old_logps
 
-    def _log_sampler_mismatch(self, mode, logps, inputs, mask):
+    # --------------------------------------------------------------------------------------- the loss
+    def log_mismatch(self, mode, logps, inputs, mask, epsilon_low, epsilon_high, at_sampler_weights: bool) -> None:
         """Sampler vs trainer log-prob gap, on the mini-batches still at the sampler's weights (no extra forward)."""
         sampler = inputs.get("sampling_per_token_logps")
-        if sampler is None or mode != "train" or self.state.global_step != self._rollout_sampled_at:
+        if sampler is None or mode != "train" or not at_sampler_weights:
             return
-        stats = mismatch_stats(logps, sampler, mask, self.epsilon_low, self.epsilon_high)
+        stats = mismatch_stats(logps, sampler, mask, epsilon_low, epsilon_high)
         for name, value in summarize_mismatch(self.accelerator.gather(stats)).items():
-            self._metrics[mode][name].append(value)
+            self.run.log_metric(name, value, mode)
 
     def _length_normalize_is_ratio(self, output):
         """Replace TRL's exp(sum) sequence-level vLLM correction by exp(mean) (see `length_normalized_is_ratio`)."""
         mask = output["completion_mask"]
         mask = mask if "tool_mask" not in output else mask * output["tool_mask"]
+        mode, clip_min, clip_max = self.length_normalized_is
         ratio = length_normalized_is_ratio(
-            output["old_per_token_logps"],
-            output["sampling_per_token_logps"],
-            mask,
-            self.vllm_importance_sampling_mode,
-            self.vllm_importance_sampling_clip_min,
-            self.vllm_importance_sampling_clip_max,
+            output["old_per_token_logps"], output["sampling_per_token_logps"], mask, mode, clip_min, clip_max
         )
         output["importance_sampling_ratio"] = ratio
         gathered = self.accelerator.gather(ratio.flatten())
-        metrics = self._metrics["train" if self.model.training else "eval"]
         for name, value in (("min", gathered.min()), ("mean", gathered.mean()), ("max", gathered.max())):
-            metrics[f"sampling/importance_sampling_ratio_length_normalized/{name}"].append(value.item())
+            self.run.log_metric(f"sampling/importance_sampling_ratio_length_normalized/{name}", value.item())

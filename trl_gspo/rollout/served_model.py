@@ -22,9 +22,20 @@ import logging
 logger = logging.getLogger(__name__)
 
 #: Config fields that fix the weights' names and shapes; checked where both configs set them (text config of each).
-SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "intermediate_size", "num_experts", "num_local_experts",
-                "moe_intermediate_size", "num_experts_per_tok")  # fmt: skip
+SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+)
 #: Tokens of the trainer's vocabulary in the probe text (evenly spaced ids, special tokens left out).
 PROBE_TOKENS = 48
 
@@ -43,15 +54,22 @@ def check_served_model(trainer) -> None:
         return
     url, served = getattr(client, "base_url", "the vLLM server"), getattr(client, "model", None)
     if served is None:  # TRL's clients before 1.14.2 talk to `trl vllm-serve`'s own endpoints and read no model name
-        logger.warning("vLLM server at %s: this TRL's client does not read the served model's name; the served model is "
-                       "not compared with the trainer's.", url)  # fmt: skip
+        logger.warning(
+            "vLLM server at %s: this TRL's client does not read the served model's name; the served model is "
+            "not compared with the trainer's.",
+            url,
+        )
         return
     model = trainer.accelerator.unwrap_model(trainer.model)
     theirs = _served_config(served)
     if theirs is None:
-        logger.warning("vLLM server at %s serves %r, whose config cannot be read here (not a local folder or a Hub id "
-                       "in the local cache): its architecture is not compared with the trainer's model; its tokenizer "
-                       "is.", url, served)  # fmt: skip
+        logger.warning(
+            "vLLM server at %s serves %r, whose config cannot be read here (not a local folder or a Hub id "
+            "in the local cache): its architecture is not compared with the trainer's model; its tokenizer "
+            "is.",
+            url,
+            served,
+        )
     else:
         _compare_configs(_text_config(model.config), _text_config(theirs), url, served)
     _compare_tokenizers(client, trainer._tokenizer, url, served)
@@ -94,11 +112,15 @@ def probe_text(tokenizer) -> str:
 
 def _compare_tokenizers(client, tokenizer, url: str, served: str) -> None:
     text = probe_text(tokenizer)
-    response = client.session.post(f"{url}/tokenize", json={"model": served, "prompt": text,
-                                                             "add_special_tokens": False}, timeout=60)  # fmt: skip
+    response = client.session.post(
+        f"{url}/tokenize", json={"model": served, "prompt": text, "add_special_tokens": False}, timeout=60
+    )
     if response.status_code != 200:  # 404: a server without vLLM's /tokenize
-        logger.warning("vLLM server at %s answered /tokenize with %s: its tokenizer is not compared with the trainer's.",
-                       url, response.status_code)  # fmt: skip
+        logger.warning(
+            "vLLM server at %s answered /tokenize with %s: its tokenizer is not compared with the trainer's.",
+            url,
+            response.status_code,
+        )
         return
     theirs = response.json()["tokens"]
     mine = tokenizer(text, add_special_tokens=False)["input_ids"]

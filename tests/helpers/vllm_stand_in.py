@@ -27,7 +27,7 @@ import zlib
 
 import numpy as np
 
-EOS = 2  # trl_gspo.cli.tiny's tokenizer
+EOS = 2  # trl_gspo.testing's tokenizer
 
 
 def completion_for(prompt_ids, j: int) -> list[int]:
@@ -57,11 +57,16 @@ class StandInServer:
 
     def _choice(self, prompt_ids, j):
         completion = completion_for(prompt_ids, j)
-        return {"prompt_token_ids": list(prompt_ids), "token_ids": completion,
-                "logprobs": {"tokens": [f"token_id:{t}" for t in completion], "token_logprobs": [-1.0] * len(completion),
-                             "top_logprobs": [None] * len(completion)},
-                "routed_experts": npy_base64(routes_for(prompt_ids, completion, self.layers, self.top_k,
-                                                        self.num_experts))}  # fmt: skip
+        return {
+            "prompt_token_ids": list(prompt_ids),
+            "token_ids": completion,
+            "logprobs": {
+                "tokens": [f"token_id:{t}" for t in completion],
+                "token_logprobs": [-1.0] * len(completion),
+                "top_logprobs": [None] * len(completion),
+            },
+            "routed_experts": npy_base64(routes_for(prompt_ids, completion, self.layers, self.top_k, self.num_experts)),
+        }
 
     def post(self, url, json=None, **kwargs):
         if url.endswith("/v1/completions"):  # one request for every prompt; choices prompt-major
@@ -79,11 +84,9 @@ class StandInServer:
 
 def server_generation(trainer, server, server_info=None):
     """TRL's `VLLMGeneration` in server mode on `trainer`, its client (TRL's `VLLMClient`, talking to `server`) on the
-    main process only, as TRL builds it; then `_capture_vllm_routes` as `GSPOTrainer` runs it for R3 + vLLM.
+    main process only, as TRL builds it; then the R3 route capture as `GSPOTrainer` sets it up for R3 + vLLM (`MoERouting.capture_vllm_routes`).
     `server_info`: what the client's `get_server_info` returns (by default it fails, as without vLLM's dev endpoints)."""
     from trl.generation import vllm_client, vllm_generation
-
-    from trl_gspo.moe.routing_replay import _capture_vllm_routes
 
     def init_like_trl(self):  # VLLMGeneration._init_vllm, server mode, minus the HTTP connection
         if self.accelerator.is_main_process:
@@ -98,16 +101,20 @@ def server_generation(trainer, server, server_info=None):
     vllm_generation.VLLMGeneration._init_vllm = init_like_trl
     try:
         generation = vllm_generation.VLLMGeneration(
-            model=trainer.model, accelerator=trainer.accelerator, processing_class=trainer.processing_class,
-            mode="server", max_completion_length=trainer.args.max_completion_length, logprobs=0,
-        )  # fmt: skip
+            model=trainer.model,
+            accelerator=trainer.accelerator,
+            processing_class=trainer.processing_class,
+            mode="server",
+            max_completion_length=trainer.args.max_completion_length,
+            logprobs=0,
+        )
     finally:
         vllm_generation.VLLMGeneration._init_vllm = original
     generation.sync_weights = lambda: None  # no server to push weights to
     generation._place_features = lambda features, prompt_ids: features
     trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, generation, -1
     trainer.vllm_importance_sampling_correction = False
-    _capture_vllm_routes(trainer)
+    trainer.moe_routing.capture_vllm_routes(trainer.vllm_generation, trainer.accelerator)
     return generation
 
 
@@ -155,18 +162,36 @@ def main():
     from datasets import Dataset
 
     from trl_gspo import GSPOConfig, GSPOTrainer
-    from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+    from trl_gspo.testing import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     experts = 8
     model = build_tiny_model(tokenizer, moe=True, seed=0, num_experts=experts)
-    args = GSPOConfig(output_dir=cli.output_dir, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                      per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=5e-2,
-                      max_steps=cli.max_steps, logging_steps=1, disable_tqdm=True, routing_replay="R3")  # fmt: skip
+    args = GSPOConfig(
+        output_dir=cli.output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=5e-2,
+        max_steps=cli.max_steps,
+        logging_steps=1,
+        disable_tqdm=True,
+        routing_replay="R3",
+    )
     prompts = ["copy 1 2 :", "add 3 4 5 6 =", "copy a :", "count 5 6 7 8 9"] * 4
-    trainer = GSPOTrainer(model, lambda completions, **kw: [float(len(c.split()) % 3) for c in completions], args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)  # fmt: skip
-    hooks = trainer._router_hooks
+    trainer = GSPOTrainer(
+        model,
+        lambda completions, **kw: [float(len(c.split()) % 3) for c in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
+    hooks = trainer.moe_routing.hooks
     server = StandInServer(len(hooks.routers), hooks.top_k, hooks.num_experts)
     generation = server_generation(trainer, server)
     rank = trainer.accelerator.process_index
@@ -177,5 +202,5 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
     main()

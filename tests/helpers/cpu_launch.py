@@ -24,8 +24,11 @@ if __name__ == "__main__":
     # One marker per rank: the process got through training, saving and trainer.end(), under this distribution and
     # mixed precision ("no": fp32).
     state = AcceleratorState()
-    print(f"cpu_launch: rank {os.environ.get('RANK', '0')} finished with code {code} as {state.distributed_type.value}"
-          f" x{state.num_processes} precision {state.mixed_precision}", flush=True)  # fmt: skip
+    print(
+        f"cpu_launch: rank {os.environ.get('RANK', '0')} finished with code {code} as {state.distributed_type.value}"
+        f" x{state.num_processes} precision {state.mixed_precision}",
+        flush=True,
+    )
     # Skip interpreter teardown: there libstdc++ sometimes aborts a finished rank ("terminate called without an
     # active exception", even after destroy_process_group, which has already run here) and the launcher then kills
     # the other rank before it prints its marker. Everything is saved by now; os._exit just leaves.

@@ -1,5 +1,13 @@
-"""Tiny Qwen3 / Qwen3-MoE models and a word-level tokenizer built in code, for offline tests, the demo and
-benchmarks. Nothing here downloads anything: configs come from `transformers`, the tokenizer from `tokenizers`.
+"""Tiny models and a word-level tokenizer built in code, for offline tests, the demo, benchmarks and a first try.
+
+    from trl_gspo.testing import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer)  # a random Qwen3 of two layers; moe=True for Qwen3-MoE
+
+Nothing here downloads anything: configs come from `transformers`, the tokenizer from `tokenizers`. The models are
+random and tiny (two layers, hidden size 64 by default): they show that training runs and learns a toy task (the
+demo's), not what a real model learns.
 """
 
 from __future__ import annotations
@@ -21,11 +29,10 @@ from transformers import (
 
 SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
 #: Enough words for arithmetic / copy tasks and chat-formatted prompts.
-WORDS = [str(d) for d in range(10)] + [
-    "+", "-", "=", "?", ":", ".", ",", "answer", "what", "is", "add", "copy", "repeat", "count", "the", "sum",
-    "of", "and", "a", "b", "c", "d", "yes", "no", "user", "assistant", "system", "think", "</think>", "<think>",
-    "turn", "tool", "result", "next",
-]  # fmt: skip
+WORDS = [str(d) for d in range(10)] + (
+    "+ - = ? : . , answer what is add copy repeat count the sum of and a b c d yes no user assistant system think "
+    "</think> <think> turn tool result next"
+).split()
 
 # Qwen-style ChatML template in Jinja, so conversational datasets and TRL's chat handling work unchanged.
 CHAT_TEMPLATE = (
@@ -83,41 +90,98 @@ def tiny_config(vocab_size: int, moe: bool = False, hidden_size: int = 64, num_l
     return Qwen3Config(**{**common, **overrides})
 
 
-def tiny_moe_config(arch: str, vocab_size: int, hidden_size: int = 32, num_layers: int = 2, num_experts: int = 8,
-                    top_k: int = 2, **overrides):  # fmt: skip
+def tiny_moe_config(
+    arch: str,
+    vocab_size: int,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_experts: int = 8,
+    top_k: int = 2,
+    **overrides,
+):
     """Config of a tiny MoE model of another architecture with a router routing replay supports, for tests:
     ``qwen3_moe``, ``qwen2_moe`` (shared expert), ``mixtral``, ``deepseek_v3`` (sigmoid router, expert groups,
     first layer dense, so MoE layers are decoder layers 1..) and ``gpt_oss`` (router bias, softmax over the top-k)."""
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=2, bos_token_id=None,
-                  tie_word_embeddings=True)  # fmt: skip
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
     head_dim = hidden_size // 4
     if arch == "qwen3_moe":
-        config = Qwen3MoeConfig(**common, intermediate_size=2 * hidden_size, head_dim=head_dim, num_experts=num_experts,
-                                num_experts_per_tok=top_k, moe_intermediate_size=hidden_size, norm_topk_prob=True,
-                                output_router_logits=False)  # fmt: skip
+        config = Qwen3MoeConfig(
+            **common,
+            intermediate_size=2 * hidden_size,
+            head_dim=head_dim,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=hidden_size,
+            norm_topk_prob=True,
+            output_router_logits=False,
+        )
     elif arch == "qwen2_moe":
-        config = Qwen2MoeConfig(**common, intermediate_size=2 * hidden_size, num_experts=num_experts,
-                                num_experts_per_tok=top_k, moe_intermediate_size=hidden_size,
-                                shared_expert_intermediate_size=hidden_size, norm_topk_prob=False,
-                                output_router_logits=False)  # fmt: skip
+        config = Qwen2MoeConfig(
+            **common,
+            intermediate_size=2 * hidden_size,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=hidden_size,
+            shared_expert_intermediate_size=hidden_size,
+            norm_topk_prob=False,
+            output_router_logits=False,
+        )
     elif arch == "mixtral":
-        config = MixtralConfig(**common, intermediate_size=hidden_size, head_dim=head_dim, num_local_experts=num_experts,
-                               num_experts_per_tok=top_k, router_jitter_noise=0.0, output_router_logits=False)  # fmt: skip
+        config = MixtralConfig(
+            **common,
+            intermediate_size=hidden_size,
+            head_dim=head_dim,
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+        )
     elif arch == "deepseek_v3":
-        config = DeepseekV3Config(**{**common, "num_key_value_heads": 4, "num_hidden_layers": num_layers + 1},
-                                  intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size,
-                                  n_shared_experts=1, n_routed_experts=num_experts, n_group=2, topk_group=1,
-                                  num_experts_per_tok=top_k, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
-                                  qk_rope_head_dim=head_dim, v_head_dim=head_dim, qk_nope_head_dim=head_dim,
-                                  routed_scaling_factor=2.5, norm_topk_prob=True,
-                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+        config = DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4, "num_hidden_layers": num_layers + 1},
+            intermediate_size=2 * hidden_size,
+            moe_intermediate_size=hidden_size,
+            n_shared_experts=1,
+            n_routed_experts=num_experts,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=top_k,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=head_dim,
+            v_head_dim=head_dim,
+            qk_nope_head_dim=head_dim,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     elif arch == "gpt_oss":
-        config = GptOssConfig(**common, intermediate_size=hidden_size, head_dim=head_dim, num_local_experts=num_experts,
-                              num_experts_per_tok=top_k, sliding_window=64, output_router_logits=False,
-                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+        config = GptOssConfig(
+            **common,
+            intermediate_size=hidden_size,
+            head_dim=head_dim,
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+            sliding_window=64,
+            output_router_logits=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     else:
-        raise ValueError(f"arch={arch!r}: tiny MoE configs exist for qwen3_moe, qwen2_moe, mixtral, deepseek_v3, gpt_oss.")
+        raise ValueError(
+            f"arch={arch!r}: tiny MoE configs exist for qwen3_moe, qwen2_moe, mixtral, deepseek_v3, gpt_oss."
+        )
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
@@ -131,8 +195,9 @@ def build_tiny_model(tokenizer, moe: bool = False, seed: int = 0, **config_overr
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def save_tiny_model(path: str | os.PathLike, moe: bool = False, seed: int = 0, extra_words: list[str] | None = None,
-                    **config_overrides) -> str:  # fmt: skip
+def save_tiny_model(
+    path: str | os.PathLike, moe: bool = False, seed: int = 0, extra_words: list[str] | None = None, **config_overrides
+) -> str:
     """Build and save a tiny model + tokenizer (with `extra_words` appended to its vocabulary) to `path`; loadable with
     `from_pretrained(path)`."""
     tokenizer = build_tokenizer(extra_words)

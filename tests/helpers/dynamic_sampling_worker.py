@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+from trl_gspo.testing import build_tiny_model, build_tokenizer
 
 GROUPS_PER_ROUND = 4
 
@@ -31,14 +31,33 @@ def main():
     parser.add_argument("--output_dir", required=True)
     cli = parser.parse_args()
     tokenizer = build_tokenizer()
-    args = GSPOConfig(output_dir=cli.output_dir, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-                      per_device_train_batch_size=2, num_generations=2, steps_per_generation=2, max_completion_length=4,
-                      learning_rate=1e-3, max_steps=4, logging_steps=1, disable_tqdm=True, dynamic_sampling=True,
-                      max_sampling_rounds=3)  # fmt: skip
+    args = GSPOConfig(
+        output_dir=cli.output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        steps_per_generation=2,
+        max_completion_length=4,
+        learning_rate=1e-3,
+        max_steps=4,
+        logging_steps=1,
+        disable_tqdm=True,
+        dynamic_sampling=True,
+        max_sampling_rounds=3,
+    )
     prompts = [f"copy {a} {b} :" for a in range(4) for b in range(4)]
-    trainer = GSPOTrainer(build_tiny_model(tokenizer, seed=0), rank_dependent_reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)  # fmt: skip
-    source = trainer._rollouts
+    trainer = GSPOTrainer(
+        build_tiny_model(tokenizer, seed=0),
+        rank_dependent_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
+    source = trainer.rollout_source
     report = {"rank": trainer.accelerator.process_index, "kept": [], "rewards": [], "rows": [], "finished": []}
     fill = source.fill
 
@@ -61,9 +80,9 @@ def main():
         json.dump(report, f)
     print(f"DS_REPORT rank {report['rank']} written", flush=True)
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown (see tests/cpu_launch.py)
+    os._exit(0)  # skip interpreter teardown (see tests/helpers/cpu_launch.py)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
     main()

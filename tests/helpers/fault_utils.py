@@ -5,11 +5,14 @@ import os
 import sys
 
 import torch
-from datasets import Dataset
 from transformers import TrainerCallback  # after TRL: with peft 0.17 (oldest set) TRL's import-time patch is needed
 
-from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.tiny import build_tiny_model, build_tokenizer
+from trl_gspo import GSPOTrainer
+
+if __package__:  # imported by the tests (helpers.fault_utils)
+    from .trainers import build_trainer
+else:  # run as a script by the resume and async tests
+    from trainers import build_trainer
 
 PROMPTS = [f"add {a} {b} =" for a in range(1, 5) for b in range(1, 5)]
 
@@ -19,32 +22,27 @@ def length_reward(completions, **kwargs):
     return [1.0 / (1 + len(c.split())) for c in completions]
 
 
+#: The config fields of the fault and resume runs.
+SETTINGS = dict(
+    seed=0,
+    learning_rate=1e-3,
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=6,
+    steps_per_generation=2,
+    max_steps=4,
+    logging_steps=1,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+
+
 def make_trainer(output_dir, reward_funcs=length_reward, trainer_cls=GSPOTrainer, prompts=PROMPTS, **overrides):
-    tokenizer = build_tokenizer()
-    model = build_tiny_model(tokenizer, seed=0)
-    settings = dict(
-        output_dir=str(output_dir),
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        seed=0,
-        learning_rate=1e-3,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        steps_per_generation=2,
-        max_steps=4,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    """A fault or resume run's trainer (tests/helpers/trainers.py), also from the scripts the tests launch."""
     trainer_kwargs = {k: overrides.pop(k) for k in ("rollout_func", "peft_config", "eval_dataset") if k in overrides}
-    settings.update(overrides)
-    args = GSPOConfig(**settings)
-    dataset = Dataset.from_dict({"prompt": list(prompts)})
-    return trainer_cls(model, reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer,
-                       **trainer_kwargs)  # fmt: skip
+    return build_trainer(
+        output_dir, reward_funcs, prompts, cls=trainer_cls, trainer_kwargs=trainer_kwargs, **{**SETTINGS, **overrides}
+    )
 
 
 class SaveAt(TrainerCallback):
@@ -98,7 +96,7 @@ def main():
     if cli.generation_delay:
         from trl_gspo.rollout.async_backends import TransformersGenerator
 
-        generate = TransformersGenerator._generate
+        generate = TransformersGenerator._generate_batch
 
         def slow(self, *args, **kwargs):
             import time
@@ -106,7 +104,7 @@ def main():
             time.sleep(cli.generation_delay)
             return generate(self, *args, **kwargs)
 
-        TransformersGenerator._generate = slow
+        TransformersGenerator._generate_batch = slow
 
     if cli.resume_each:
         straight, resumed = straight_then_resumed(cli.output_dir, cli.max_steps, cli.resume_each, prompts=prompts)
@@ -125,8 +123,13 @@ def main():
 
                 time.sleep(cli.step_delay)
 
-    trainer = make_trainer(cli.output_dir, max_steps=cli.max_steps, save_strategy="no", prompts=prompts,
-                           **({"async_generation": True} if cli.async_generation else {}))  # fmt: skip
+    trainer = make_trainer(
+        cli.output_dir,
+        max_steps=cli.max_steps,
+        save_strategy="no",
+        prompts=prompts,
+        **({"async_generation": True} if cli.async_generation else {}),
+    )
     trainer.add_callback(Progress())
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     if cli.weights_out and trainer.accelerator.is_main_process:
@@ -135,5 +138,5 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
     main()

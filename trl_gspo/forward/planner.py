@@ -1,0 +1,195 @@
+"""The forward path's planner: which layout each model call of a log-prob forward gets, by a token-count cost model.
+
+`plan_forward` cuts a batch into TRL's chunks (the same number of model calls on every ZeRO-3 rank) and gives each
+chunk the cheapest exact layout: trimmed (the model's own attention on the columns some row uses), packed (sequences
+end to end, segment attention) or shared (each prompt once for the completions of it in the chunk, segment
+attention). The cost of a layout is its positions run plus `pair_cost` times the (query, key) pairs its attention
+computes, plus a fixed cost per SDPA block of a segment call. Pure functions of the row spans (layouts.row_spans);
+pipeline.py runs the plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import segment_attention, shared_prefix
+from .layouts import (
+    ForwardLayout,
+    length_order,
+    packable,
+    packed_layout,
+    segment_layout,
+    trimmed_layout,
+)
+
+#: Token-equivalents one SDPA block of a segment call costs beyond its arithmetic (kernel launch, gathers), and
+#: the extra per-position cost of gathering a packed call's input and scattering its output (a trimmed call slices).
+BLOCK_OVERHEAD, GATHER_OVERHEAD = 4.0, 0.02
+
+
+# ------------------------------------------------------------------------------------------------ cost model
+def pair_cost(config) -> float:
+    """Cost of one attention (query, key) pair relative to one token through a decoder layer's matmuls:
+    `2 * heads * head_dim / (multiply-adds per token)`. From the model config; 1e-3 if it lacks the fields."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        experts = getattr(config, "num_experts_per_tok", None)
+        inner = (
+            (config.moe_intermediate_size * experts)
+            if experts and getattr(config, "moe_intermediate_size", None)
+            else config.intermediate_size
+        )
+        macs = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inner
+        return 2.0 * heads * head_dim / macs
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return 1e-3
+
+
+def trimmed_cost(spans, rows, prompt_width, alpha) -> float:
+    lead = min(int(spans[rows, 0].min()), prompt_width - 1)
+    end = max(int(spans[rows, 1].max()), prompt_width + 1)
+    width, n = end - lead, len(rows)
+    padded = bool(((spans[rows, 0] > lead) | (spans[rows, 1] < end)).any())
+    pairs = n * width * width if padded else n * width * (width + 1) / 2  # a mask disables SDPA's causal skip
+    return n * width + alpha * pairs
+
+
+def unit_widths(spans, units, prompt_width) -> list[tuple[int, int, list[int]]]:
+    """(width, prefix, segment lengths) of each unit of a segment layout (see layouts.segment_layout)."""
+    out = []
+    for unit in units:
+        if len(unit) == 1:
+            n = int(spans[unit[0], 1] - spans[unit[0], 0])
+            out.append((n, 0, [n]))
+        else:
+            prefix = prompt_width - 1 - int(spans[unit[0], 0])
+            segments = [int(spans[r, 1]) - prompt_width + 1 for r in unit]
+            out.append((prefix + sum(segments), prefix, segments))
+    return out
+
+
+def segment_cost(widths, pack, one_row, alpha) -> float:
+    """Cost of a segment layout: positions run (rows x capacity, from first-fit decreasing as `segment_layout`
+    places the units), the (query, key) pairs its SDPA blocks compute (`block_pairs`, the rule
+    `SegmentPlan.build_blocks` follows), the blocks' fixed cost and the gather."""
+    order = sorted(range(len(widths)), key=lambda i: -widths[i][0]) if pack else range(len(widths))
+    capacity = sum(w for w, _, _ in widths) if one_row else max(w for w, _, _ in widths)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        j = next((j for j, r in enumerate(room) if r >= widths[i][0]), None) if pack else None
+        if j is None:
+            rows.append([]), room.append(capacity)
+            j = len(rows) - 1
+        rows[j].append(i), room.__setitem__(j, room[j] - widths[i][0])
+    layout_rows = [[widths[i][1:] for i in members] for members in rows]
+    blocks = len(rows) * math.ceil(capacity / segment_attention.BLOCK)
+    pairs = block_pairs(layout_rows, capacity, segment_attention.BLOCK)
+    return len(rows) * capacity * (1 + GATHER_OVERHEAD) + alpha * pairs + BLOCK_OVERHEAD * blocks
+
+
+def block_pairs(rows, width, block) -> int:
+    """(query, key) pairs the SDPA blocks of a segment layout compute: `rows[r]` lists the units of row `r` as
+    `(prefix, [segment lengths])`. Per block of `block` query columns, the keys reach back to the earliest own range
+    start of its queries (over all rows), plus the prefixes they see (gathered when far), as `build_blocks` does."""
+    intervals = []  # per row: (start, end, own_start, ctx_start, ctx_end), in order
+    for units in rows:
+        row, at = [], 0
+        for prefix, segments in units:
+            if prefix:
+                row.append((at, at + prefix, at, 0, 0))
+            start = at + prefix
+            for length in segments:
+                row.append((start, start + length, start, at, at + prefix if prefix else 0))
+                start += length
+            at = start
+        intervals.append(row)
+    total = 0
+    for q0 in range(0, width, block):
+        q1 = min(q0 + block, width)
+        own_min, c0, c1 = q0, None, None
+        for row in intervals:
+            for start, end, own, ctx0, ctx1 in row:
+                if end <= q0 or start >= q1:
+                    continue
+                own_min = min(own_min, own)
+                if ctx1 > ctx0:
+                    c0, c1 = (ctx0, ctx1) if c0 is None else (min(c0, ctx0), max(c1, ctx1))
+        if c0 is None:
+            keys = q1 - own_min
+        elif own_min - c1 > block // 2:
+            keys = (c1 - c0) + (q1 - own_min)
+        else:
+            keys = q1 - min(c0, own_min)
+        total += len(rows) * (q1 - q0) * keys
+    return total
+
+
+def plan_forward(
+    spans, batch_shape, prompt_width, chunk_rows, *, groups, sort, trim, pack, share, one_row, alpha, multiple_of=None
+) -> list[ForwardLayout]:
+    """One layout per chunk of `chunk_rows` rows, each the cheapest allowed (see the module docstring).
+
+    `pack` / `share`: "auto" (when cheaper), True (wherever possible), False (never). `groups`: rows that share a
+    prompt prefix (shared_prefix.prompt_groups); empty when sharing is off for this forward. Rows are taken in
+    length order (`sort`) or TRL's; with groups, also in group order, and the cheaper of the two orders wins."""
+    b = batch_shape[0]
+    orders = [length_order(spans) if sort else torch.arange(b)]
+    if share is not False and groups:
+        orders.append(shared_prefix.group_order(spans, groups))
+    group_of = {r: tuple(rows) for rows in groups for r in rows}
+    best = None
+    for order in orders:
+        choices, total = [], 0.0
+        for start in range(0, b, chunk_rows):
+            rows = order[start : start + chunk_rows].tolist()
+            kind, cost, units = choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha)
+            choices.append((kind, rows, units))
+            total += cost
+        if best is None or total < best[0]:
+            best = (total, choices)
+    layouts = []
+    for kind, rows, units in best[1]:
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        if kind == "trimmed":
+            layouts.append(trimmed_layout(rows_t, spans, batch_shape, prompt_width, trim, multiple_of))
+        elif kind == "packed":
+            layouts.append(packed_layout(rows_t, spans, batch_shape, one_row, multiple_of))
+        else:
+            layouts.append(
+                segment_layout(units, spans, batch_shape, prompt_width, one_row, pack is not False, multiple_of)
+            )
+    return layouts
+
+
+def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha):
+    """(kind, cost, units) of the cheapest allowed layout for one chunk."""
+    candidates = []
+    segments_ok = packable(spans, rows) and bool((spans[rows, 0] < prompt_width).all())
+    units = []
+    if share is not False and segments_ok:
+        seen = set()
+        for r in rows:
+            key = group_of.get(r)
+            members = [x for x in rows if group_of.get(x) == key] if key is not None else [r]
+            if key is None or key not in seen:
+                units.append(members)
+                seen.add(key)
+    shared_ok = any(len(u) > 1 for u in units)
+    if shared_ok:
+        candidates.append(
+            ("shared", segment_cost(unit_widths(spans, units, prompt_width), pack is not False, one_row, alpha))
+        )
+    if pack is not False and segments_ok and not (share is True and shared_ok):
+        singles = unit_widths(spans, [[r] for r in rows], prompt_width)
+        candidates.append(("packed", segment_cost(singles, True, one_row, alpha)))
+    if not ((pack is True and segments_ok) or (share is True and shared_ok)):
+        cost = trimmed_cost(spans, torch.tensor(rows), prompt_width, alpha) if trim else math.inf
+        candidates.append(("trimmed", cost))
+    kind, cost = min(candidates, key=lambda c: c[1])
+    return kind, (0.0 if math.isinf(cost) else cost), units
