@@ -50,6 +50,7 @@ from .rollout.pipeline import RolloutPipeline
 from .rollout.sampler_logprobs import SamplerLogprobReuse
 from .rollout.served_model import check_served_model
 from .rollout.sources import rollout_source
+from .rollout.vllm_setup import check_vllm_setup
 
 # Optional multimodal inputs TRL forwards to the model when present in a batch.
 _FORWARD_KEYS = (
@@ -110,6 +111,7 @@ class GSPOTrainer(
             )
         _check_reference_source(model, args, kwargs.get("peft_config"))
         check_cpu_colocate_supported(args.use_vllm, args.vllm_mode)  # vLLM's CPU build: before its engine starts
+        check_vllm_setup(args, model)  # vLLM missing, a server push without CUDA, a model vLLM cannot load: one line
         # Model card (name, paper, tags) of the variant trained; set before TRL's __init__ tags the model with them.
         self._name, self._paper, self._tag_names = model_card.card_fields(
             args.importance_sampling_level, args.loss_type, GRPOTrainer._paper
