@@ -182,8 +182,8 @@ def _bench_headline(result: dict) -> dict:
 
     for name, scenario in result.get("scenarios", {}).items():
         walk(name, scenario)
-    if "attention" in result:
-        found["attention"] = result["attention"]
+    if "attention" in result.get("machine", {}):
+        found["attention"] = result["machine"]["attention"]
     return found
 
 
@@ -244,10 +244,10 @@ PARTS = [
     ),
     Part(
         "vllm_routes",
-        "`benchmarks/vllm_routes_smoke.py`: vLLM returns MoE routes R3 can replay; sampler/trainer route mismatch",
+        "`benchmarks/gpu_routes.py`: vLLM returns MoE routes R3 can replay; sampler/trainer route mismatch",
         120,
         _needs(_modules("vllm")),
-        lambda out: [sys.executable, os.path.join(BENCHMARKS, "vllm_routes_smoke.py"), "--out", out],
+        lambda out: [sys.executable, os.path.join(BENCHMARKS, "gpu_routes.py"), "--out", out],
         lambda r: {"vllm": r.get("engine"), "route mismatch (token, layer)": _round(r.get("mismatch_token_layer"))},
     ),
     Part(

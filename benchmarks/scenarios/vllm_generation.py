@@ -1,34 +1,30 @@
-"""Indicative CPU numbers: GSPO steps generating with vLLM's CPU build, colocated in the trainer's process and as a
-real `trl vllm-serve` process, vs with transformers `generate` in the trainer, same tiny model, data, batch and seed,
-in one invocation.
-
-    make .venv-vllm/.installed
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_cpu.py --out benchmarks/results/cpu-vllm.json
+"""The `vllm_generation` scenario: GSPO steps generating with vLLM's CPU build, colocated in the trainer's process
+and as a real vLLM server process, beside transformers `generate` in the trainer: same tiny model, data, batch and
+seed, runs alternating between the backends (ABC CBA ...). Needs vLLM (`make .venv-vllm/.installed`, then
+`.venv-vllm/bin/python benchmarks/run.py --scenarios vllm_generation`).
 
 Both engines run in fp32, like the trainer (TRL builds the colocated engine with vLLM's automatic dtype, bf16 for an
 fp32 checkpoint; `dtype="float32"` is added to that call here). Colocate pays its real weight sync before each rollout
 (vLLM's layer-wise reload on the CPU build, trl_gspo/rollout/colocate_cpu_sync.py) and shares the trainer's one
 thread. In server mode TRL's weight push runs on NCCL (CUDA only) and is replaced by a no-op here, so the server
 samples with the initial weights and the push costs nothing; on a GPU it adds a broadcast per generation. The server
-runs with one thread beside the trainer's one thread (2 cores). GSPOConfig's defaults generate one rollout per 4 optimizer steps (the paper's 4 mini-batches). Per
-run: seconds per optimizer step and seconds of generation per optimizer step (TRL's `_generate`, the call the step
-waits on), means over the rollouts after the first (warm-up, discarded); `generation_share` is their ratio. Runs
-alternate between the backends (ABC CBA ...) at each shape; the summary gives medians over runs:
+runs with one thread beside the trainer's one thread. GSPOConfig's defaults generate one rollout per 4 optimizer
+steps (the paper's 4 mini-batches). Per run: seconds per optimizer step and seconds of generation per optimizer step
+(TRL's `_generate`, the call the step waits on), means over the rollouts after the first (warm-up, discarded);
+`generation_share` is their ratio. The summary gives medians over runs at each shape:
 - `short`: prompts of 3-9 words, 8 completions of up to 32 tokens per optimizer step, one micro-batch;
 - `long`: prompts of 200-260 words, 4 micro-batches of 8 completions (groups of 8) of up to 128 tokens per step.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the real-vLLM set's model and server helpers
 
 SHAPES = {
@@ -133,13 +129,8 @@ def one_run(model_dir: str, url: str | None, shape: str, rollouts: int, out: str
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/cpu-vllm.json")
-    parser.add_argument("--rollouts", type=int, default=2, help="rollouts measured per run, after a warm-up rollout")
-    parser.add_argument("--repeats", type=int, default=4, help="runs of each backend per shape (ABC CBA order)")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    cli = parser.parse_args()
+def vllm_generation_scenario(repeats: int, rollouts: int, log) -> dict:
+    """Every backend `repeats` times per shape, `rollouts` measured rollouts per run after a warm-up rollout."""
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     from trl.generation.vllm_client import VLLMClient
 
@@ -148,53 +139,34 @@ def main():
     import vllm
     from real_vllm.conftest import colocated_engine_dtype, running_server, save_served_model
 
-    colocated_engine_dtype(
-        "float32"
-    )  # the colocated engine in fp32, like the server and the trainer (module docstring)
+    colocated_engine_dtype("float32")  # the colocated engine in fp32, like the server and the trainer (module doc)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     work = tempfile.mkdtemp(prefix="gspo-vllm-cpu-")
     model_dir = save_served_model(os.path.join(work, "model"))  # the tiny Qwen3 of tests/real_vllm
-    results = {
-        "command": " ".join(["benchmarks/vllm_cpu.py", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d"),
-        "vllm": vllm.__version__,
-        "shapes": {k: dict(v) for k, v in SHAPES.items()},
-        "runs": [],
-    }
+    results = {"vllm": vllm.__version__, "shapes": {k: dict(v) for k, v in SHAPES.items()}, "runs": []}
+    backends = ["transformers", "vllm_server", "vllm_colocate"]
     with running_server(model_dir, max_model_len=512) as (server_url, _):
-        for shape in cli.shapes:
-            backends = ["transformers", "vllm_server", "vllm_colocate"]
-            order = [b for r in range(cli.repeats) for b in (backends if r % 2 == 0 else backends[::-1])]
+        for shape in SHAPES:
+            order = [b for r in range(repeats) for b in (backends if r % 2 == 0 else backends[::-1])]
             for index, backend in enumerate(order):
                 url = {"vllm_server": server_url, "vllm_colocate": "colocate"}.get(backend)
-                run = one_run(model_dir, url, shape, cli.rollouts, os.path.join(work, f"{shape}-{index}"))
+                run = one_run(model_dir, url, shape, rollouts, os.path.join(work, f"{shape}-{index}"))
                 results["runs"].append({"shape": shape, "backend": backend, **run})
-                print(
-                    f"{shape:6s} {backend:14s} step {run['step_s']:.3f} s  generation {run['generation_s']:.3f} s "
-                    f"({100 * run['generation_share']:.0f}%)  mean length {run['completion_mean_length']:.1f}",
-                    flush=True,
+                log(
+                    f"  {shape:6s} {backend:14s} step {run['step_s']:.3f} s  generation {run['generation_s']:.3f} s "
+                    f"({100 * run['generation_share']:.0f}%)  mean length {run['completion_mean_length']:.1f}"
                 )
-    for shape in cli.shapes:
-        by = {
-            b: [r for r in results["runs"] if r["shape"] == shape and r["backend"] == b]
-            for b in ("transformers", "vllm_server", "vllm_colocate")
-        }
+    for shape in SHAPES:
         summary = {}
-        for backend, runs in by.items():
+        for backend in backends:
+            runs = [r for r in results["runs"] if r["shape"] == shape and r["backend"] == backend]
             summary[f"{backend}_step_s"] = statistics.median(r["step_s"] for r in runs)
             summary[f"{backend}_generation_s"] = statistics.median(r["generation_s"] for r in runs)
             summary[f"{backend}_generation_share"] = statistics.median(r["generation_share"] for r in runs)
-        for backend in ("vllm_server", "vllm_colocate"):
+        for backend in backends[1:]:
             summary[f"step_ratio_{backend}_over_transformers"] = (
                 summary[f"{backend}_step_s"] / summary["transformers_step_s"]
             )
-        results.setdefault("summary", {})[shape] = summary
-    os.makedirs(os.path.dirname(os.path.abspath(cli.out)), exist_ok=True)
-    with open(cli.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(json.dumps(results["summary"], indent=1))
-
-
-if __name__ == "__main__":
-    main()
+        results[shape] = summary
+    return results

@@ -1,7 +1,8 @@
-"""Smoke test for R3's vLLM route source: does the installed vLLM return routes trl-gspo can replay?
+"""The `vllm_routes` part of `make gpu-check` (gpu_check.py runs it): does the installed vLLM return MoE routes that
+trl-gspo's R3 can replay?
 
-    python benchmarks/vllm_routes_smoke.py --out benchmarks/results/vllm-routes.json          # GPU + vLLM
-    python benchmarks/vllm_routes_smoke.py --dry-run                                          # CPU, no vLLM
+    python benchmarks/gpu_routes.py --out /tmp/vllm-routes.json          # GPU + vLLM (what gpu_check.py runs)
+    python benchmarks/gpu_routes.py --dry-run                            # CPU, no vLLM (tests/test_gpu_check.py)
 
 It builds a colocated `vllm.LLM(..., enable_return_routed_experts=True)` on an MoE model (default: a tiny Qwen3-MoE
 built from config and saved to a temporary folder; `--model` for a real one), generates a few completions, reads
