@@ -166,7 +166,9 @@ def main(argv=None):
     )
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 dense peak for MFU (TFLOP/s)")
     parser.add_argument(
-        "--results-dir", default=None, help="one <scenario>.json per scenario (default: benchmarks/results)"
+        "--results-dir",
+        default=None,
+        help="one <scenario>.json per scenario (default: benchmarks/results, /cuda for --device cuda)",
     )
     parser.add_argument("--out", default=None, help="instead: one JSON file holding every scenario run")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the layout scenarios' variants")
@@ -197,7 +199,9 @@ def main(argv=None):
             parser.error("--device cuda: no CUDA device is visible")
         peak = args.peak_tflops * 1e12 if args.peak_tflops else bf16_peak_flops(torch.cuda.get_device_name())
         shape["peak_flops"] = peak
-    results_dir = args.results_dir or os.path.join(REPO_ROOT, "benchmarks", "results")
+    # CPU results are the ones the docs quote; a GPU run goes beside them, never over them
+    default_dir = os.path.join(REPO_ROOT, "benchmarks", "results", *(("cuda",) if args.device == "cuda" else ()))
+    results_dir = args.results_dir or default_dir
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)

@@ -155,3 +155,21 @@ def test_mfu_peak_tells_form_factors_apart():
         "NVIDIA GeForce RTX 4090": None,
     }
     assert {name: run.bf16_peak_flops(name) for name in expected} == expected
+
+
+def test_results_hold_one_file_per_scenario_and_nothing_else():
+    """benchmarks/results/: `<scenario>.json` for every scenario of the registry (history is git's), each naming its
+    scenario and carrying its date, commit and machine; gpu-check's and a GPU run's folders beside them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run_files", RUN_PY)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    results = os.path.join(ROOT, "benchmarks", "results")
+    names = sorted(os.listdir(results))
+    assert [n for n in names if n not in ("gpu-check", "cuda")] == sorted(f"{name}.json" for name in run.SCENARIOS)
+    for name in run.SCENARIOS:
+        with open(os.path.join(results, f"{name}.json")) as f:
+            record = json.load(f)
+        assert record["scenario"] == name and record["date"] and record["commit"] and record["machine"]["cpu_count"]
+        assert record["settings"]["tiny"] is False and record["result"]
