@@ -7,9 +7,10 @@
 
 `--config` and `--accelerate_config` take a path, or a name: `NAME.yaml` in the working directory, then
 `recipes/NAME.yaml` (`accelerate_configs/NAME.yaml`) below it, where `trl-gspo recipes` copies the shipped files, then
-the shipped file (the repository's top-level `recipes/` and `accelerate_configs/`, installed inside the package). The
-first line a command prints names the recipe file it loaded. Without `--accelerate_config` the command runs in the current process (what `accelerate launch -m trl_gspo
-train ...` runs on each rank); with it, the command relaunches itself under `accelerate launch`, like `trl grpo`.
+the shipped file (the repository's top-level `recipes/` and `accelerate_configs/`, installed inside the package); a
+value with a folder part is a path and must exist. The first line a command prints names the recipe file it loaded.
+Without `--accelerate_config` the command runs in the current process (what `accelerate launch -m trl_gspo train ...`
+runs on each rank); with it, the command relaunches itself under `accelerate launch`, like `trl grpo`.
 A recipe's keys are the fields of `GSPOConfig` (every `GRPOConfig`/`TrainingArguments` field), TRL's `ModelConfig`
 (model, dtype, `use_peft`, `lora_*`), TRL's dataset mixture (`datasets:`) and the script arguments below; command
 line flags override the recipe. Unlike TRL's parser, a key no class knows is an error (with the closest valid key),
