@@ -6,8 +6,8 @@
 
 Each part runs in a fresh process with its own time budget. A part whose GPU or package is missing is skipped with
 the reason; a part that fails, crashes or runs out of time records that (with the end of its log) and the next part
-starts. Results go to `benchmarks/results/gpu-check.json` (every number each part reported) and `gpu-check.md`
-(one table), rewritten after every part; each part's log to `benchmarks/results/gpu-check-logs/`. A run of some
+starts. Results go to `benchmarks/results/gpu-check/gpu-check.json` (every number each part reported) and
+`gpu-check.md` (one table), rewritten after every part; each part's log to `benchmarks/results/gpu-check/gpu-check-logs/`. A run of some
 parts keeps the other parts' entries, so the check can also be run in pieces. The budgets of the parts that run on
 one GPU add up to 28 minutes, and `--max-minutes` (30) caps the whole run.
 
@@ -37,7 +37,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
-RESULTS = os.path.join(BENCHMARKS, "results")
+RESULTS = os.path.join(BENCHMARKS, "results", "gpu-check")  # beside the benchmark's one file per scenario
 JSON_NAME, TABLE_NAME, LOG_DIR = "gpu-check.json", "gpu-check.md", "gpu-check-logs"
 for _path in (REPO_ROOT, BENCHMARKS):  # the package, then gpu_parts.py beside this file (searched first)
     if _path not in sys.path:
@@ -182,8 +182,8 @@ def _bench_headline(result: dict) -> dict:
 
     for name, scenario in result.get("scenarios", {}).items():
         walk(name, scenario)
-    if "attention" in result:
-        found["attention"] = result["attention"]
+    if "attention" in result.get("machine", {}):
+        found["attention"] = result["machine"]["attention"]
     return found
 
 
@@ -244,10 +244,10 @@ PARTS = [
     ),
     Part(
         "vllm_routes",
-        "`benchmarks/vllm_routes_smoke.py`: vLLM returns MoE routes R3 can replay; sampler/trainer route mismatch",
+        "`benchmarks/gpu_routes.py`: vLLM returns MoE routes R3 can replay; sampler/trainer route mismatch",
         120,
         _needs(_modules("vllm")),
-        lambda out: [sys.executable, os.path.join(BENCHMARKS, "vllm_routes_smoke.py"), "--out", out],
+        lambda out: [sys.executable, os.path.join(BENCHMARKS, "gpu_routes.py"), "--out", out],
         lambda r: {"vllm": r.get("engine"), "route mismatch (token, layer)": _round(r.get("mismatch_token_layer"))},
     ),
     Part(
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--out-dir",
         default=None,
-        help="where gpu-check.json/.md and the logs go (default: benchmarks/results; a dry run writes "
+        help="where gpu-check.json/.md and the logs go (default: benchmarks/results/gpu-check; a dry run writes "
         "nothing unless given one)",
     )
     parser.add_argument("--max-minutes", type=float, default=30, help="cap on the whole run (default 30)")

@@ -24,7 +24,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
-RESULTS = os.path.join(BENCHMARKS, "results")
 
 
 # ------------------------------------------------------------------------------------------------ parity, bf16

@@ -1,6 +1,6 @@
-"""`benchmarks/run.py --tiny` runs end to end and writes well-formed JSON (numbers are not asserted: timings on a
-shared CI machine mean nothing; the real comparison is the benchmark run itself). Two repetitions, so the medians
-really pool several runs."""
+"""`benchmarks/run.py --tiny` runs every scenario end to end and writes one well-formed file per scenario, with the
+date, commit, machine and every repetition (numbers are not asserted: timings on a shared CI machine mean nothing; the
+real comparison is the benchmark run itself). Two repetitions, so the medians really pool several runs."""
 
 import json
 import math
@@ -9,65 +9,79 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_PY = os.path.join(ROOT, "benchmarks", "run.py")
 
 
 def _positive(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_tiny_benchmark_writes_well_formed_json(tmp_path):
-    out = tmp_path / "bench.json"
+def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--tiny", "--reps", "2", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
+        [sys.executable, RUN_PY, "--tiny", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(out)
-    assert report["tiny"] is True and report["device"] == "cpu" and report["gradient_checkpointing"] is True
+    return proc
+
+
+def test_tiny_run_writes_one_file_per_scenario(tmp_path):
     from trl_gspo.forward import fused_head
 
-    padding_path = fused_head.available()  # TRL < 1.15: padding removal is off, so long_tail is skipped (logged)
+    proc = _run("--reps", "2", "--results-dir", str(tmp_path))
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    padding_path = fused_head.available()  # TRL < 1.15: padding removal is off, so the layout scenarios are skipped
     layouts = {"long_tail", "long_prompt"} if padding_path else set()
-    assert (
-        set(report["scenarios"])
-        == {"loss_path", "equal_settings", "equal_settings_no_diagnostics", "sampler_logprobs", "logprob_memory"}
-        | layouts
-    )
-    lp = report["scenarios"]["loss_path"]
+    expected = {"demo", "loss_path", "equal_settings", "equal_settings_no_diagnostics", "sampler_logprobs"}
+    expected |= {"logprob_memory", "async"} | layouts
+    assert {os.path.basename(p) for p in summary["written"]} == {f"{name}.json" for name in expected}
+    assert set(summary["skipped"]) >= {"demo_vllm", "vllm_generation"}  # vLLM's CPU build only, not in --tiny
+    files = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in expected}
+    for name, record in files.items():
+        assert record["scenario"] == name and record["what"] and record["date"].startswith("20")
+        assert record["command"].startswith("python benchmarks/run.py --tiny")
+        assert len(record["commit"]) == 40 and isinstance(record["uncommitted_changes"], bool)
+        machine = record["machine"]
+        assert machine["cpu_count"] > 0 and len(machine["load_average_before"]) == 3 and machine["omp_num_threads"]
+        assert record["versions"]["trl"] and record["settings"]["tiny"] is True and _positive(record["wall_seconds"])
+    report = {name: record["result"] for name, record in files.items()}
+
+    demo = report["demo"]
+    assert demo["seeds"] == [0] and demo["runs"][0]["steps"] == 4 and demo["runs"][0]["eval_prompts"] == 8
+    assert 0 <= demo["after_min"] <= 1 and _positive(demo["median_end_to_end_seconds"])
+    lp = report["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
     assert _positive(lp["ratio_seconds_no_diagnostics"]) and _positive(lp["ratio_cpu_seconds_no_diagnostics"])
     assert _positive(lp["ratio_untrimmed_cpu_seconds"])
+    assert {kind: len(times) for kind, times in lp["runs"].items()} == dict.fromkeys(
+        ("stock", "ours", "ours_no_diagnostics", "ours_untrimmed"), lp["iters"]
+    )  # every repetition, not only the medians
     runs = (
         ("equal_settings", "recompute", True),
         ("equal_settings_no_diagnostics", "recompute", False),
         ("sampler_logprobs", "sampler", True),
     )
     for name, source, diagnostics in runs:
-        sc = report["scenarios"][name]
+        sc = report[name]
         assert sc["old_logprobs_source"] == source and sc["diagnostics"] is diagnostics
         for side in ("stock", "ours"):
             assert _positive(sc[side]["seconds_per_step"]) and _positive(sc[side]["completion_tokens_per_s"])
             assert _positive(sc[side]["cpu_seconds_per_step"])
             assert sc[side]["completion_tokens"] > 0 and sc[side]["peak_memory_bytes"] >= 0
-            assert len(sc["runs"][side]) == report["reps"]
+            assert len(sc["runs"][side]) == 2
         assert sc["stock"]["old_logprob_pass_seconds_per_step"] > 0  # stock always recomputes pi_old here
         assert 0 < sc["stock_old_logprob_pass_share"] < 1
         assert _positive(sc["ratio_seconds_per_step"]) and _positive(sc["ratio_completion_tokens_per_s"])
         ratio = sc["ours"]["seconds_per_step"] / sc["stock"]["seconds_per_step"]
         assert math.isclose(sc["ratio_seconds_per_step"], ratio)
-    mem = report["scenarios"]["logprob_memory"]
+    mem = report["logprob_memory"]
     chunked = {"ours_chunked"} if fused_head.available() else set()  # TRL < 1.15: no fused head to tile
     assert set(mem["peak_memory_bytes"]) == {"stock", "ours", "naive"} | chunked
     assert all(v >= 0 for v in mem["peak_memory_bytes"].values())  # tiny sizes may fit in freed heap
     assert mem["full_fp32_logits_bytes"] == mem["vocab"] * mem["completion_tokens"] * 4
+    _check_async(report["async"])
     if not padding_path:
-        assert "long_tail skipped" in proc.stderr + proc.stdout
+        assert "long_tail skipped" in proc.stderr
         return
     shapes = {"long_tail": ("long_tail", "long_tail_one_micro_batch"), "long_prompt": ("long_prompt",)}
     variants = {
@@ -75,11 +89,11 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
         "long_prompt": {"shared", "group_minibatches", "no_sharing"},
     }
     for scenario, keys in shapes.items():
-        assert set(report["scenarios"][scenario]) == set(keys)
+        assert set(report[scenario]) == set(keys)
         for key in keys:
-            lt = report["scenarios"][scenario][key]
+            lt = report[scenario][key]
             assert set(lt["runs"]) == {"stock"} | variants[scenario]
-            assert all(len(v) == report["reps"] for v in lt["runs"].values())
+            assert all(len(v) == 2 for v in lt["runs"].values())
             for variant in variants[scenario]:
                 sc = lt[variant]
                 assert _positive(sc["ratio_seconds_per_step"]) and _positive(sc["ratio_cpu_seconds_per_step"])
@@ -96,6 +110,32 @@ def test_tiny_benchmark_writes_well_formed_json(tmp_path):
                 lt["shared"]["prompt_tokens_saved_per_step"] > 0
                 and lt["no_sharing"]["prompt_tokens_saved_per_step"] == 0
             )
+
+
+def _check_async(sc: dict) -> None:
+    assert set(sc["runs"]) == {"sync", "async_staleness1", "async_staleness2"}
+    assert 0 < sc["generation_share"] < 1 and 0.5 <= sc["floor_ratio"] < 1
+    assert sc["median"]["sync"]["generation_seconds_per_step"] > 0  # measured inside the synchronous step
+    for kind in ("async_staleness1", "async_staleness2"):
+        # generation left the main thread: TRL's generation call there only hands over the finished completions
+        assert (
+            sc["median"][kind]["generation_seconds_per_step"]
+            < 0.1 * sc["median"]["sync"]["generation_seconds_per_step"]
+        )
+        assert _positive(sc[kind]["ratio_seconds_per_step"]) and _positive(sc[kind]["ratio_over_floor"])
+        ratio = sc["median"][kind]["seconds_per_step"] / sc["median"]["sync"]["seconds_per_step"]
+        assert math.isclose(sc[kind]["ratio_seconds_per_step"], ratio)
+
+
+def test_out_writes_every_scenario_into_one_file_and_unknown_names_fail(tmp_path):
+    """`--out FILE` (what make gpu-check reads): one file, the scenarios under "scenarios"."""
+    out = tmp_path / "one.json"
+    proc = _run("--scenarios", "logprob_memory", "--out", str(out))
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["written"] == []
+    report = json.loads(out.read_text())
+    assert set(report["scenarios"]) == {"logprob_memory"} and report["settings"]["tiny"] is True
+    bad = subprocess.run([sys.executable, RUN_PY, "--scenarios", "equal_setings"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown ['equal_setings']" in bad.stderr
 
 
 def test_mfu_peak_tells_form_factors_apart():
@@ -117,38 +157,19 @@ def test_mfu_peak_tells_form_factors_apart():
     assert {name: run.bf16_peak_flops(name) for name in expected} == expected
 
 
-def test_tiny_async_scenario_writes_ratios_and_the_floor(tmp_path):
-    out = tmp_path / "async.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "run.py"),
-            "--tiny",
-            "--scenarios",
-            "async",
-            "--reps",
-            "1",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    sc = json.loads(out.read_text())["scenarios"]["async"]
-    assert set(sc["runs"]) == {"sync", "async_staleness1", "async_staleness2"}
-    assert 0 < sc["generation_share"] < 1 and 0.5 <= sc["floor_ratio"] < 1
-    assert sc["median"]["sync"]["generation_seconds_per_step"] > 0  # measured inside the synchronous step
-    for kind in ("async_staleness1", "async_staleness2"):
-        # generation left the main thread: TRL's generation call there only hands over the finished completions
-        assert (
-            sc["median"][kind]["generation_seconds_per_step"]
-            < 0.1 * sc["median"]["sync"]["generation_seconds_per_step"]
-        )
-        assert _positive(sc[kind]["ratio_seconds_per_step"]) and "meets_target" in sc[kind]
-        ratio = sc["median"][kind]["seconds_per_step"] / sc["median"]["sync"]["seconds_per_step"]
-        assert math.isclose(sc[kind]["ratio_seconds_per_step"], ratio)
+def test_results_hold_one_file_per_scenario_and_nothing_else():
+    """benchmarks/results/: `<scenario>.json` for every scenario of the registry (history is git's), each naming its
+    scenario and carrying its date, commit and machine; gpu-check's and a GPU run's folders beside them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run_files", RUN_PY)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    results = os.path.join(ROOT, "benchmarks", "results")
+    names = sorted(os.listdir(results))
+    assert [n for n in names if n not in ("gpu-check", "cuda")] == sorted(f"{name}.json" for name in run.SCENARIOS)
+    for name in run.SCENARIOS:
+        with open(os.path.join(results, f"{name}.json")) as f:
+            record = json.load(f)
+        assert record["scenario"] == name and record["date"] and record["commit"] and record["machine"]["cpu_count"]
+        assert record["settings"]["tiny"] is False and record["result"]

@@ -193,11 +193,13 @@ def test_trainer_class_that_does_not_resolve_names_both_places(tmp_path, tiny_mo
 def test_config_and_accelerate_config_resolve_by_name_and_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert shipped.resolve_shipped("demo", "recipe") == SHIPPED["recipe"] / "demo.yaml"
-    assert shipped.resolve_shipped("recipes/demo.yaml", "recipe") == SHIPPED["recipe"] / "demo.yaml"
     assert shipped.resolve_shipped("zero2.yaml", "accelerate config") == SHIPPED["accelerate config"] / "zero2.yaml"
+    with pytest.raises(RecipeError, match=r"'recipes/demo.yaml': no such file .* is `--config demo`"):
+        shipped.resolve_shipped("recipes/demo.yaml", "recipe")  # a path is a path: no silent shipped fallback
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "demo.yaml").write_text("max_steps: 3\n")
     assert shipped.resolve_shipped("recipes/demo.yaml", "recipe") == tmp_path / "recipes" / "demo.yaml"  # a file wins
+    assert shipped.resolve_shipped("demo", "recipe") == tmp_path / "recipes" / "demo.yaml"  # copies before shipped
     with pytest.raises(RecipeError, match=r"accelerate config 'zero22': no such file.*Did you mean 'zero2'\?"):
         shipped.resolve_shipped("zero22", "accelerate config")
 

@@ -1,4 +1,4 @@
-"""benchmarks/compare.py end to end on a tiny setting: data and plots written, every variant and seed present."""
+"""benchmarks/experiments/compare.py end to end on a tiny setting: data and plots written, every variant and seed present."""
 
 import csv
 import importlib.util
@@ -12,7 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _compare_module():
-    spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "benchmarks", "compare.py"))
+    spec = importlib.util.spec_from_file_location(
+        "compare", os.path.join(ROOT, "benchmarks", "experiments", "compare.py")
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["compare"] = module
     spec.loader.exec_module(module)

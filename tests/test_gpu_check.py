@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_parts  # noqa: E402
+import gpu_routes  # noqa: E402
 from gpu_check import Part  # noqa: E402
 
 CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
@@ -159,7 +160,7 @@ def test_the_whole_run_has_a_time_cap(tmp_path):
 
 def test_benchmark_headline_reads_run_py_ratios_and_mfu():
     result = {
-        "attention": "sdpa",
+        "machine": {"attention": "sdpa"},  # `run.py --out`: the machine block, then every scenario run
         "scenarios": {
             "equal_settings": {"ratio_seconds_per_step": 0.9712, "mfu": {"stock": 0.31, "ours": 0.33}},
             "loss_path": {"ratio_seconds": 1.02, "ratio_cpu_seconds": 1.5},
@@ -284,3 +285,15 @@ def test_zero_part_streams_its_launch_and_checks_what_it_saved(monkeypatch, caps
     failed = gpu_parts.zero(3)
     assert failed["status"] == "failed" and failed["problems"][0] == "launcher exited 7"
     assert failed["problems"][1].startswith("output unreadable")
+
+
+def test_vllm_routes_part_dry_run(tmp_path):
+    """benchmarks/gpu_routes.py (the gpu-check part that checks vLLM's route layout) runs its whole path on CPU, with a
+    stand-in engine in place of vLLM."""
+    report = gpu_routes.main(["--dry-run", "--max-tokens", "6", "--out", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+    assert len(report["completions"]) == 4
+    for entry in report["completions"]:
+        assert entry["shape"][0] == entry["prompt_tokens"] + entry["completion_tokens"] - 1
+        assert entry["rows_with_route"] == entry["shape"][0]
+    assert report["mismatch_token_layer"] == 0.0  # same fp32 weights on CPU: generate and forward route alike

@@ -753,24 +753,3 @@ def test_vllm_server_mode_with_two_processes_client_on_the_main_process_only(tmp
     assert [(rank, client) for rank, client, _, _ in ranks] == [("0", "client"), ("1", "no client")], log[-4000:]
     assert all(int(rows) == 16 for _, _, rows, _ in ranks), ranks  # one rollout of 4 x 4 completions per rank
     assert ranks[0][3] == "1" and ranks[1][3] == "0", ranks  # one request, from the main process
-
-
-def test_vllm_smoke_script_dry_run(tmp_path):
-    """benchmarks/vllm_routes_smoke.py (the GPU check of vLLM's route layout) runs its whole path on CPU."""
-    import importlib.util
-    import json
-    import os
-
-    path = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "vllm_routes_smoke.py"
-    )
-    spec = importlib.util.spec_from_file_location("vllm_routes_smoke", path)
-    smoke = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(smoke)
-    report = smoke.main(["--dry-run", "--max-tokens", "6", "--out", str(tmp_path / "r.json")])
-    assert json.loads((tmp_path / "r.json").read_text()) == report
-    assert len(report["completions"]) == 4
-    for entry in report["completions"]:
-        assert entry["shape"][0] == entry["prompt_tokens"] + entry["completion_tokens"] - 1
-        assert entry["rows_with_route"] == entry["shape"][0]
-    assert report["mismatch_token_layer"] == 0.0  # same fp32 weights on CPU: generate and forward route alike

@@ -60,6 +60,7 @@ from .rollout.async_rollouts import DecoupledBehaviourWeight
 from .rollout.pipeline import RolloutPipeline, split_rollout
 from .rollout.sampler_logprobs import SamplerLogprobs
 from .rollout.sources import rollout_source
+from .rollout.vllm_setup import check_vllm_setup
 from .token_advantages import checked_advantages
 
 #: Optional multimodal inputs TRL forwards to the model when present in a batch.
@@ -80,6 +81,7 @@ class GSPOTrainer(GRPOTrainer):
         args = trainer_args(model, args)
         check_reference_source(model, args, kwargs.get("peft_config"))
         colocate_cpu_sync.check_cpu_colocate_supported(args.use_vllm, args.vllm_mode)  # before vLLM's engine starts
+        check_vllm_setup(args, model)  # vLLM missing, a server push without CUDA, a model vLLM cannot load: one line
         # Model card (name, paper, tags) of the variant trained; set before TRL's __init__ tags the model with them.
         self._name, self._paper, self._tag_names = model_card.card_fields(
             args.importance_sampling_level, args.loss_type, GRPOTrainer._paper

@@ -5,10 +5,12 @@
     trl-gspo check                                                        # versions + parity with stock GRPOTrainer
     trl-gspo recipes [DEST] [--list] [--force]                            # copy the shipped recipes out for editing
 
-`--config` and `--accelerate_config` take a path, or the name of a shipped recipe or accelerate config (the
-repository's top-level `recipes/` and `accelerate_configs/`, installed inside the package; a path that exists wins, so copies made by `trl-gspo recipes` are used from then
-on). Without `--accelerate_config` the command runs in the current process (what `accelerate launch -m trl_gspo
-train ...` runs on each rank); with it, the command relaunches itself under `accelerate launch`, like `trl grpo`.
+`--config` and `--accelerate_config` take a path, or a name: `NAME.yaml` in the working directory, then
+`recipes/NAME.yaml` (`accelerate_configs/NAME.yaml`) below it, where `trl-gspo recipes` copies the shipped files, then
+the shipped file (the repository's top-level `recipes/` and `accelerate_configs/`, installed inside the package); a
+value with a folder part is a path and must exist. The first line a command prints names the recipe file it loaded.
+Without `--accelerate_config` the command runs in the current process (what `accelerate launch -m trl_gspo train ...`
+runs on each rank); with it, the command relaunches itself under `accelerate launch`, like `trl grpo`.
 A recipe's keys are the fields of `GSPOConfig` (every `GRPOConfig`/`TrainingArguments` field), TRL's `ModelConfig`
 (model, dtype, `use_peft`, `lora_*`), TRL's dataset mixture (`datasets:`) and the script arguments below; command
 line flags override the recipe. Unlike TRL's parser, a key no class knows is an error (with the closest valid key),
@@ -33,15 +35,23 @@ from pathlib import Path
 from .. import __version__
 from ..common import trl_compat
 from ..common.imports import import_object
+from ..rollout.vllm_setup import check_vllm_setup
 from ..trainer import GSPOTrainer
 from . import recipe_inputs
 from .check import main as check_main
-from .console import quiet_library_deprecations, use_console
+from .console import (
+    final_eval_line,
+    generation_line,
+    quiet_library_deprecations,
+    quiet_saving,
+    tied_weights_restored,
+    use_console,
+)
 from .demo import DEMO_ARGS, run_demo
 from .parser import GSPOScriptArguments, parse, precision_note, quiet_deepspeed_on_cpu, reconcile_mixed_precision
 from .recipe_inputs import RecipeError
 from .rewards import missing_columns, needed_columns, resolve_reward
-from .shipped import SHIPPED, resolve_config_argument, resolve_shipped, shipped_names, take_option
+from .shipped import SHIPPED, is_shipped, resolve_config_argument, resolve_shipped, shipped_names, take_option
 
 #: `accelerate launch` options `--accelerate_config` runs accept besides the config (none is a recipe key).
 LAUNCH_OPTIONS = (
@@ -79,6 +89,17 @@ def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
     return subprocess.call(cmd)
 
 
+def say_recipe(command: str, recipe: Path | None) -> None:
+    """The console's first line: which recipe file this run loaded (rank 0 only)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    if recipe is None:
+        text = "no recipe (--config): the built-in settings" if command == "demo" else "no recipe (--config)"
+    else:
+        text = f"recipe {recipe}{' (shipped)' if is_shipped(recipe) else ''}"
+    print(f"trl-gspo {command}: {text}", flush=True)
+
+
 # ----------------------------------------------------------------------------------------------------- demo
 def demo(argv: list[str]) -> int:
     from trl import get_peft_config
@@ -86,7 +107,8 @@ def demo(argv: list[str]) -> int:
     launched = launch_with_accelerate("demo", argv)
     if launched is not None:
         return launched
-    argv, _ = resolve_config_argument(argv)
+    argv, recipe = resolve_config_argument(argv)
+    say_recipe("demo", recipe)
     argv = reconcile_mixed_precision("demo", argv)
     demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
     if model_args.model_name_or_path is not None:
@@ -194,6 +216,7 @@ def train(argv: list[str]) -> int:
     if launched is not None:
         return launched
     argv, recipe = resolve_config_argument(argv)
+    say_recipe("train", recipe)
     recipe_dir = recipe.parent if recipe is not None else None
     search_dirs = (str(recipe_dir),) if recipe is not None else ()  # a recipe's own modules sit next to it
     argv = reconcile_mixed_precision("train", argv)
@@ -223,6 +246,10 @@ def train(argv: list[str]) -> int:
     recipe_inputs.check_model_source("model_name_or_path", model_args.model_name_or_path, recipe_dir)
     if script_args.reward_model_name_or_path:
         recipe_inputs.check_model_source("reward_model_name_or_path", script_args.reward_model_name_or_path, recipe_dir)
+    try:
+        check_vllm_setup(args, model_args.model_name_or_path)  # before the model loads and vLLM starts
+    except ValueError as err:
+        raise RecipeError(str(err)) from err
 
     # Same model loading switches as `trl grpo`; trust_remote_code stays False unless the recipe sets it.
     args.model_init_kwargs = {
@@ -242,8 +269,13 @@ def train(argv: list[str]) -> int:
         quantization_config=get_quantization_config(model_args),
     )
     use_console(trainer, script_args.console)
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    trainer.save_model(args.output_dir)
+    trainer.accelerator.print(f"trl-gspo train: {generation_line(trainer)}")
+    with tied_weights_restored(trainer):
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if eval_set is not None:
+        trainer.accelerator.print(final_eval_line(trainer, eval_set))
+    with quiet_saving(script_args.console):
+        trainer.save_model(args.output_dir)
     trainer.accelerator.print(f"Model saved to {args.output_dir}")
     trl_compat.end_training(trainer)
     return 0
@@ -275,8 +307,8 @@ def recipes(argv: list[str]) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
     print(
-        f"copied {len(files)} files to {dest / 'recipes'} and {dest / 'accelerate_configs'}; commands such as "
-        f"`trl-gspo train --config recipes/<name>.yaml` now use these copies."
+        f"copied {len(files)} files to {dest / 'recipes'} and {dest / 'accelerate_configs'}; in {dest} (or in its "
+        f"recipes/ folder) `--config NAME` now runs the copy, and from elsewhere `--config {dest / 'recipes'}/NAME.yaml`."
     )
     return 0
 

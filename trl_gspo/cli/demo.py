@@ -8,6 +8,10 @@ held-out prompts (digit strings never seen in training) means the policy learned
 
     from trl_gspo.cli.demo import run_demo
     run_demo("outputs/demo")          # or: trl-gspo demo
+
+With `use_vllm=True` the demo generates with vLLM (colocate: the engine in this process, e.g. vLLM's CPU build): vLLM
+loads the model from a folder, so the initial model and tokenizer are saved to `output_dir/initial-model` first, and the
+model gets a head size vLLM's CPU attention runs (`VLLM_HEAD_DIM`; the plain demo's 16 is not one of them).
 """
 
 from __future__ import annotations
@@ -22,11 +26,18 @@ import torch
 from datasets import Dataset
 
 from ..config import GSPOConfig
+from ..rollout.vllm_setup import check_vllm_setup
 from ..testing import build_tiny_model, build_tokenizer
 from ..trainer import GSPOTrainer
-from .console import use_console
+from .console import StartStep, generation_line, quiet_saving, tied_weights_restored, use_console
+from .recipe_inputs import RecipeError
 
 NUM_DIGITS = 3
+#: Head size of the demo's model when vLLM generates: one vLLM's CPU attention runs (it refuses 16, the plain demo's).
+VLLM_HEAD_DIM = 64
+#: KV cache of vLLM's CPU build for the demo, in GiB (`VLLM_CPU_KVCACHE_SPACE`, unless set): without it the CPU build
+#: reserves a share of the machine's memory (`vllm_gpu_memory_utilization`), far more than a tiny model needs.
+VLLM_CPU_KVCACHE_GIB = 1
 #: Digit strings reserved for the held-out split: training never sees them.
 NUM_HELD_OUT = 200
 
@@ -83,10 +94,12 @@ def demo_config(output_dir: str, **overrides) -> GSPOConfig:
     return GSPOConfig(output_dir=output_dir, **{**DEMO_ARGS, **overrides})
 
 
-def build_demo_model(seed: int = 0, moe: bool = False):
-    """(model, tokenizer): a tiny randomly initialised Qwen3 (or Qwen3-MoE) and the word-level tokenizer."""
+def build_demo_model(seed: int = 0, moe: bool = False, head_dim: int | None = None):
+    """(model, tokenizer): a tiny randomly initialised Qwen3 (or Qwen3-MoE) and the word-level tokenizer; `head_dim`
+    overrides the model's head size (default: hidden size / 4 = 16)."""
     tokenizer = build_tokenizer()
-    return build_tiny_model(tokenizer, moe=moe, seed=seed), tokenizer
+    overrides = {"head_dim": head_dim} if head_dim is not None else {}
+    return build_tiny_model(tokenizer, moe=moe, seed=seed, **overrides), tokenizer
 
 
 @torch.no_grad()
@@ -140,10 +153,10 @@ def write_metrics(log_history: list[dict], csv_path: str, png_path: str, held_ou
     plt.close(fig)
 
 
-def save_initial_model(model, folder: str) -> None:
-    """With `beta > 0` (and no adapter) TRL loads the KL reference model from the policy's path, and the demo's model
-    is built in code: the main process saves it (whole, also when ZeRO-3 has partitioned it) and the model's path
-    becomes that folder, on every process."""
+def save_initial_model(model, folder: str, tokenizer=None) -> None:
+    """TRL loads the KL reference model (`beta > 0`, no adapter) and vLLM its engine from the policy's path, and the
+    demo's model is built in code: the main process saves it (whole, also when ZeRO-3 has partitioned it) with the
+    tokenizer, and the model's path becomes that folder, on every process."""
     from accelerate import PartialState
     from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -154,8 +167,10 @@ def save_initial_model(model, folder: str) -> None:
         gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
     with gathered:
         model.save_pretrained(folder)  # writes on the main process only
+    if tokenizer is not None and PartialState().is_main_process:
+        tokenizer.save_pretrained(folder)
     PartialState().wait_for_everyone()
-    model.config._name_or_path = folder
+    model.config._name_or_path = model.name_or_path = folder  # TRL reads the config's, vLLM's engine the model's
 
 
 def run_demo(
@@ -171,22 +186,34 @@ def run_demo(
     """Train the demo end to end; writes the model, `metrics.csv` and `reward_curve.png` to `output_dir`.
 
     `args` replaces the whole config (the CLI passes its parsed one); otherwise `overrides` go to `demo_config`.
+    `args.resume_from_checkpoint` resumes from a checkpoint of an earlier run, as `trl-gspo train` does.
     `console`: "compact" (one line per logging step) or "stock" (transformers' log dicts), see cli/console.py.
-    Returns the held-out reward before and after training and the wall time.
+    Returns the held-out reward before and after training, the wall time and the steps this call trained.
     """
     from trl.models.utils import unwrap_model_for_generation
 
     args = args if args is not None else demo_config(output_dir, **overrides)
-    model, tokenizer = build_demo_model(seed=args.seed, moe=moe)
+    model, tokenizer = build_demo_model(seed=args.seed, moe=moe, head_dim=VLLM_HEAD_DIM if args.use_vllm else None)
     train_set = make_demo_dataset(num_train_prompts, seed=args.seed)
     eval_set = make_demo_dataset(num_eval_prompts, seed=args.seed, split="test")
 
-    if args.beta != 0.0 and peft_config is None:
-        save_initial_model(model, os.path.join(args.output_dir, "initial-model"))
+    if args.use_vllm or (args.beta != 0.0 and peft_config is None):
+        with quiet_saving(console):
+            save_initial_model(model, os.path.join(args.output_dir, "initial-model"), tokenizer)
+    if args.use_vllm:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_CPU_KVCACHE_GIB))  # read by vLLM's CPU build only
+        try:
+            check_vllm_setup(args, model)  # the trainer checks too; here the CLI gets its one line
+        except ValueError as err:
+            raise RecipeError(str(err)) from err
     trainer = GSPOTrainer(
         model, demo_reward, args=args, train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config
     )
     use_console(trainer, console)
+    started = StartStep()
+    trainer.add_callback(started)
+    if trainer.accelerator.is_main_process:
+        print(f"trl-gspo demo: {generation_line(trainer)}", flush=True)
 
     def held_out_reward():  # under ZeRO-3 the weights are sharded from creation on: gather them to generate
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
@@ -194,16 +221,20 @@ def run_demo(
 
     before = held_out_reward()
     start = time.perf_counter()
-    trainer.train()
+    with tied_weights_restored(trainer):
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     wall = time.perf_counter() - start
+    steps = trainer.state.global_step - started.step
     after = held_out_reward()
-    trainer.save_model(args.output_dir)  # weights + tokenizer (processing_class)
+    with quiet_saving(console):
+        trainer.save_model(args.output_dir)  # weights + tokenizer (processing_class)
     if trainer.accelerator.is_main_process:
         paths = (os.path.join(args.output_dir, name) for name in ("metrics.csv", "reward_curve.png"))
         write_metrics(trainer.state.log_history, *paths, held_out=(before, after))
         print(f"held-out reward (greedy, {len(eval_set)} unseen prompts): before {before:.3f} -> after {after:.3f}")
+        resumed = f" (resumed at step {started.step})" if started.step else ""
         print(
-            f"trained {trainer.state.global_step} steps in {wall:.0f} s; model, metrics.csv and reward_curve.png "
-            f"in {args.output_dir}"
+            f"trained {steps} steps{resumed} in {wall:.0f} s; model, metrics.csv and reward_curve.png in "
+            f"{args.output_dir}"
         )
-    return {"before": before, "after": after, "train_seconds": wall, "trainer": trainer}
+    return {"before": before, "after": after, "train_seconds": wall, "steps": steps, "trainer": trainer}

@@ -18,7 +18,7 @@ from . import recipe_inputs
 from .console import ConsoleArguments
 from .demo import DEMO_ARGS
 from .recipe_inputs import RecipeError
-from .shipped import recipe_with_bases, take_option
+from .shipped import load_recipe, recipe_with_bases, take_option
 
 
 @dataclass
@@ -67,22 +67,21 @@ class DemoArguments(ConsoleArguments):
     moe: bool = field(default=False, metadata={"help": "Use a tiny Qwen3-MoE (4 experts, top-2) instead of dense."})
 
 
+#: Keys only `trl-gspo demo` knows: a recipe holding one is a demo recipe (`train` says so instead of "unknown key").
+DEMO_ONLY_KEYS = tuple(DemoArguments.__dataclass_fields__.keys() - GSPOScriptArguments.__dataclass_fields__.keys())
+
+
 def recipe_values(command: str, argv: list[str], keys: tuple[str, ...]) -> dict:
     """Raw values of `keys` from the recipe (with its bases), the command's defaults and flags, before any config
     class is built (building GSPOConfig already applies the mixed precision that `precision_note` decides on)."""
-    import yaml
-
-    parser = make_parser(command)
+    recipe, rest = take_option(list(argv), "--config")
+    parser = make_parser(command, recipe)
     if command == "demo":
         parser.set_defaults_with_config(**DEMO_ARGS)
-    recipe, rest = take_option(list(argv), "--config")
     if recipe is not None:
-        with open(recipe) as f:
-            config = yaml.safe_load(f) or {}
-        if isinstance(config, dict):
-            config.pop("env", None)
-            parser.recipe_dir = Path(recipe).parent
-            parser.set_defaults_with_config(**config)
+        config = load_recipe(Path(recipe))
+        config.pop("env", None)
+        parser.set_defaults_with_config(**config)
     namespace, _ = parser.parse_known_args(rest)
     return {key: getattr(namespace, key, None) for key in keys}
 
@@ -108,15 +107,24 @@ def reconcile_mixed_precision(command: str, argv: list[str]) -> list[str]:
 
 
 class GSPOParser(TrlParser):
-    """`TrlParser` that rejects unknown recipe keys and checks value types before the dataclasses are built, and
-    follows a recipe's `extends`."""
+    """`TrlParser` that rejects unknown recipe keys and checks value types before the dataclasses are built, follows a
+    recipe's `extends`, and reports a command-line error in one line (argparse prints the whole usage first)."""
 
     recipe_dir: Path | None = None  # folder of the `--config` recipe: its `extends` base is looked up there first
+    recipe_name: str = "RECIPE"  # how the `--config` recipe is named in messages
+
+    def error(self, message: str):
+        raise RecipeError(f"{message} (`{self.prog} --help` lists every key.)")
 
     def set_defaults_with_config(self, **config) -> list[str]:
         config = recipe_with_bases(config, self.recipe_dir)
         actions = {a.dest: a for a in self._actions if a.nargs != 0 and a.dest != "help"}  # nargs=0: --no_x twins
         for key, value in config.items():
+            if key not in actions and key in DEMO_ONLY_KEYS:
+                raise RecipeError(
+                    f"this recipe is `trl-gspo demo`'s (its key {key!r} sets the demo's own task, built in code): run "
+                    f"`trl-gspo demo --config {self.recipe_name}`, or give `train` a recipe with a model and a dataset."
+                )
             if key not in actions:
                 close = difflib.get_close_matches(key, list(actions), n=1, cutoff=0.6)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -149,18 +157,21 @@ def _check_value(key, value, action) -> None:
             raise RecipeError(f"{key}: expected {wanted}, got {item!r} ({type(item).__name__}).")
 
 
-def make_parser(command: str) -> GSPOParser:
+def make_parser(command: str, recipe: str | None = None) -> GSPOParser:
+    """The command's parser; `recipe` (the `--config` file) is where `extends` bases are looked up first."""
     classes = (GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig)
     if command == "demo":
         classes = (DemoArguments, GSPOConfig, ModelConfig)
-    return GSPOParser(classes, prog=f"trl-gspo {command}", allow_abbrev=False)
+    parser = GSPOParser(classes, prog=f"trl-gspo {command}", allow_abbrev=False)
+    if recipe is not None:
+        parser.recipe_dir, parser.recipe_name = Path(recipe).parent, Path(recipe).stem
+    return parser
 
 
 def parse(command: str, argv: list[str], defaults: dict | None = None):
     """Parse `argv` (with `--config recipe.yaml`) into the command's dataclasses; errors become `RecipeError`."""
-    parser = make_parser(command)
     recipe, _ = take_option(list(argv), "--config")
-    parser.recipe_dir = Path(recipe).parent if recipe is not None else None
+    parser = make_parser(command, recipe)
     if defaults:
         parser.set_defaults_with_config(**defaults)
     try:

@@ -28,26 +28,62 @@ def shipped_names(kind: str) -> list[str]:
     return sorted(path.stem for path in SHIPPED[kind].glob("*.yaml"))
 
 
-def resolve_shipped(value: str, kind: str) -> Path:
-    """`value` as an existing file, else the shipped `kind` ("recipe" / "accelerate config") of that name.
+def is_shipped(path: Path) -> bool:
+    """Whether `path` is one of the shipped files (installed inside the package), not a copy."""
+    return path.resolve().parent in {folder.resolve() for folder in SHIPPED.values()}
 
-    `zero2`, `zero2.yaml` and `accelerate_configs/zero2.yaml` all name the shipped ZeRO-2 config when no such file
-    exists here: the last form is what `trl-gspo recipes` copies out, so a command works before and after copying.
+
+def resolve_shipped(value: str, kind: str) -> Path:
+    """`value` as a file, or a bare name (no folder, optional `.yaml`) looked up where `trl-gspo recipes` copies files
+    to, then among the shipped `kind` ("recipe" / "accelerate config"): `NAME.yaml` in the working directory,
+    `recipes/NAME.yaml` (`accelerate_configs/NAME.yaml`) below it, then the shipped file. So after `trl-gspo recipes
+    DEST`, `--config demo` in DEST (or in DEST/recipes) runs the edited copy. A value with a folder part is a path and
+    must exist: it never falls back to a shipped file of the same name.
     """
     path = Path(value).expanduser()
     if path.is_file():
         return path.resolve()
     folder = SHIPPED[kind]
-    if path.parent in (Path("."), Path(folder.name)):
-        candidate = folder / f"{path.stem if path.suffix in ('.yaml', '.yml') else path.name}.yaml"
-        if candidate.is_file():
-            return candidate
-    close = difflib.get_close_matches(path.stem, shipped_names(kind), n=1)
+    names = shipped_names(kind)
+    stem = path.stem if path.suffix in (".yaml", ".yml") else path.name
+    if path.parent == Path("."):
+        for candidate in (Path(f"{stem}.yaml"), Path(folder.name) / f"{stem}.yaml", folder / f"{stem}.yaml"):
+            if candidate.is_file():
+                return candidate.resolve()
+    elif stem in names:
+        flag = "--config" if kind == "recipe" else "--accelerate_config"
+        raise RecipeError(
+            f"{kind} {value!r}: no such file in {Path.cwd()}. The shipped {kind} of that name is `{flag} {stem}`; "
+            "`trl-gspo recipes DEST` copies the shipped files out for editing."
+        )
+    close = difflib.get_close_matches(stem, names, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise RecipeError(
         f"{kind} {value!r}: no such file, and no shipped {kind} of that name.{hint} Shipped: "
-        f"{', '.join(shipped_names(kind))} (`trl-gspo recipes --list`)."
+        f"{', '.join(names)} (`trl-gspo recipes --list`)."
     )
+
+
+def load_recipe(path: Path) -> dict:
+    """A recipe file's keys; a YAML syntax error or a file that is no mapping is one `RecipeError` naming the file
+    (and the line and column where the parser stopped)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        problem = " ".join(str(part) for part in (err.context, err.problem) if part)
+        raise RecipeError(f"{where}: not valid YAML ({problem}).") from err
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML ({err}).") from err
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise RecipeError(f"{path} is not a recipe (a YAML mapping of keys), it holds a {type(loaded).__name__}.")
+    return loaded
 
 
 def take_option(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
@@ -74,6 +110,7 @@ def resolve_config_argument(argv: list[str]) -> tuple[list[str], Path | None]:
     if value is None:
         return argv, None
     recipe = resolve_shipped(value, "recipe")
+    load_recipe(recipe)  # a broken file fails here, in one line, before any parser reads it
     return ["--config", str(recipe), *rest], recipe
 
 
@@ -85,8 +122,6 @@ def recipe_with_bases(config: dict, recipe_dir: Path | None, chain: tuple[str, .
     """`config` (one recipe's keys) on top of the keys of the recipe it `extends`, recursively. A base is looked up
     next to the recipe that names it first (so copies made by `trl-gspo recipes` extend copies), then among the
     shipped recipes. A base's `env:` is exported like TRL's parser exports a recipe's."""
-    import yaml
-
     config = dict(config)
     base = config.pop(EXTENDS, None)
     if base is None:
@@ -97,10 +132,7 @@ def recipe_with_bases(config: dict, recipe_dir: Path | None, chain: tuple[str, .
     path = next((c for c in local if c.is_file()), None) or resolve_shipped(base, "recipe")
     if str(path.resolve()) in chain:
         raise RecipeError(f"{EXTENDS}: recipes extend each other in a cycle ({' -> '.join(chain)} -> {path}).")
-    with open(path) as f:
-        loaded = yaml.safe_load(f) or {}
-    if not isinstance(loaded, dict):
-        raise RecipeError(f"{EXTENDS}: {path} is not a recipe (a YAML mapping of keys).")
+    loaded = load_recipe(path)
     for key, value in (loaded.pop("env", None) or {}).items():
         os.environ[key] = str(value)
     merged = recipe_with_bases(loaded, path.parent, (*chain, str(path.resolve())))

@@ -1,0 +1,67 @@
+"""The `demo` and `demo_vllm` scenarios: `trl-gspo demo` end to end as a user runs it, one fresh process per seed: the
+held-out reward before and after training, the training seconds (the console's `done:` line) and the seconds end to
+end (the whole command: imports, model, evaluation, saving; with vLLM the engine's start too).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+from scenarios.driver import REPO_ROOT
+
+SEEDS = (0, 1, 2)
+#: --tiny: a few steps, only to run the path.
+TINY = ("--max_steps", "4", "--num_train_prompts", "32", "--num_eval_prompts", "8")
+HELD_OUT = re.compile(r"held-out reward \(greedy, (\d+) unseen prompts\): before ([\d.]+) -> after ([\d.]+)")
+DONE = re.compile(r"^done: (\d+) steps in ([\d.]+) s", re.MULTILINE)
+
+
+def run_demo(seed: int, use_vllm: bool, tiny: bool, out_dir: str) -> dict:
+    """`python -m trl_gspo demo --seed SEED` (with `--use_vllm true --vllm_mode colocate`), its numbers from its console."""
+    command = [sys.executable, "-m", "trl_gspo", "demo", "--seed", str(seed), "--output_dir", out_dir]
+    command += ["--disable_tqdm", "true", *(("--use_vllm", "true", "--vllm_mode", "colocate") if use_vllm else ())]
+    command += list(TINY if tiny else ())
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=dict(os.environ))
+    end_to_end = time.perf_counter() - start
+    held_out, done = HELD_OUT.search(proc.stdout), DONE.search(proc.stdout)
+    if proc.returncode != 0 or held_out is None or done is None:
+        raise RuntimeError(
+            f"{' '.join(command[2:])} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+        )
+    return {
+        "seed": seed,
+        "eval_prompts": int(held_out.group(1)),
+        "before": float(held_out.group(2)),
+        "after": float(held_out.group(3)),
+        "steps": int(done.group(1)),
+        "train_seconds": float(done.group(2)),
+        "end_to_end_seconds": end_to_end,
+    }
+
+
+def demo_scenario(use_vllm: bool, tiny: bool, work_dir: str, log) -> dict:
+    runs = []
+    for seed in SEEDS[:1] if tiny else SEEDS:
+        runs.append(run_demo(seed, use_vllm, tiny, os.path.join(work_dir, f"demo-{'vllm-' if use_vllm else ''}{seed}")))
+        r = runs[-1]
+        log(
+            f"  demo seed {seed}: held-out {r['before']:.3f} -> {r['after']:.3f}, training {r['train_seconds']:.1f} s, "
+            f"end to end {r['end_to_end_seconds']:.1f} s"
+        )
+    return {
+        "command": "python -m trl_gspo demo --seed SEED"
+        + (" --use_vllm true --vllm_mode colocate" if use_vllm else ""),
+        "seeds": [r["seed"] for r in runs],
+        "before_max": max(r["before"] for r in runs),
+        "after_min": min(r["after"] for r in runs),
+        "after_max": max(r["after"] for r in runs),
+        "median_train_seconds": statistics.median(r["train_seconds"] for r in runs),
+        "median_end_to_end_seconds": statistics.median(r["end_to_end_seconds"] for r in runs),
+        "runs": runs,
+    }

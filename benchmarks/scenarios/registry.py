@@ -1,0 +1,183 @@
+"""Every scenario of `benchmarks/run.py`, in the order a bare `run.py` runs them: its name, what it measures (one line,
+as in benchmarks/README.md), what it needs, and how it runs from the invocation's `Context`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scenarios import driver
+from scenarios.asynchronous import async_scenario
+from scenarios.demo import demo_scenario
+from scenarios.loss import memory_scenario
+from scenarios.training import LAYOUT_SHAPES, LAYOUT_VARIANTS, compare, layout_scenario
+from scenarios.workload import ASYNC_SHAPES, STEPS_PER_GENERATION
+
+
+@dataclass
+class Context:
+    """What every scenario of one invocation shares."""
+
+    device: str
+    tiny: bool
+    shape: dict  # SHAPES entry of the device (or `tiny`)
+    reps: int | None  # --reps; None: each scenario's default
+    work_dir: str
+    log: Callable[[str], None]
+    gradient_checkpointing: bool = True
+    variants: list[str] | None = None  # --variants: a subset of the layout scenarios' variants
+
+    def reps_for(self, shape: dict) -> int:
+        return self.reps or shape["reps"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    what: str
+    run: Callable[[Context], dict]
+    #: Why it cannot run here (None: it can): a missing package, a TRL without the fused head, ...
+    unavailable: Callable[[Context], str | None] = lambda ctx: None
+
+
+def _loss_path(ctx: Context) -> dict:
+    spec = dict(task="loss_path", shape=ctx.shape, device=ctx.device, iters=5 if ctx.tiny else 200)
+    result = driver.run_worker(spec)
+    ctx.log(
+        f"  ratio ours/stock (CPU time): {result['ratio_cpu_seconds']:.4f}, diagnostics off "
+        f"{result['ratio_cpu_seconds_no_diagnostics']:.4f}, untrimmed {result['ratio_untrimmed_cpu_seconds']:.4f}"
+    )
+    return result
+
+
+def _training(name: str, source: str, diagnostics: bool = True) -> Callable[[Context], dict]:
+    def run(ctx: Context) -> dict:
+        reps, gc = ctx.reps_for(ctx.shape), ctx.gradient_checkpointing
+        return compare(name, source, ctx.shape, ctx.device, reps, ctx.work_dir, ctx.log, gc, diagnostics=diagnostics)
+
+    return run
+
+
+def _layouts(name: str) -> Callable[[Context], dict]:
+    def run(ctx: Context) -> dict:
+        result = {}
+        for key in LAYOUT_SHAPES[name]:
+            shape = {**ctx.shape, **ctx.shape["long_tail"], **ctx.shape[key]}  # long_tail's entry is every one's base
+            ctx.log(
+                f"  {key}: prompts of {shape['prompt_range']} tokens, completions lognormal up to "
+                f"{shape['completion']}; {shape['batch']} rows x {shape['accumulation']} micro-batches per optimizer "
+                f"step, {STEPS_PER_GENERATION} optimizer steps per rollout"
+            )
+            variants = {k: v for k, v in LAYOUT_VARIANTS[name].items() if ctx.variants is None or k in ctx.variants}
+            gc = ctx.gradient_checkpointing
+            result[key] = layout_scenario(
+                key, shape, ctx.device, ctx.reps_for(shape), ctx.work_dir, ctx.log, gc, variants
+            )
+        return result
+
+    return run
+
+
+def _no_fused_head(ctx: Context) -> str | None:
+    from trl_gspo.forward import fused_head
+
+    if fused_head.available():
+        return None
+    return "this TRL has no fused log-prob head, so padding removal is off (forward/padding.py)"
+
+
+def _async(ctx: Context) -> dict:
+    shape = dict(ASYNC_SHAPES["tiny" if ctx.tiny else ctx.device])
+    return async_scenario(shape, ctx.device, ctx.reps_for(shape), ctx.work_dir, ctx.log)
+
+
+def _logprob_memory(ctx: Context) -> dict:
+    # Peak memory is deterministic here (same shapes, same allocations): two repetitions confirm it.
+    return memory_scenario(ctx.shape, ctx.device, min(ctx.reps_for(ctx.shape), 2), ctx.log)
+
+
+def _needs_vllm(ctx: Context) -> str | None:
+    if ctx.device != "cpu" or ctx.tiny:
+        return "measured on vLLM's CPU build only (not in --tiny or --device cuda runs)"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed here: run it with .venv-vllm/bin/python (make .venv-vllm/.installed)"
+    return None
+
+
+def _cpu_only(ctx: Context) -> str | None:
+    return "the demo's numbers are CPU numbers (make gpu-check runs it on a GPU)" if ctx.device != "cpu" else None
+
+
+def _vllm_generation(ctx: Context) -> dict:
+    from scenarios.vllm_generation import vllm_generation_scenario
+
+    return vllm_generation_scenario(ctx.reps or 4, rollouts=2, log=ctx.log)
+
+
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario(
+            "demo",
+            "`trl-gspo demo` end to end for seeds 0-2: held-out reward before and after, training and total seconds",
+            lambda ctx: demo_scenario(False, ctx.tiny, ctx.work_dir, ctx.log),
+            _cpu_only,
+        ),
+        Scenario(
+            "loss_path",
+            "`_compute_loss` + backward alone, stock vs ours alternating in one process: the loss pipeline's overhead",
+            _loss_path,
+        ),
+        Scenario(
+            "equal_settings",
+            "training steps, stock vs ours at stock's settings (pi_old recomputed): what ours costs on top",
+            _training("equal_settings", "recompute"),
+        ),
+        Scenario(
+            "equal_settings_no_diagnostics",
+            "the same with GSPO's diagnostics off (diagnostics=False)",
+            _training("equal_settings_no_diagnostics", "recompute", diagnostics=False),
+        ),
+        Scenario(
+            "sampler_logprobs",
+            "training steps, stock vs ours with old_logprobs_source='sampler' (no pi_old pass)",
+            _training("sampler_logprobs", "sampler"),
+        ),
+        Scenario(
+            "logprob_memory",
+            "peak memory of one loss forward + backward at Qwen3's vocabulary x 2,048 tokens, stock vs ours",
+            _logprob_memory,
+        ),
+        Scenario(
+            "long_tail",
+            "training phase on identical long-tailed rollouts, stock vs ours' layouts (trim, sort, pack) at two shapes",
+            _layouts("long_tail"),
+            _no_fused_head,
+        ),
+        Scenario(
+            "long_prompt",
+            "training phase with ~1024-token prompts, stock vs ours sharing each group's prompt",
+            _layouts("long_prompt"),
+            _no_fused_head,
+        ),
+        Scenario(
+            "async",
+            "seconds per step, synchronous vs async_generation (staleness 1 and 2), ours only, beside the floor",
+            _async,
+        ),
+        Scenario(
+            "demo_vllm",
+            "`trl-gspo demo --use_vllm true --vllm_mode colocate` end to end on vLLM's CPU build, seeds 0-2",
+            lambda ctx: demo_scenario(True, ctx.tiny, ctx.work_dir, ctx.log),
+            _needs_vllm,
+        ),
+        Scenario(
+            "vllm_generation",
+            "step time generating with transformers, a vLLM server and colocated vLLM (CPU build), two shapes",
+            _vllm_generation,
+            _needs_vllm,
+        ),
+    )
+}

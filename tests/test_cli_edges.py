@@ -1,0 +1,198 @@
+"""What a user meets in the first hour with the CLI: the demo resumed after SIGTERM, an edited copy of a recipe, one-line
+errors for a broken YAML file, a bad choice and the demo's recipe given to `train`, and a console without checkpoint
+progress bars or a spurious tied-head warning, whose summary counts this run's steps and which prints the eval score."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from datasets import DatasetDict
+
+from trl_gspo.cli.commands import main
+from trl_gspo.cli.demo import make_demo_dataset
+from trl_gspo.cli.shipped import SHIPPED
+
+ROOT = Path(__file__).resolve().parent.parent
+#: A demo of a few steps: small data, one line per step, no progress bar.
+SMALL_DEMO = ["--num_train_prompts", "64", "--num_eval_prompts", "8", "--logging_steps", "1", "--disable_tqdm", "true"]
+
+
+def _error_line(err: str) -> str:
+    """The CLI's one error line; nothing else of the command may reach stderr (no usage, no traceback)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("trl-gspo ") and ": error: " in lines[0], err
+    return lines[0]
+
+
+def _step_lines(out: str) -> list[int]:
+    return [int(line.split()[1].split("/")[0]) for line in out.splitlines() if line.startswith("step ")]
+
+
+# --------------------------------------------------------------------------------------- demo resume
+def _demo(out: Path, pause: float, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "STEP_PAUSE": str(pause)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    argv = ["demo", "--output_dir", str(out), "--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4"]
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "cli_slow_steps.py"), *argv, *SMALL_DEMO, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_demo_resumes_after_sigterm_like_train(tmp_path):
+    """SIGTERM mid-run, then `trl-gspo demo --resume_from_checkpoint true`: the run continues from the signal's
+    checkpoint (no step run twice), leaves the earlier checkpoints as they were, counts only its own steps, and ends at
+    the uninterrupted run's weights exactly."""
+    straight = _demo(tmp_path / "straight", 0.0)
+    assert straight.wait(timeout=300) == 0, straight.stdout.read()
+
+    out = tmp_path / "run"
+    proc, lines = _demo(out, 0.3), []
+    for line in proc.stdout:  # a real step past the first checkpoint, then preempt the process
+        lines.append(line)
+        if _step_lines(line) == [5]:
+            proc.send_signal(signal.SIGTERM)
+    log = "".join(lines)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, log
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert saved[0] == 4 and 4 < saved[-1] < 12, (saved, log)
+    before = _files(out)
+
+    resume = _demo(out, 0.0, "--resume_from_checkpoint", "true")
+    resumed_log = resume.communicate(timeout=300)[0]
+    assert resume.returncode == 0, resumed_log
+    steps = _step_lines(resumed_log)
+    assert steps[0] == saved[-1] + 1 and steps[-1] == 12, resumed_log  # continued, not started over
+    assert f"done: {12 - saved[-1]} steps" in resumed_log, resumed_log  # this run's steps, not the whole schedule
+    after = _files(out)
+    untouched = {name: mtime for name, mtime in before.items() if name.startswith("checkpoint-")}
+    assert untouched and {name: after.get(name) for name in untouched} == untouched
+    final, reference = _weights(out), _weights(tmp_path / "straight")
+    assert final.keys() == reference.keys()
+    assert all((final[k] == reference[k]).all() for k in final), "resumed weights differ from the uninterrupted run"
+
+
+# ------------------------------------------------------------------------------------ recipes edited
+def test_an_edited_recipe_copy_is_what_runs_and_the_first_line_names_it(tmp_path, monkeypatch, capsys):
+    assert main(["recipes", str(tmp_path)]) == 0
+    copy = tmp_path / "recipes" / "demo.yaml"
+    recipe = yaml.safe_load(copy.read_text())
+    copy.write_text(yaml.safe_dump({**recipe, "max_steps": 3, "num_train_prompts": 32, "num_eval_prompts": 8}))
+    capsys.readouterr()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for folder, value in ((tmp_path, "demo"), (copy.parent, "demo"), (elsewhere, "../recipes/demo.yaml")):
+        monkeypatch.chdir(folder)
+        out = tmp_path / "out" / folder.name
+        assert main(["demo", "--config", value, "--output_dir", str(out), "--disable_tqdm", "true"]) == 0
+        printed = capsys.readouterr().out
+        assert printed.splitlines()[0] == f"trl-gspo demo: recipe {copy}", printed
+        assert "trained 3 steps" in printed, printed  # the edited max_steps, not the shipped 2000
+
+    # A path that is not there is an error naming it, not the shipped recipe of the same name taken silently.
+    assert main(["demo", "--config", "recipes/demo.yaml"]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "'recipes/demo.yaml': no such file" in line and "--config demo" in line
+
+
+def test_the_shipped_recipe_is_named_as_shipped(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", "demo", "--output_dir", str(tmp_path / "o"), "--max_steps", "1", *SMALL_DEMO]
+    assert main(["demo", *argv]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"trl-gspo demo: recipe {SHIPPED['recipe'] / 'demo.yaml'} (shipped)"
+
+
+# -------------------------------------------------------------------------------------- one-line errors
+def test_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, capsys):
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("max_steps: 3\nlearning_rate: [1.0e-3\nseed: 0\n")
+    for command in ("demo", "train"):
+        assert main([command, "--config", str(recipe)]) == 2
+        line = _error_line(capsys.readouterr().err)
+        assert f"{recipe}, line 3, column 5" in line and "YAML" in line, line
+
+
+def test_a_recipe_that_is_no_mapping_is_one_line(tmp_path, capsys):
+    recipe = tmp_path / "list.yaml"
+    recipe.write_text("- max_steps\n- 3\n")
+    assert main(["demo", "--config", str(recipe)]) == 2
+    assert "not a recipe (a YAML mapping of keys)" in _error_line(capsys.readouterr().err)
+
+
+def test_invalid_choice_is_one_line_without_the_usage(capsys):
+    assert main(["demo", "--importance_sampling_level", "seq"]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "--importance_sampling_level" in line and "'seq'" in line and "'sequence'" in line, line
+
+
+def test_train_with_the_demo_recipe_says_it_is_the_demos(capsys):
+    assert main(["train", "--config", "demo"]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "trl-gspo demo --config demo" in line and "num_train_prompts" in line, line
+
+
+# ----------------------------------------------------------------------------------------------- console
+@pytest.fixture
+def eval_data(tmp_path):
+    path = tmp_path / "data"
+    DatasetDict(train=make_demo_dataset(64), test=make_demo_dataset(8, split="test")).save_to_disk(str(path))
+    return str(path)
+
+
+def _train(tmp_path, model_dir, data, *extra) -> list[str]:
+    keys = dict(
+        model_name_or_path=model_dir,
+        dataset_name=data,
+        reward_funcs=["demo_reward"],
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        learning_rate=1e-3,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        report_to="none",
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="epoch",  # 64 prompts are 32 steps an epoch: no evaluation happens within the 4 steps
+        per_device_eval_batch_size=8,
+    )
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(keys))
+    return ["train", "--config", str(tmp_path / "recipe.yaml"), *extra]
+
+
+def test_train_console_after_a_resume(tmp_path, tiny_model_dir, eval_data, capfd):
+    """Checkpoints are written without progress bars; a resumed run counts its own steps and is not told that the
+    tied output head is missing; `train` ends with the eval score of the final model."""
+    assert main(_train(tmp_path, tiny_model_dir, eval_data)) == 0
+    printed = "".join(capfd.readouterr())
+    assert "Writing model shards" not in printed, printed
+    score = [line for line in printed.splitlines() if line.startswith("eval (8 prompts) after step 4:")]
+    assert len(score) == 1 and "reward" in score[0], printed
+
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    assert main(_train(tmp_path, tiny_model_dir, eval_data, "--resume_from_checkpoint", checkpoint)) == 0
+    printed = "".join(capfd.readouterr())
+    assert "missing keys" not in printed and "lm_head" not in printed, printed
+    assert "done: 2 steps" in printed, printed
