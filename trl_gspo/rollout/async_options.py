@@ -23,7 +23,7 @@ class AsyncOptions:
     Parameters:
         async_generation (`bool`, *optional*, defaults to `False`):
             Generate the next rollout batches in a generator thread while the trainer trains on the current one. Pays
-            when generation and training use different devices: vLLM server mode (`trl vllm-serve` on other GPUs), or
+            when generation and training use different devices: vLLM server mode (`vllm serve` on other GPUs), or
             transformers `generate` on a spare device (`generation_device`); refused with vLLM colocate. Samples are
             trained `max_staleness` rollout batches after the weights that generated them, with the decoupled
             objective correcting for it.
@@ -93,7 +93,7 @@ class AsyncOptions:
         if self.use_vllm and self.vllm_mode == "colocate":
             raise ValueError(
                 "async_generation=True with vllm_mode='colocate': colocated vLLM generates on the training GPUs, so "
-                "generation and training cannot overlap. Run `trl vllm-serve` on other GPUs with vllm_mode='server', "
+                "generation and training cannot overlap. Run a vLLM server on other GPUs (`vllm serve`, docs/vllm.md) with vllm_mode='server', "
                 "or use transformers generation on a spare device (use_vllm=False, generation_device='cuda:N')."
             )
         if self.use_transformers_continuous_batching:

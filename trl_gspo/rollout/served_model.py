@@ -97,7 +97,7 @@ def _compare_configs(ours, theirs, url: str, served: str) -> None:
                 f"The vLLM server at {url} serves {served!r}, whose {field} is {served_value!r}; the trainer's model "
                 f"({getattr(ours, '_name_or_path', '') or type(ours).__name__}) has {field}={mine!r}. Its completions "
                 "would not be the policy's, and weight updates could not load. Start the server with the trainer's "
-                "model (`trl vllm-serve --model <the trainer's model>`), or point vllm_server_base_url at one that "
+                "model (`vllm serve <the trainer's model> ...`, docs/vllm.md), or point vllm_server_base_url at one that "
                 "serves it."
             )
 
