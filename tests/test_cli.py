@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from datasets import DatasetDict
+from helpers.recipes import train_recipe, write_recipe
 
 from trl_gspo.cli import commands as cli
 from trl_gspo.cli import shipped
@@ -90,35 +91,11 @@ def test_demo_learns_the_copy_task(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- train
-def _write_recipe(path: Path, **keys) -> str:
-    path.write_text(yaml.safe_dump(keys))
-    return str(path)
-
-
 @pytest.fixture
 def copy_jsonl(tmp_path):
     path = tmp_path / "copy.jsonl"
     make_demo_dataset(64).to_json(str(path))
     return str(path)
-
-
-def _train_recipe(tmp_path, model_dir, data, **extra):
-    keys = dict(
-        model_name_or_path=model_dir,
-        dataset_name=data,
-        reward_funcs=["demo_reward"],
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        bf16=False,
-        learning_rate=1e-3,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=4,
-        report_to="none",
-        save_strategy="no",
-        max_steps=5,
-    )
-    return _write_recipe(tmp_path / "recipe.yaml", **{**keys, **extra})
 
 
 @pytest.mark.parametrize("source", ["jsonl_file", "parquet_file", "save_to_disk_folder", "datasets_mixture"])
@@ -134,7 +111,7 @@ def test_train_runs_from_every_local_dataset_form(tmp_path, tiny_model_dir, copy
         extra = {"dataset_name": str(tmp_path / "saved")}
     elif source == "datasets_mixture":
         extra = {"dataset_name": None, "datasets": [{"path": "json", "data_files": copy_jsonl, "split": "train"}]}
-    recipe = _train_recipe(tmp_path, tiny_model_dir, None, reward_funcs=["trl_gspo.cli.demo.demo_reward"], **extra)
+    recipe = train_recipe(tmp_path, tiny_model_dir, None, reward_funcs=["trl_gspo.cli.demo.demo_reward"], **extra)
     assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0
     model, _ = _load(tmp_path / "out")
     assert model.config.model_type == "qwen3"
@@ -163,8 +140,8 @@ def test_trainer_class_next_to_the_recipe_runs_when_launched_from_elsewhere(
     recipe_dir, elsewhere = tmp_path / "my_recipes", tmp_path / "elsewhere"
     recipe_dir.mkdir(), elsewhere.mkdir()
     (recipe_dir / "beside_recipe.py").write_text(BESIDE_RECIPE)
-    keys = yaml.safe_load(open(_train_recipe(tmp_path, tiny_model_dir, copy_jsonl)))
-    recipe = _write_recipe(
+    keys = yaml.safe_load(open(train_recipe(tmp_path, tiny_model_dir, copy_jsonl)))
+    recipe = write_recipe(
         recipe_dir / "gspo_token.yaml",
         **keys,
         importance_sampling_level="sequence_token",
@@ -184,7 +161,7 @@ def test_trainer_class_next_to_the_recipe_runs_when_launched_from_elsewhere(
 def test_trainer_class_that_does_not_resolve_names_both_places(tmp_path, tiny_model_dir, copy_jsonl, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl, trainer_class="nowhere_module.Trainer")
+    recipe = train_recipe(tmp_path, tiny_model_dir, copy_jsonl, trainer_class="nowhere_module.Trainer")
     with pytest.raises(RecipeError, match="trainer_class: cannot import module 'nowhere_module'"):
         cli.train(["--config", recipe])
 
@@ -259,7 +236,7 @@ def test_python_dash_m_entry_point(tmp_path):
 
 
 def test_flags_override_the_recipe(tmp_path, tiny_model_dir, copy_jsonl):
-    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl)
+    recipe = train_recipe(tmp_path, tiny_model_dir, copy_jsonl)
     _, args, model_args, _ = parse("train", ["--config", recipe, "--learning_rate", "0.25", "--use_peft", "true"])
     assert args.learning_rate == 0.25 and args.max_steps == 5 and model_args.use_peft
 
@@ -334,7 +311,7 @@ NO_MODEL = "/nonexistent/model"  # a check that ran after model loading would fa
     ids=lambda x: str(x)[:40],
 )
 def test_bad_recipe_fails_before_loading_a_model(tmp_path, copy_jsonl, capsys, keys, message):
-    recipe = _train_recipe(tmp_path, NO_MODEL, copy_jsonl, **keys)
+    recipe = train_recipe(tmp_path, NO_MODEL, copy_jsonl, **keys)
     try:
         code = main(["train", "--config", recipe])
     except SystemExit as err:  # argparse's own type errors (a string that is not a bool/number) exit with 2
@@ -353,13 +330,13 @@ def _error_line(err: str) -> str:
 def test_dataset_without_prompt_column_names_the_column(tmp_path, capsys):
     data = tmp_path / "qa.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n')
-    recipe = _train_recipe(tmp_path, NO_MODEL, str(data), reward_funcs=["math_accuracy_reward"])
+    recipe = train_recipe(tmp_path, NO_MODEL, str(data), reward_funcs=["math_accuracy_reward"])
     assert main(["train", "--config", recipe]) == 2
     assert "has no 'prompt' column (columns: ['question', 'answer'])" in capsys.readouterr().err
 
 
 def test_unknown_flag_and_command_suggest_the_closest(tmp_path, copy_jsonl, capsys):
-    recipe = _train_recipe(tmp_path, NO_MODEL, copy_jsonl)
+    recipe = train_recipe(tmp_path, NO_MODEL, copy_jsonl)
     assert main(["train", "--config", recipe, "--max_step", "3"]) == 2
     assert "unknown argument(s) --max_step 3. Did you mean --max_steps?" in capsys.readouterr().err
     assert main(["trian"]) == 2
@@ -367,7 +344,7 @@ def test_unknown_flag_and_command_suggest_the_closest(tmp_path, copy_jsonl, caps
 
 
 def test_parse_raises_recipe_error_for_library_use(tmp_path, copy_jsonl):
-    recipe = _train_recipe(tmp_path, NO_MODEL, copy_jsonl, num_generation=4)
+    recipe = train_recipe(tmp_path, NO_MODEL, copy_jsonl, num_generation=4)
     with pytest.raises(RecipeError, match="Did you mean 'num_generations'"):
         parse("train", ["--config", recipe])
 
@@ -440,9 +417,9 @@ def _recipe_folder(tmp_path, tiny_model_dir, **keys):
     shutil.copytree(tiny_model_dir, folder / "model")
     make_demo_dataset(32, seed=1).to_json(str(folder / "data" / "copy.jsonl"))
     (folder / "first_hour.py").write_text(RECIPE_MODULE)
-    base = yaml.safe_load(open(_train_recipe(tmp_path, "model", "data/copy.jsonl")))
+    base = yaml.safe_load(open(train_recipe(tmp_path, "model", "data/copy.jsonl")))
     base.update(reward_funcs=["first_hour.copy_reward"], trainer_class="first_hour.ProbeTrainer", max_steps=1, **keys)
-    return _write_recipe(folder / "recipe.yaml", **base)
+    return write_recipe(folder / "recipe.yaml", **base)
 
 
 @pytest.fixture
@@ -520,7 +497,7 @@ def test_model_that_cannot_load_fails_in_one_line_before_loading(
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as a machine without the Hub runs
     recipe_dir = tmp_path / "recipes"
     (recipe_dir / "empty_folder").mkdir(parents=True)
-    recipe = _write_recipe(recipe_dir / "r.yaml", **yaml.safe_load(open(_train_recipe(tmp_path, model, copy_jsonl))))
+    recipe = write_recipe(recipe_dir / "r.yaml", **yaml.safe_load(open(train_recipe(tmp_path, model, copy_jsonl))))
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--config", recipe]) == 2
     path = recipe_dir / "empty_folder"
@@ -575,7 +552,7 @@ def test_accelerate_bf16_on_a_cpu_machine_trains_fp32_and_says_so(
     recipe = _recipe_folder(tmp_path, tiny_model_dir, use_cpu=False)
     keys = yaml.safe_load(open(recipe))
     del keys["bf16"]
-    _write_recipe(Path(recipe), **keys)
+    write_recipe(Path(recipe), **keys)
     assert main(["train", "--config", recipe, "--disable_tqdm", "true"]) == 0
     assert recipe_module() == {"bf16": False, "mixed_precision": "no"}
     err = capsys.readouterr().err
@@ -592,7 +569,7 @@ def test_gpu_precision_conflict_fails_before_launching(tmp_path, copy_jsonl, mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     calls = []
     monkeypatch.setattr("subprocess.call", lambda cmd: calls.append(cmd) or 0)
-    recipe = _train_recipe(tmp_path, NO_MODEL, copy_jsonl, use_cpu=False)  # bf16: false in the recipe
+    recipe = train_recipe(tmp_path, NO_MODEL, copy_jsonl, use_cpu=False)  # bf16: false in the recipe
     assert main(["train", "--config", recipe, "--accelerate_config", "zero2", "--num_processes", "2"]) == 2
     assert not calls  # stopped before any process started
     assert "accelerate launch asks for mixed_precision='bf16'" in _error_line(capsys.readouterr().err)
@@ -629,7 +606,7 @@ def test_gradient_checkpointing_deprecation_noise_is_filtered_in_the_cli_only(tm
             if "gradient_checkpointing" in str(w.message) and "deprecated" in str(w.message)
         ]
 
-    recipe = _train_recipe(tmp_path, tiny_model_dir, copy_jsonl, gradient_checkpointing=True)
+    recipe = train_recipe(tmp_path, tiny_model_dir, copy_jsonl, gradient_checkpointing=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert main(["train", "--config", recipe, "--max_steps", "1", "--disable_tqdm", "true"]) == 0

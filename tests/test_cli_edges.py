@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from datasets import DatasetDict
+from helpers.recipes import train_recipe
 
 from trl_gspo.cli.commands import main
 from trl_gspo.cli.demo import make_demo_dataset
@@ -159,18 +160,10 @@ def eval_data(tmp_path):
 
 
 def _train(tmp_path, model_dir, data, *extra) -> list[str]:
-    keys = dict(
-        model_name_or_path=model_dir,
-        dataset_name=data,
-        reward_funcs=["demo_reward"],
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        bf16=False,
-        learning_rate=1e-3,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=4,
-        report_to="none",
+    recipe = train_recipe(
+        tmp_path,
+        model_dir,
+        data,
         max_steps=4,
         logging_steps=1,
         save_strategy="steps",
@@ -178,8 +171,7 @@ def _train(tmp_path, model_dir, data, *extra) -> list[str]:
         eval_strategy="epoch",  # 64 prompts are 32 steps an epoch: no evaluation happens within the 4 steps
         per_device_eval_batch_size=8,
     )
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(keys))
-    return ["train", "--config", str(tmp_path / "recipe.yaml"), *extra]
+    return ["train", "--config", recipe, *extra]
 
 
 def test_train_console_after_a_resume(tmp_path, tiny_model_dir, eval_data, capfd):
