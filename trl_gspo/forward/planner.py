@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ..common.model_config import text_config
 from . import segment_attention, shared_prefix
 from .layouts import (
     ForwardLayout,
@@ -33,7 +34,7 @@ BLOCK_OVERHEAD, GATHER_OVERHEAD = 4.0, 0.02
 def pair_cost(config) -> float:
     """Cost of one attention (query, key) pair relative to one token through a decoder layer's matmuls:
     `2 * heads * head_dim / (multiply-adds per token)`. From the model config; 1e-3 if it lacks the fields."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     try:
         hidden, heads = config.hidden_size, config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads

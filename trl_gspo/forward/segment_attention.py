@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..common.model_config import text_config
+
 #: Name prefix of the registered wrapper: `"trl_gspo_segments:sdpa"` wraps sdpa. Substring checks such as
 #: transformers' `"flash" in config._attn_implementation` keep answering for the original implementation.
 PREFIX = "trl_gspo_segments:"
@@ -341,11 +343,6 @@ def base_model(model):
     return model
 
 
-def _text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def attention_implementation(model) -> str:
     """The attention implementation `model` was loaded with (the original one while the segment attention is armed)."""
     return _original_name(getattr(base_model(model).config, "_attn_implementation", None))
@@ -369,7 +366,7 @@ def unsupported(model) -> str | None:
             f"{type(pretrained).__name__} computes attention in its own code, not through transformers' "
             "AttentionInterface, where the segment attention is registered"
         )
-    config = _text_config(model)
+    config = text_config(model.config)
     other = sorted({t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"})
     if other:
         return f"it has {other} layers, whose attention the segment attention does not reproduce"

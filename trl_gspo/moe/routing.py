@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.model_config import text_config
+
 logger = logging.getLogger(__name__)
 
 
@@ -331,7 +333,7 @@ class RouterHooks:
     def for_model(cls, model: torch.nn.Module) -> RouterHooks | None:
         """Hooks for ``model``'s routers, or ``None`` for a dense model."""
         routers = find_routers(model)
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model.config)
         top_k = getattr(config, "num_experts_per_tok", None)
         num_experts = (
             getattr(config, "num_experts", None)

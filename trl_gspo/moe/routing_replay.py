@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..common import metrics, seam, trl_compat
+from ..common.model_config import text_config
 from ..common.validation import check_choice
 from .route_sources import (
     ServerResponses,
@@ -143,7 +144,7 @@ class MoERouting:
 
     def __init__(self, run, replay: str, hooks: RouterHooks | None, model_config, diagnostics):
         self.run, self.replay, self.hooks = run, replay, hooks  # run: trainer.RunView
-        self.model_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.model_config = text_config(model_config)
         self.diagnostics = diagnostics  # guards/diagnostics.py: the window the loss forward's metrics go to
         self.role = None  # "old" or "loss" while one of the two observed forwards is next; None otherwise
         self.loss_inputs = None  # the micro-batch of the running loss forward

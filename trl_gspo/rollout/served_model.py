@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 
+from ..common.model_config import text_config
+
 logger = logging.getLogger(__name__)
 
 #: Config fields that fix the weights' names and shapes; checked where both configs set them (text config of each).
@@ -71,12 +73,8 @@ def check_served_model(trainer) -> None:
             served,
         )
     else:
-        _compare_configs(_text_config(model.config), _text_config(theirs), url, served)
+        _compare_configs(text_config(model.config), text_config(theirs), url, served)
     _compare_tokenizers(client, trainer._tokenizer, url, served)
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _served_config(name: str):

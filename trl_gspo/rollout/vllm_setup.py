@@ -22,6 +22,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from ..common.model_config import text_config
+
 #: How to get vLLM, by machine.
 INSTALL_GPU = "pip install 'trl-gspo[vllm]'"
 INSTALL_CPU = (
@@ -75,7 +77,7 @@ def vllm_setup_problem(use_vllm: bool, vllm_mode: str, facts: VLLMFacts) -> str 
 
 
 def _head_dim(config) -> int | None:
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     head_dim = getattr(config, "head_dim", None)
     if head_dim is None and getattr(config, "num_attention_heads", None):
         head_dim = config.hidden_size // config.num_attention_heads
