@@ -252,7 +252,7 @@ class GSPOTrainer(GRPOTrainer):
             model = self.accelerator.unwrap_model(self.model)
             name = f"the trainer's model ({getattr(model.config, '_name_or_path', '') or type(model).__name__})"
             if problem := checkpointing.checkpoint_model_mismatch(resume_from_checkpoint, model.config, name):
-                raise ValueError(problem)  # before HF loads the weights: torch would list every tensor's shape
+                raise checkpointing.ResumeError(problem)  # before HF loads the weights: torch lists every shape
             process, device = self.accelerator.process_index, self.accelerator.device
             state = checkpointing.load_rollout_state(resume_from_checkpoint, process, device)
             spg = self.args.steps_per_generation

@@ -35,6 +35,7 @@ from pathlib import Path
 from .. import __version__
 from ..common import trl_compat
 from ..common.imports import import_object
+from ..guards.checkpointing import ResumeError
 from ..rollout.vllm_setup import check_vllm_setup
 from ..trainer import GSPOTrainer
 from . import failures, recipe_inputs
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_library_deprecations()
         try:
             return COMMANDS[command](rest)
-        except RecipeError as err:
+        except (RecipeError, ResumeError) as err:  # ResumeError: the demo's resume, checked by the trainer itself
             print(f"trl-gspo {command}: error: {err}", file=sys.stderr)
             return 2
         except KeyboardInterrupt as err:  # Ctrl-C: where the checkpoint is, not a traceback (cli/failures.py)

@@ -103,6 +103,11 @@ def mark_complete(checkpoint: str) -> None:
     os.replace(tmp, os.path.join(checkpoint, COMPLETE_MARKER))
 
 
+class ResumeError(ValueError):
+    """`resume_from_checkpoint` names no checkpoint this run can resume from: none complete, or another model's. The
+    message says why and what to do; the CLI prints it as its one error line."""
+
+
 def checkpoint_problem(checkpoint: str) -> str | None:
     """Why `checkpoint` cannot be resumed from, or None if it is complete."""
     marker = os.path.join(checkpoint, COMPLETE_MARKER)
@@ -152,7 +157,7 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
     if resume_from_checkpoint is True:
         path = last_complete_checkpoint(output_dir)
         if path is None:
-            raise ValueError(
+            raise ResumeError(
                 f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint-N folder "
                 f"(complete = has {COMPLETE_MARKER} and every file it lists)."
             )
@@ -161,7 +166,7 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
     if problem is not None:
         latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(str(resume_from_checkpoint))))
         hint = f" The newest complete checkpoint next to it is {latest}." if latest else ""
-        raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} cannot be resumed: {problem}.{hint}")
+        raise ResumeError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} cannot be resumed: {problem}.{hint}")
     return str(resume_from_checkpoint)
 
 
