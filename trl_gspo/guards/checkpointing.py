@@ -192,7 +192,7 @@ def checkpoint_model_mismatch(checkpoint: str, model_config, model: str) -> str 
     )
     return (
         f"resume_from_checkpoint: {checkpoint} holds weights of another model than {model} ({fields}). Resume with "
-        f"the model that run trained, or train {model} from the start in another output_dir."
+        f"the model the checkpoint was trained from, or train {model} from the start in another output_dir."
     )
 
 
@@ -342,7 +342,7 @@ class StoppedBySignal(KeyboardInterrupt):
     """Training stopped on SIGINT (Ctrl-C) after saving a checkpoint: `step` is the last step trained, `checkpoint`
     the folder saved. A `KeyboardInterrupt`, so that code catching Ctrl-C catches it."""
 
-    def __init__(self, message: str, step: int, checkpoint: str):
+    def __init__(self, message: str, step: int = 0, checkpoint: str = ""):
         super().__init__(message)
         self.step, self.checkpoint = step, checkpoint
 
