@@ -260,12 +260,10 @@ def train(argv: list[str]) -> int:
     if eval_set is not None:
         check_columns(eval_set, reward_funcs, "eval", args.remove_unused_columns)
     recipe_inputs.check_model_source("model_name_or_path", model_args.model_name_or_path, recipe_dir)
-    model_files = dict(revision=model_args.model_revision, trust_remote_code=args.trust_remote_code)
-    for name, data in ((split, dataset[split]), ("eval", eval_set)):
-        recipe_inputs.check_chat_template(data, name, model_args.model_name_or_path, **model_files)
-    recipe_inputs.check_resume(
-        args.resume_from_checkpoint, args.output_dir, model_args.model_name_or_path, **model_files
-    )
+    loading = dict(revision=model_args.model_revision, trust_remote_code=args.trust_remote_code)
+    for name, data in ((split, dataset[split]), ("eval", eval_set)):  # the tokenizer loads first: chat prompts
+        recipe_inputs.check_chat_template(data, name, model_args.model_name_or_path, **loading)
+    recipe_inputs.check_resume(args.resume_from_checkpoint, args.output_dir, model_args.model_name_or_path, **loading)
     if script_args.reward_model_name_or_path:
         recipe_inputs.check_model_source("reward_model_name_or_path", script_args.reward_model_name_or_path, recipe_dir)
     try:

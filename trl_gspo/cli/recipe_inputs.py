@@ -153,7 +153,7 @@ def check_resume(resume_from_checkpoint, output_dir: str, model: str, revision=N
 
     try:
         checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, output_dir)
-    except ValueError as err:
+    except checkpointing.ResumeError as err:
         raise RecipeError(str(err)) from err
     if checkpoint is None:
         return
