@@ -245,10 +245,14 @@ class GSPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------ checkpoints, resume
     @override("guards/checkpointing.py")
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        """Resume only from complete checkpoints, with TRL's rollout buffer and the rollout source put back; the
-        signal handlers and the source are released when training ends or raises."""
+        """Resume only from complete checkpoints of this model, with TRL's rollout buffer and the rollout source put
+        back; the signal handlers and the source are released when training ends or raises."""
         resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint is not None:
+            model = self.accelerator.unwrap_model(self.model)
+            name = f"the trainer's model ({getattr(model.config, '_name_or_path', '') or type(model).__name__})"
+            if problem := checkpointing.checkpoint_model_mismatch(resume_from_checkpoint, model.config, name):
+                raise checkpointing.ResumeError(problem)  # before HF loads the weights: torch lists every shape
             process, device = self.accelerator.process_index, self.accelerator.device
             state = checkpointing.load_rollout_state(resume_from_checkpoint, process, device)
             spg = self.args.steps_per_generation

@@ -35,9 +35,10 @@ from pathlib import Path
 from .. import __version__
 from ..common import trl_compat
 from ..common.imports import import_object
+from ..guards.checkpointing import ResumeError
 from ..rollout.vllm_setup import check_vllm_setup
 from ..trainer import GSPOTrainer
-from . import recipe_inputs
+from . import failures, recipe_inputs
 from .check import main as check_main
 from .console import (
     final_eval_line,
@@ -69,6 +70,7 @@ def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
     its exit code (like `trl grpo --accelerate_config zero2`); without it, None (run in this process)."""
     config, argv = take_option(argv, "--accelerate_config")
     if config is None:
+        refuse_launch_options(argv)
         return None
     config_file = resolve_shipped(config, "accelerate config")
     launch, given = ["--config_file", str(config_file)], {}
@@ -87,6 +89,20 @@ def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "trl_gspo", command, *argv]
     return subprocess.call(cmd)
+
+
+def refuse_launch_options(argv: list[str]) -> None:
+    """A launch option (`--num_processes 2`) without `--accelerate_config`: say where it goes instead of "unknown
+    argument"."""
+    for index, token in enumerate(argv):
+        option, _, value = token.partition("=")
+        if option in LAUNCH_OPTIONS:
+            value = value or (argv[index + 1] if index + 1 < len(argv) else "N")
+            raise RecipeError(
+                f"{option} {value} is an option of `accelerate launch`, which trl-gspo runs only with "
+                "--accelerate_config: add --accelerate_config multi_gpu (DDP; without a CUDA device its processes run "
+                "on the CPU) or another accelerate config (`trl-gspo recipes --list` lists them)."
+            )
 
 
 def say_recipe(command: str, recipe: Path | None) -> None:
@@ -244,6 +260,10 @@ def train(argv: list[str]) -> int:
     if eval_set is not None:
         check_columns(eval_set, reward_funcs, "eval", args.remove_unused_columns)
     recipe_inputs.check_model_source("model_name_or_path", model_args.model_name_or_path, recipe_dir)
+    loading = dict(revision=model_args.model_revision, trust_remote_code=args.trust_remote_code)
+    for name, data in ((split, dataset[split]), ("eval", eval_set)):  # the tokenizer loads first: chat prompts
+        recipe_inputs.check_chat_template(data, name, model_args.model_name_or_path, **loading)
+    recipe_inputs.check_resume(args.resume_from_checkpoint, args.output_dir, model_args.model_name_or_path, **loading)
     if script_args.reward_model_name_or_path:
         recipe_inputs.check_model_source("reward_model_name_or_path", script_args.reward_model_name_or_path, recipe_dir)
     try:
@@ -259,19 +279,20 @@ def train(argv: list[str]) -> int:
         "dtype": model_args.dtype,
         **(args.model_init_kwargs or {}),
     }
-    trainer = trainer_cls(
-        model=model_args.model_name_or_path,
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=dataset[split],
-        eval_dataset=eval_set,
-        peft_config=get_peft_config(model_args),
-        quantization_config=get_quantization_config(model_args),
-    )
-    use_console(trainer, script_args.console)
-    trainer.accelerator.print(f"trl-gspo train: {generation_line(trainer)}")
-    with tied_weights_restored(trainer):
-        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    with failures.removed_if_left_empty(args.output_dir):
+        trainer = trainer_cls(
+            model=model_args.model_name_or_path,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=dataset[split],
+            eval_dataset=eval_set,
+            peft_config=get_peft_config(model_args),
+            quantization_config=get_quantization_config(model_args),
+        )
+        use_console(trainer, script_args.console)
+        trainer.accelerator.print(f"trl-gspo train: {generation_line(trainer)}")
+        with tied_weights_restored(trainer):
+            trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if eval_set is not None:
         trainer.accelerator.print(final_eval_line(trainer, eval_set))
     with quiet_saving(script_args.console):
@@ -359,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         quiet_library_deprecations()
         try:
             return COMMANDS[command](rest)
-        except RecipeError as err:
+        except (RecipeError, ResumeError) as err:  # ResumeError: the demo's resume, checked by the trainer itself
             print(f"trl-gspo {command}: error: {err}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt as err:  # Ctrl-C: where the checkpoint is, not a traceback (cli/failures.py)
+            return failures.report_interrupt(command, err)
+        except Exception as err:
+            if (reward_error := failures.reward_failure(err)) is None:
+                raise
+            return failures.report_reward_failure(command, reward_error)

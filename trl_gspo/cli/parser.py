@@ -67,6 +67,33 @@ class DemoArguments(ConsoleArguments):
     moe: bool = field(default=False, metadata={"help": "Use a tiny Qwen3-MoE (4 experts, top-2) instead of dense."})
 
 
+#: `TrainingArguments` fields that transformers 5 removed or renamed, and what a recipe says instead: a recipe written for
+#: transformers 4 would otherwise be told the closest valid spelling, which is no replacement.
+REMOVED_KEYS = {
+    "logging_dir": "transformers 5 removed it; TensorBoard writes under output_dir/runs/, or in the folder the "
+    "TENSORBOARD_LOGGING_DIR environment variable names (in a recipe: `env: {TENSORBOARD_LOGGING_DIR: PATH}`); other "
+    "trackers (report_to) keep their own settings",
+    "warmup_ratio": "transformers 5 removed it; warmup_steps takes the ratio (a value below 1 is that fraction of the "
+    "training steps, e.g. warmup_steps: 0.1)",
+    "overwrite_output_dir": "transformers 5 removed it; training writes into output_dir whatever it holds: "
+    "resume_from_checkpoint continues from a checkpoint there, another output_dir starts afresh",
+    "evaluation_strategy": "transformers renamed it eval_strategy",
+    "no_cuda": "transformers renamed it use_cpu",
+    "per_gpu_train_batch_size": "transformers renamed it per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "transformers renamed it per_device_eval_batch_size",
+    "push_to_hub_token": "transformers renamed it hub_token",
+    "push_to_hub_model_id": "transformers renamed it hub_model_id",
+}
+
+
+def removed_key_problem(key: str, known, label: str) -> str | None:
+    """`label` (how the message names `key`) and what replaces `key`, when it is a `REMOVED_KEYS` entry the parser
+    does not know (`known`: the keys it knows); else None."""
+    if key in known or key not in REMOVED_KEYS:
+        return None
+    return f"{label}: {REMOVED_KEYS[key]}."
+
+
 #: Keys only `trl-gspo demo` knows: a recipe holding one is a demo recipe (`train` says so instead of "unknown key").
 DEMO_ONLY_KEYS = tuple(DemoArguments.__dataclass_fields__.keys() - GSPOScriptArguments.__dataclass_fields__.keys())
 
@@ -125,6 +152,8 @@ class GSPOParser(TrlParser):
                     f"this recipe is `trl-gspo demo`'s (its key {key!r} sets the demo's own task, built in code): run "
                     f"`trl-gspo demo --config {self.recipe_name}`, or give `train` a recipe with a model and a dataset."
                 )
+            if problem := removed_key_problem(key, actions, f"recipe key {key!r}"):
+                raise RecipeError(problem)
             if key not in actions:
                 close = difflib.get_close_matches(key, list(actions), n=1, cutoff=0.6)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -182,6 +211,10 @@ def parse(command: str, argv: list[str], defaults: dict | None = None):
         raise RecipeError(str(err)) from err
     if extra:
         flags = [a.option_strings[0].lstrip("-") for a in parser._actions if a.option_strings]
+        for token in extra:
+            name = token[2:].partition("=")[0] if token.startswith("--") else ""
+            if problem := removed_key_problem(name, flags, f"--{name}"):
+                raise RecipeError(problem)
         close = difflib.get_close_matches(extra[0].lstrip("-"), flags, n=1)
         hint = f" Did you mean --{close[0]}?" if close else ""
         raise RecipeError(f"unknown argument(s) {' '.join(extra)}.{hint}")

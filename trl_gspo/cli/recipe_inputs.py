@@ -6,6 +6,10 @@
 - The model: a local folder must hold a `config.json` (or a PEFT `adapter_config.json`); a value that is no existing
   folder and no valid Hub id, or a Hub id missing from the local cache while `HF_HUB_OFFLINE` is set, fails in one
   line instead of a traceback from inside `from_pretrained`.
+- Chat prompts: a dataset whose prompts are lists of messages needs a tokenizer with a chat template; the tokenizer is
+  loaded (it loads before the model) and checked when the first row's prompt is a conversation.
+- Resume: `resume_from_checkpoint` resolved as the trainer will (a complete checkpoint), and the checkpoint's
+  config.json compared with the model's, so another model's checkpoint fails in one line before either loads.
 - The evaluation set: `eval_dataset_name` (a file, a folder or a Hub id, like `dataset_name`), else the training
   dataset's `dataset_test_split`; an eval strategy without one fails naming the splits found.
 - Reward columns: with `remove_unused_columns=True` TRL keeps only `prompt` / `image` / `images`, so a reward that
@@ -20,6 +24,8 @@
 from __future__ import annotations
 
 from pathlib import Path
+
+from ..guards import checkpointing
 
 
 class RecipeError(ValueError):
@@ -102,6 +108,61 @@ def check_model_source(key: str, value: str, recipe_dir: Path | None) -> None:
             f"{key}={value!r}: not a local folder ({where}in the working directory), and HF_HUB_OFFLINE is set but "
             "the Hugging Face cache holds no copy of it; download it first (`hf download ...`) or give a local folder."
         )
+
+
+# ------------------------------------------------------------------------------------------- chat prompts
+def first_row(dataset) -> dict | None:
+    """The first row of a dataset (a streamed one included), or None when it is empty or absent."""
+    if dataset is None:
+        return None
+    if hasattr(dataset, "__len__"):
+        return dataset[0] if len(dataset) else None
+    return next(iter(dataset), None)
+
+
+def check_chat_template(dataset, split: str, model: str, revision=None, trust_remote_code=False) -> None:
+    """Chat prompts (the first row's `prompt` is a list of messages) need a chat template in the model's tokenizer,
+    which TRL applies at the first generation; check it once the tokenizer is loaded, as TRL loads it."""
+    from trl.data_utils import is_conversational
+
+    row = first_row(dataset)
+    if row is None or not is_conversational(row):
+        return
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # e.g. a PEFT adapter folder: TRL loads the tokenizer of its base model
+        return
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None):
+        return
+    raise RecipeError(
+        f"dataset split {split!r}: the prompts are chat messages (lists of role/content), but the tokenizer of "
+        f"model_name_or_path={model!r} has no chat template to turn them into text. Give the model folder one (a "
+        "chat_template.jinja file next to tokenizer_config.json, e.g. the template of the model's instruct version), "
+        "or write each prompt as plain text (a string)."
+    )
+
+
+# ------------------------------------------------------------------------------------------------- resume
+def check_resume(resume_from_checkpoint, output_dir: str, model: str, revision=None, trust_remote_code=False) -> None:
+    """`resume_from_checkpoint` as the trainer will resolve it: a complete checkpoint, or a RecipeError saying why
+    not; and, where the model's config can be read, a checkpoint of another model refused (which fields differ)."""
+    from transformers import AutoConfig
+
+    try:
+        checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, output_dir)
+    except checkpointing.ResumeError as err:
+        raise RecipeError(str(err)) from err
+    if checkpoint is None:
+        return
+    try:
+        config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # e.g. a PEFT adapter folder: the trainer compares once the model is built
+        return
+    if problem := checkpointing.checkpoint_model_mismatch(checkpoint, config, f"model_name_or_path={model!r}"):
+        raise RecipeError(problem)
 
 
 # ---------------------------------------------------------------------------------------------- eval split

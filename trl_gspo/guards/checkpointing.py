@@ -4,6 +4,9 @@
   writes the folder and writes it last (atomically: temp file, fsync, rename), listing every file and its size.
   `resolve_resume_checkpoint` only accepts a folder whose marker exists and whose files still match it, so a crash
   mid-save (or a truncated copy) is never resumed from: `resume_from_checkpoint=True` takes the newest complete one.
+- Another model's checkpoint: `checkpoint_model_mismatch` compares the config.json a checkpoint holds with the model's
+  config (the fields that fix the weights' shapes), so resuming with another model fails naming what differs instead of
+  a page of torch `size mismatch` lines once the weights load.
 - Rollout state: TRL generates one rollout batch every `steps_per_generation` micro-steps and keeps it in memory, so
   a checkpoint taken mid-rollout would resume with a freshly generated (different) batch. Each process also saves its
   micro-step counter, the buffered rollout and the rollout source's state (`gspo_rollout_state_rank{i}.pt`, tensors
@@ -18,7 +21,8 @@
   Together with HF's saved RNG states (sampling, dropout) this makes a resumed run reproduce the uninterrupted one at
   any step of any epoch.
 - `SignalCheckpoint`: on SIGTERM/SIGINT, finish the current optimizer step, save a checkpoint, then exit with
-  `SystemExit(143)` (SIGTERM) or `KeyboardInterrupt` (SIGINT). A second signal while waiting exits immediately.
+  `SystemExit(143)` (SIGTERM) or `StoppedBySignal`, a `KeyboardInterrupt` (SIGINT). A second signal while waiting
+  exits immediately.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from transformers import TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from trl.trainer.utils import RepeatSampler
 
+from ..common.model_config import shape_differences
 from ..common.validation import check_bool
 
 logger = logging.getLogger(__name__)
@@ -98,6 +103,11 @@ def mark_complete(checkpoint: str) -> None:
     os.replace(tmp, os.path.join(checkpoint, COMPLETE_MARKER))
 
 
+class ResumeError(ValueError):
+    """`resume_from_checkpoint` names no checkpoint this run can resume from: none complete, or another model's. The
+    message says why and what to do; the CLI prints it as its one error line."""
+
+
 def checkpoint_problem(checkpoint: str) -> str | None:
     """Why `checkpoint` cannot be resumed from, or None if it is complete."""
     marker = os.path.join(checkpoint, COMPLETE_MARKER)
@@ -147,7 +157,7 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
     if resume_from_checkpoint is True:
         path = last_complete_checkpoint(output_dir)
         if path is None:
-            raise ValueError(
+            raise ResumeError(
                 f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint-N folder "
                 f"(complete = has {COMPLETE_MARKER} and every file it lists)."
             )
@@ -156,8 +166,34 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
     if problem is not None:
         latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(str(resume_from_checkpoint))))
         hint = f" The newest complete checkpoint next to it is {latest}." if latest else ""
-        raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} cannot be resumed: {problem}.{hint}")
+        raise ResumeError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} cannot be resumed: {problem}.{hint}")
     return str(resume_from_checkpoint)
+
+
+def checkpoint_model_mismatch(checkpoint: str, model_config, model: str) -> str | None:
+    """Why `checkpoint` cannot be loaded into `model` (named so in the message; `model_config` its config): the
+    fields fixing the weights' shapes that differ between the checkpoint's config.json and `model_config`, with both
+    values, and what to do. None when they agree, or when the checkpoint has no readable config.json (a PEFT adapter
+    checkpoint holds none)."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        return None
+    try:
+        saved = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    except (OSError, ValueError) as error:  # e.g. a model type only its own remote code defines
+        logger.debug("Reading the config of checkpoint %s failed: %s", checkpoint, error)
+        return None
+    differences = shape_differences(saved, model_config)
+    if not differences:
+        return None
+    fields = "; ".join(
+        f"{field} {theirs!r} in the checkpoint, {ours!r} in the model" for field, theirs, ours in differences
+    )
+    return (
+        f"resume_from_checkpoint: {checkpoint} holds weights of another model than {model} ({fields}). Resume with "
+        f"the model the checkpoint was trained from, or train {model} from the start in another output_dir."
+    )
 
 
 # ---------------------------------------------------------------------------------------------- rollout state
@@ -302,6 +338,15 @@ class SamplerEpoch(TrainerCallback):
 
 
 # ----------------------------------------------------------------------------------------- signal checkpoint
+class StoppedBySignal(KeyboardInterrupt):
+    """Training stopped on SIGINT (Ctrl-C) after saving a checkpoint: `step` is the last step trained, `checkpoint`
+    the folder saved. A `KeyboardInterrupt`, so that code catching Ctrl-C catches it."""
+
+    def __init__(self, message: str, step: int = 0, checkpoint: str = ""):
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
 class SignalCheckpoint(TrainerCallback):
     """Save a checkpoint at the end of the optimizer step during which SIGTERM/SIGINT arrived, then exit."""
 
@@ -352,13 +397,14 @@ class SignalCheckpoint(TrainerCallback):
             return
         self.restore_handlers()
         signum = self.received or signal.SIGTERM  # another rank got the signal
+        checkpoint = f"{args.output_dir}/checkpoint-{state.global_step}"
         message = (
             f"Stopped by {signal.Signals(signum).name} after step {state.global_step}; checkpoint saved to "
-            f"{args.output_dir}/checkpoint-{state.global_step}. Resume with resume_from_checkpoint=True."
+            f"{checkpoint}. Resume with resume_from_checkpoint=True."
         )
+        if signum == signal.SIGINT:  # the exception carries the message (logged too, it would be printed twice)
+            raise StoppedBySignal(message, state.global_step, checkpoint)
         logger.warning(message)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt(message)
         raise SystemExit(128 + signum)
 
     def on_train_end(self, args, state, control, **kwargs):

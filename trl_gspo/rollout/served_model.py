@@ -6,7 +6,7 @@ token ids that mean other words, until the first weight push fails or never noti
 on the main process, right after TRL has connected to the server:
 
 1. the served model's config, read where the trainer runs (the served name is a local folder or a Hub id in the local
-   cache; nothing is downloaded): every field of `SHAPE_FIELDS` both configs set must be equal;
+   cache; nothing is downloaded): every field of `SHAPE_FIELDS` (common/model_config.py) both configs set must be equal;
 2. the server's tokenizer, through vLLM's `/tokenize`: a probe text made of tokens spread over the trainer's whole
    vocabulary must give the same ids as the trainer's tokenizer.
 
@@ -19,25 +19,10 @@ from __future__ import annotations
 
 import logging
 
-from ..common.model_config import text_config
+from ..common.model_config import shape_differences, text_config
 
 logger = logging.getLogger(__name__)
 
-#: Config fields that fix the weights' names and shapes; checked where both configs set them (text config of each).
-SHAPE_FIELDS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "num_experts",
-    "num_local_experts",
-    "moe_intermediate_size",
-    "num_experts_per_tok",
-)
 #: Tokens of the trainer's vocabulary in the probe text (evenly spaced ids, special tokens left out).
 PROBE_TOKENS = 48
 
@@ -88,16 +73,16 @@ def _served_config(name: str):
 
 
 def _compare_configs(ours, theirs, url: str, served: str) -> None:
-    for field in SHAPE_FIELDS:
-        mine, served_value = getattr(ours, field, None), getattr(theirs, field, None)
-        if mine is not None and served_value is not None and mine != served_value:
-            raise ServedModelMismatch(
-                f"The vLLM server at {url} serves {served!r}, whose {field} is {served_value!r}; the trainer's model "
-                f"({getattr(ours, '_name_or_path', '') or type(ours).__name__}) has {field}={mine!r}. Its completions "
-                "would not be the policy's, and weight updates could not load. Start the server with the trainer's "
-                "model (`vllm serve <the trainer's model> ...`, docs/vllm.md), or point vllm_server_base_url at one that "
-                "serves it."
-            )
+    differences = shape_differences(ours, theirs)
+    if differences:
+        field, mine, served_value = differences[0]
+        raise ServedModelMismatch(
+            f"The vLLM server at {url} serves {served!r}, whose {field} is {served_value!r}; the trainer's model "
+            f"({getattr(ours, '_name_or_path', '') or type(ours).__name__}) has {field}={mine!r}. Its completions "
+            "would not be the policy's, and weight updates could not load. Start the server with the trainer's "
+            "model (`vllm serve <the trainer's model> ...`, docs/vllm.md), or point vllm_server_base_url at one that "
+            "serves it."
+        )
 
 
 def probe_text(tokenizer) -> str:
