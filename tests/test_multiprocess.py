@@ -1,7 +1,7 @@
 """Real 2-process CPU runs of the demo under `accelerate launch` with the SHIPPED accelerate configs.
 
 Each run uses the config file as shipped plus one launcher flag, `--num_processes 2` (the files say 8 GPUs). The
-files ask for bf16; without CUDA the CLI trains in fp32 and says so in one line (`recipe_inputs.reconcile_precision`),
+files ask for bf16; without CUDA the CLI turns mixed precision off and says so in one line (`recipe_inputs.reconcile_precision`),
 which each rank confirms by reporting accelerate's mixed precision. The demo's `use_cpu=True` keeps the tensors on
 CPU; the distributed type (DDP / DeepSpeed ZeRO-2 / ZeRO-3) comes from the config file, and each rank reports the one
 it ran under. Processes talk over gloo. `tests/helpers/cpu_launch.py` is the CLI with DeepSpeed's
@@ -143,7 +143,7 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
     assert sorted((rank, code) for rank, code, _, _ in markers) == [("0", "0"), ("1", "0")], markers
     assert all(how in {f"{t} x2" for t in distributed_type} for _, _, how, _ in markers), markers
     assert [precision for *_, precision in markers] == ["no", "no"], markers  # fp32, though the file says bf16
-    note = "no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch"
+    note = "no CUDA device: mixed precision off (no autocast), ignoring mixed_precision='bf16' from accelerate launch"
     assert log.count(note) == 1, log[-4000:]  # said once, by rank 0
     if result.returncode != 0:  # see EXIT_ABORT: acceptable only as a teardown abort after a complete run
         assert EXIT_ABORT in log, f"launcher exited {result.returncode}\n{log[-4000:]}"
