@@ -137,3 +137,85 @@ def test_missing_optimizer_package_stops_a_recipe_before_the_model_loads(tmp_pat
     assert main(["train", "--config", recipe]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(lines) == 1 and "needs the package 'bitsandbytes'" in lines[0], lines
+
+
+# ---------------------------------------------------------------------------------------------- the engines
+def _accelerator(deepspeed=None, fsdp=False, mixed_precision="no"):
+    """What `check_trainable_precision` reads of an accelerator: DeepSpeed's config, FSDP, the mixed precision."""
+    from types import SimpleNamespace
+
+    plugin = None if deepspeed is None else SimpleNamespace(deepspeed_config=deepspeed)
+    state = SimpleNamespace(deepspeed_plugin=plugin, fsdp_plugin=object() if fsdp else None)
+    return SimpleNamespace(state=state, mixed_precision=mixed_precision, is_main_process=True)
+
+
+@pytest.mark.parametrize(
+    "accelerator, requested, line",
+    [
+        (  # the shipped ZeRO-3 config on GPUs: DeepSpeed casts to bf16 and keeps fp32 partitions
+            _accelerator({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, mixed_precision="bf16"),
+            "bfloat16",
+            "weights bfloat16, compute bfloat16 (DeepSpeed), master weights: DeepSpeed ZeRO-3's fp32 copy; final save "
+            "writes bfloat16",
+        ),
+        (  # ZeRO-3 without bf16 (a CPU run): partitions in fp32 whatever the load, and the final save says so
+            _accelerator({"zero_optimization": {"stage": 3}, "bf16": {"enabled": False}}),
+            "bfloat16",
+            "weights float32 (loaded as bfloat16), compute float32 (no autocast), master weights: DeepSpeed ZeRO-3's "
+            "fp32 copy; final save writes float32",
+        ),
+        (  # DeepSpeed without ZeRO, in bf16: its bf16 optimizer keeps fp32 master weights
+            _accelerator({"zero_optimization": {"stage": 0}, "bf16": {"enabled": "true"}}, mixed_precision="bf16"),
+            None,
+            "weights bfloat16, compute bfloat16 (DeepSpeed), master weights: DeepSpeed's fp32 copy (its bf16/fp16 "
+            "optimizer); final save writes bfloat16",
+        ),
+        (  # FSDP with a mixed precision: accelerate upcasts the sharded parameters
+            _accelerator(fsdp=True, mixed_precision="bf16"),
+            None,
+            "weights bfloat16, compute bfloat16 (autocast), master weights: FSDP's fp32 sharded parameters (accelerate "
+            "upcasts them for mixed precision); final save writes bfloat16",
+        ),
+    ],
+    ids=["zero3-bf16", "zero3-cpu", "deepspeed-stage0-bf16", "fsdp-bf16"],
+)
+def test_engines_keeping_master_weights_are_recognised(tokenizer, accelerator, requested, line):
+    from trl_gspo.guards.precision import check_trainable_precision
+
+    model = build_tiny_model(tokenizer, seed=0).to(torch.bfloat16)
+    for mode in ("error", "upcast"):  # neither refuses nor upcasts
+        precision = check_trainable_precision(model, accelerator, mode, peft=False, requested=requested)
+        assert precision.line() == f"precision: {line}" and not precision.upcast
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_engines_without_master_weights_are_not_trusted(tokenizer):
+    """DeepSpeed stage 0 in fp32 and FSDP without mixed precision update the bf16 weights themselves."""
+    from trl_gspo.guards.precision import check_trainable_precision
+
+    for accelerator in (_accelerator({"zero_optimization": {"stage": 0}}), _accelerator(fsdp=True)):
+        model = build_tiny_model(tokenizer, seed=0).to(torch.bfloat16)
+        with pytest.raises(LowPrecisionWeightsError):
+            check_trainable_precision(model, accelerator, "error", peft=False)
+
+
+# -------------------------------------------------------------------------------------------------- the CLI
+def test_cli_says_what_runs_and_refuses_in_one_line(tmp_path, tiny_model_dir, capsys):
+    """A recipe's `dtype: bfloat16` trained in one process: the precision line, and the final save in bf16; with
+    `low_precision_weights: error` one line instead of a traceback."""
+    from helpers.recipes import train_recipe
+
+    from trl_gspo.cli.commands import main
+    from trl_gspo.cli.demo import make_demo_dataset
+
+    data = tmp_path / "copy.jsonl"
+    make_demo_dataset(16).to_json(str(data))
+    recipe = train_recipe(tmp_path, str(tiny_model_dir), str(data), dtype="bfloat16", max_steps=1, save_strategy="no")
+    assert main(["train", "--config", recipe, "--disable_tqdm", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "trl-gspo train: precision: weights float32 (loaded as bfloat16), compute float32 (no autocast)" in out
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert main(["train", "--config", recipe, "--low_precision_weights", "error"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "low_precision_weights='error'" in lines[0], lines

@@ -96,7 +96,10 @@ class GSPOTrainer(GRPOTrainer):
         # bf16 weights of a full fine-tune without fp32 master weights: upcast (default), refused or allowed, before the
         # optimizer exists (guards/precision.py); `precision.line()` says what runs.
         peft = kwargs.get("peft_config") is not None or hasattr(self.model, "peft_config")
-        self.precision = check_trainable_precision(self.model, self.accelerator, args.low_precision_weights, peft)
+        requested = (args.model_init_kwargs or {}).get("dtype") if isinstance(model, str) else None
+        self.precision = check_trainable_precision(
+            self.model, self.accelerator, args.low_precision_weights, peft, requested
+        )
         engine.agree_gradient_accumulation(self.accelerator, args.gradient_accumulation_steps)  # DeepSpeed's, quietly
         self.loss_fn = losses.POLICY_LOSSES[args.loss_type]
         self.loss_settings = losses.LossSettings(
@@ -243,7 +246,7 @@ class GSPOTrainer(GRPOTrainer):
     @override("guards/diagnostics.py, forward/padding.py, guards/weight_updates.py")
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """TRL averages its metric lists here, before any callback sees the logs: the diagnostics and throughput
-        windows are reduced across processes into those lists first."""
+        windows and the last step's `weights_changed` are reduced across processes into those lists first."""
         mode = self.run.mode
         values = self.diagnostics.flush(mode, self.accelerator)
         if mode == "train":  # TRL's own split: training logs are the train-mode ones (every rank calls log)

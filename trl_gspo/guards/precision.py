@@ -123,12 +123,15 @@ def refusal(loaded: str) -> str:
     )
 
 
-def check_trainable_precision(model, accelerator, mode: str, peft: bool) -> Precision:
+def check_trainable_precision(model, accelerator, mode: str, peft: bool, requested=None) -> Precision:
     """The run's `Precision`, after the decision of `low_precision_weights` (`mode`, module docstring): upcasts the
     trainable weights in place (`"upcast"`), raises `LowPrecisionWeightsError` (`"error"`), or leaves them (`"allow"`).
-    Call after the model is built and before the optimizer exists."""
+    Call after the model is built and before the optimizer exists. `requested`: the `dtype` the model was loaded with
+    by name (`model_init_kwargs`), which ZeRO-3's partitioning replaces by its own."""
     dtype = trainable_dtype(model)
     loaded = _name(dtype) if dtype is not None else "none"
+    if engine.zero_stage(accelerator) == 3 and requested not in (None, "auto"):
+        loaded = _name(requested)
     masters = engine.master_copy(accelerator)
     deepspeed = engine.engine_compute_dtype(accelerator)
     weights = deepspeed or loaded  # DeepSpeed's bf16 / fp16 mode casts the weights when it prepares the model
