@@ -46,6 +46,9 @@ def test_bf16_full_fine_tune_at_lr_1e6_trains_in_fp32_and_saves_bf16(tmp_path, t
         trainer.train()
     assert _changed_fraction(trainer.model, initial) >= 0.9
     assert not [r for r in caplog.records if "weights_changed=" in r.getMessage()]
+    trainer.save_model(str(tmp_path / "checkpoint"), _internal_call=True)  # what a checkpoint writes: the fp32 weights
+    checkpoint = load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
+    assert {t.dtype for t in checkpoint.values()} == {torch.float32}
     trainer.save_model(str(tmp_path / "final"))
     saved = load_file(str(tmp_path / "final" / "model.safetensors"))
     assert {t.dtype for t in saved.values()} == {torch.bfloat16}
