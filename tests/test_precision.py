@@ -222,3 +222,43 @@ def test_cli_says_what_runs_and_refuses_in_one_line(tmp_path, tiny_model_dir, ca
     assert main(["train", "--config", recipe, "--low_precision_weights", "error"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(lines) == 1 and "low_precision_weights='error'" in lines[0], lines
+
+
+# ------------------------------------------------------------------------------------------ quiet ZeRO runs
+def test_deepspeed_builds_are_announced_before_they_start(monkeypatch):
+    from trl_gspo.common import engine
+
+    built = set()
+    monkeypatch.setattr(engine, "_op_built", lambda name: name in built)
+    offload = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}
+    notes = engine.deepspeed_build_notes(offload, cuda=False)
+    assert [note.split(" (")[1].split(")")[0] for note in notes] == ["deepspeed_shm_comm", "cpu_adam"]
+    assert all("first run on this machine only" in note for note in notes)
+    assert (
+        engine.deepspeed_build_notes({**offload, "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none"}, True) == []
+    )
+    assert engine.deepspeed_build_notes({}, cuda=False) == []  # no DeepSpeed
+    built.update({"deepspeed_shm_comm", "cpu_adam"})  # compiled by an earlier run
+    assert engine.deepspeed_build_notes(offload, cuda=False) == []
+
+
+def test_only_the_collective_deprecations_are_filtered_and_only_under_deepspeed():
+    import warnings
+
+    from trl_gspo.common.engine import quiet_deepspeed_collectives
+
+    def shown(env, message, module="torch.distributed.c10d_logger"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_deepspeed_collectives(env)
+            warnings.warn_explicit(message, FutureWarning, "c10d_logger.py", 83, module=module)
+        return len(caught)
+
+    deepspeed = {"ACCELERATE_USE_DEEPSPEED": "true"}
+    collective = (
+        "`torch.distributed.all_gather_into_tensor` is deprecated. Please use `torch.distributed.all_gather_single`"
+    )
+    assert shown(deepspeed, collective) == 0
+    assert shown({}, collective) == 1  # not a DeepSpeed run
+    assert shown(deepspeed, "`torch.load` default is deprecated") == 1  # another deprecation
+    assert shown(deepspeed, collective, module="my_module") == 1  # raised elsewhere
