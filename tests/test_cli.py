@@ -510,14 +510,14 @@ def test_precision_rules():
 
     # no CUDA: fp32, naming what is ignored; nothing to say when nothing asked for mixed precision
     assert reconcile_precision("bf16", False, False, False, cuda=False) == (
-        "no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch."
+        "no CUDA device: mixed precision off (no autocast), ignoring mixed_precision='bf16' from accelerate launch."
     )
     assert reconcile_precision(None, None, False, False, cuda=False) == (
-        "no CUDA device: training in fp32, ignoring the recipe's bf16 (GRPOConfig's default when neither bf16 nor "
+        "no CUDA device: mixed precision off (no autocast), ignoring the recipe's bf16 (GRPOConfig's default when neither bf16 nor "
         "fp16 is set)."
     )
     assert reconcile_precision("no", False, False, True, cuda=True) is None
-    assert reconcile_precision("fp16", False, False, True, cuda=True).startswith("use_cpu is set: training in fp32")
+    assert reconcile_precision("fp16", False, False, True, cuda=True).startswith("use_cpu is set: mixed precision off")
     # GPU: accelerate and the recipe agree, or accelerate is off (the recipe decides): nothing to do
     for accelerate, bf16, fp16 in (
         ("bf16", True, False),
@@ -557,7 +557,7 @@ def test_accelerate_bf16_on_a_cpu_machine_trains_fp32_and_says_so(
     assert recipe_module() == {"bf16": False, "mixed_precision": "no"}
     err = capsys.readouterr().err
     note = (
-        "trl-gspo train: no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch "
+        "trl-gspo train: no CUDA device: mixed precision off (no autocast), ignoring mixed_precision='bf16' from accelerate launch "
         "and the recipe's bf16 (GRPOConfig's default when neither bf16 nor fp16 is set)."
     )
     assert err.count(note) == 1, err

@@ -1,7 +1,7 @@
 """Real 2-process CPU runs of the demo under `accelerate launch` with the SHIPPED accelerate configs.
 
 Each run uses the config file as shipped plus one launcher flag, `--num_processes 2` (the files say 8 GPUs). The
-files ask for bf16; without CUDA the CLI trains in fp32 and says so in one line (`recipe_inputs.reconcile_precision`),
+files ask for bf16; without CUDA the CLI turns mixed precision off and says so in one line (`recipe_inputs.reconcile_precision`),
 which each rank confirms by reporting accelerate's mixed precision. The demo's `use_cpu=True` keeps the tensors on
 CPU; the distributed type (DDP / DeepSpeed ZeRO-2 / ZeRO-3) comes from the config file, and each rank reports the one
 it ran under. Processes talk over gloo. `tests/helpers/cpu_launch.py` is the CLI with DeepSpeed's
@@ -39,6 +39,12 @@ def _free_port() -> int:
 
 
 def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    demo = ("demo", "--output_dir", str(output_dir), "--max_steps", "2", "--num_train_prompts", "64")
+    return _launch_command(config, *demo, "--num_eval_prompts", "16", "--logging_steps", "1", *extra, timeout=timeout)
+
+
+def _launch_command(config: str, *command: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`tests/helpers/cpu_launch.py COMMAND ...` in 2 processes under the shipped accelerate `config`."""
     env = {
         **os.environ,
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -58,20 +64,9 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
         "--main_process_port",
         str(_free_port()),
         str(ROOT / "tests" / "helpers" / "cpu_launch.py"),
-        "demo",
-        "--output_dir",
-        str(output_dir),
-        "--max_steps",
-        "2",
-        "--num_train_prompts",
-        "64",
-        "--num_eval_prompts",
-        "16",
-        "--logging_steps",
-        "1",
+        *command,
         "--disable_tqdm",
         "true",
-        *extra,
     ]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
@@ -143,7 +138,7 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
     assert sorted((rank, code) for rank, code, _, _ in markers) == [("0", "0"), ("1", "0")], markers
     assert all(how in {f"{t} x2" for t in distributed_type} for _, _, how, _ in markers), markers
     assert [precision for *_, precision in markers] == ["no", "no"], markers  # fp32, though the file says bf16
-    note = "no CUDA device: training in fp32, ignoring mixed_precision='bf16' from accelerate launch"
+    note = "no CUDA device: mixed precision off (no autocast), ignoring mixed_precision='bf16' from accelerate launch"
     assert log.count(note) == 1, log[-4000:]  # said once, by rank 0
     if result.returncode != 0:  # see EXIT_ABORT: acceptable only as a teardown abort after a complete run
         assert EXIT_ABORT in log, f"launcher exited {result.returncode}\n{log[-4000:]}"
@@ -181,3 +176,54 @@ def test_two_process_demo_with_shipped_config(tmp_path, config, distributed_type
         assert all(
             float(r["throughput/padding_fraction"]) < float(r["throughput/stock_padding_fraction"]) for r in rows
         )
+
+
+@pytest.mark.slow
+def test_zero2_keeps_fp32_master_weights_of_a_bf16_model(tmp_path, tiny_model_dir):
+    """A recipe's `dtype: bfloat16` at learning rate 1e-6 under the shipped ZeRO-2 config, 2 CPU processes, one
+    optimizer step of 2 accumulated micro-batches: recognised as keeping DeepSpeed's fp32 master weights (no upcast,
+    no weights_changed warning), the fp32 partitions move (weights_changed, each rank's shard), the precision line
+    says what runs, the model is saved in bf16, and accelerate and DeepSpeed agree on the accumulation (no mismatch
+    warning) without torch's deprecation warnings of DeepSpeed's collectives."""
+    pytest.importorskip("deepspeed")
+    from helpers.recipes import train_recipe
+    from safetensors.torch import load_file
+
+    from trl_gspo.cli.demo import make_demo_dataset
+    from trl_gspo.common.engine import DEEPSPEED_COLLECTIVE_DEPRECATIONS
+
+    data = tmp_path / "copy.jsonl"
+    make_demo_dataset(32).to_json(str(data))
+    out = tmp_path / "run"
+    recipe = train_recipe(
+        tmp_path,
+        str(tiny_model_dir),
+        str(data),
+        output_dir=str(out),
+        use_cpu=True,  # as a CPU try of a recipe runs (without it, transformers fills DeepSpeed's batch for 1 process)
+        dtype="bfloat16",
+        learning_rate=1e-6,
+        lr_scheduler_type="constant",
+        max_steps=1,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        logging_steps=1,
+        console="stock",
+    )
+    result = _launch_command("zero2.yaml", "train", "--config", recipe)
+    log = result.stdout + result.stderr
+    markers = re.findall(r"cpu_launch: rank (\d) finished with code (-?\d+) as (\w+ x\d)", log)
+    assert sorted(markers) == [("0", "0", "DEEPSPEED x2"), ("1", "0", "DEEPSPEED x2")], log[-4000:]
+    line = (
+        "precision: weights bfloat16, compute bfloat16 (no autocast), master weights: DeepSpeed ZeRO-2's fp32 copy; "
+        "final save writes bfloat16"
+    )
+    assert log.count(line) == 1, log[-4000:]
+    assert "weights_changed=" not in log and "low_precision_weights=" not in log  # no warning, no upcast
+    changed = [float(v) for v in re.findall(r"'weights_changed': '?([0-9.e-]+)", log)]
+    assert len(changed) == 1 and changed[0] >= 0.9, log[-4000:]
+    assert "Gradient accumulation steps mismatch" not in log
+    assert not re.search(DEEPSPEED_COLLECTIVE_DEPRECATIONS, log)
+    saved = load_file(str(out / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}

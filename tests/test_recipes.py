@@ -21,11 +21,15 @@ ACCELERATE_CONFIGS = sorted(ACCELERATE_DIR.glob("*.yaml"))
 
 @pytest.fixture
 def gpu_recipes_parse_on_cpu(monkeypatch):
-    """The real recipes ask for bf16, which TrainingArguments refuses on a machine without a bf16 GPU; pretend one
-    is present so the rest of the validation (every field, GSPOConfig._validate) still runs."""
+    """The real recipes ask for bf16, which TrainingArguments refuses on a machine without a bf16 GPU, and the LoRA
+    recipe for bitsandbytes' optimizer, a GPU package; pretend both are present so the rest of the validation (every
+    field, GSPOConfig._validate) still runs (the package check itself: tests/test_precision.py)."""
     import transformers.training_args as training_args
 
+    from trl_gspo.common import optimizers
+
     monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)
+    monkeypatch.setattr(optimizers, "installed", lambda module: True)
 
 
 def _command(recipe: Path) -> str:

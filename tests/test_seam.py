@@ -66,6 +66,10 @@ ASSIGNMENTS_ALLOWED = {
     ("guards/nonfinite.py", "control.should_save"): "transformers' TrainerControl",
     ("guards/nonfinite.py", "control.should_training_stop"): "transformers' TrainerControl",
     ("guards/nonfinite.py", "p.grad"): "torch's gradient, set to None to skip the optimizer step",
+    ("guards/precision.py", "param.data"): "torch's parameter data: trainable bf16 weights upcast to fp32 before the "
+    "optimizer exists, and cast for the final save and put back",
+    ("common/engine.py", "accelerator.gradient_accumulation_steps"): "accelerate's documented setter, given the "
+    "run's accumulation (DeepSpeed's) before `prepare`, which takes the same value itself after warning",
     ("rollout/dynamic_sampling.py", "control.should_training_stop"): "transformers' TrainerControl",
     ("guards/rewards_guard.py", "guarded.__gspo_guarded__"): "the package's own wrapper of a reward function",
     ("guards/rewards_guard.py", "guarded_async.__gspo_guarded__"): "the package's own wrapper of a reward function",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .common.optimizers import check_optimizer_package
 from .common.validation import check_choice
 from .forward.fused_head import FusedHeadOptions
 from .forward.padding import PaddingOptions
@@ -20,6 +21,7 @@ from .forward.shared_prefix import SharedPrefixOptions
 from .guards.checkpointing import CheckpointOptions
 from .guards.diagnostics import DiagnosticsOptions
 from .guards.nonfinite import NonFiniteOptions
+from .guards.precision import PrecisionOptions
 from .guards.rewards_guard import RewardGuardOptions
 from .losses import DEFAULT_MAX_LOG_RATIO, LOG_WEIGHT_FUNCTIONS, POLICY_LOSSES, SEQUENCE_LEVELS
 from .moe.routing_replay import RoutingReplayOptions
@@ -38,6 +40,7 @@ MAX_FINITE_LOG_RATIO = 88.0
 
 #: Each feature's fields and their validation, in the order they are checked.
 FEATURE_OPTIONS = (
+    PrecisionOptions,
     NonFiniteOptions,
     RewardGuardOptions,
     CheckpointOptions,
@@ -56,7 +59,7 @@ FEATURE_OPTIONS = (
 class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     r"""
     Configuration for [`GSPOTrainer`]: every [`trl.GRPOConfig`] field, with the GSPO paper's defaults, plus each
-    feature's fields (documented in its options class: `NonFiniteOptions`, `RewardGuardOptions`,
+    feature's fields (documented in its options class: `PrecisionOptions`, `NonFiniteOptions`, `RewardGuardOptions`,
     `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `DiagnosticsOptions`, `RoutingReplayOptions`,
     `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`, `AsyncOptions`).
 
@@ -231,6 +234,7 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
             )
         for options in FEATURE_OPTIONS:  # each feature checks its own fields (its module, common/validation.py's style)
             options._validate_options(self)
+        check_optimizer_package(self.optim)  # a missing bitsandbytes / torchao fails here, not after the model loaded
         on_policy = self.num_iterations == 1 and self.steps_per_generation <= self.gradient_accumulation_steps
         if on_policy and level != "token":
             logger.warning(

@@ -27,6 +27,8 @@ features are parts the trainer builds in `__init__` with what they need passed i
     logprob_forward    forward/pipeline.py          every log-prob forward, planned per model
     rollout            rollout/pipeline.py          TRL's rollout code steered: sampling apart from scoring
     rollout_source     rollout/sources.py           how a rollout batch is produced (TRL's, dynamic, asynchronous)
+    precision          guards/precision.py          bf16 weights without fp32 master weights: upcast, refused or allowed
+    weight_updates     guards/weight_updates.py     `weights_changed`: did the last optimizer step move the weights
 
 Parts read the trainer's changing state (mode, step, TRL's metric lists) through a `RunView` (common/trl_compat.py).
 """
@@ -43,7 +45,7 @@ from trl.extras.profiling import profiling_decorator
 from trl.trainer.utils import RepeatSampler
 
 from . import losses
-from .common import metrics, model_card
+from .common import engine, metrics, model_card
 from .common.seam import TRLCalls, colocated_engine_with_routes, override
 from .common.trl_compat import RunView
 from .config import GSPOConfig, check_reference_source, trainer_args
@@ -52,7 +54,9 @@ from .forward.pipeline import LogprobForward
 from .guards import checkpointing
 from .guards.diagnostics import Diagnostics
 from .guards.nonfinite import NonFiniteGuard
+from .guards.precision import check_trainable_precision, saved_as_loaded
 from .guards.rewards_guard import check_reward_matrix, guard_reward_funcs
+from .guards.weight_updates import WeightUpdates
 from .moe.routing import RouterHooks
 from .moe.routing_replay import MoERouting
 from .rollout import colocate_cpu_sync, served_model
@@ -89,6 +93,14 @@ class GSPOTrainer(GRPOTrainer):
         with colocated_engine_with_routes(args.routing_replay == "R3" and args.use_vllm):  # R3: vLLM returns routes
             super().__init__(model, reward_funcs, args, *positional, **kwargs)
         self.run, self.trl = RunView(self), TRLCalls(GSPOTrainer, self)  # TRL's state; TRL's own implementations
+        # bf16 weights of a full fine-tune without fp32 master weights: upcast (default), refused or allowed, before the
+        # optimizer exists (guards/precision.py); `precision.line()` says what runs.
+        peft = kwargs.get("peft_config") is not None or hasattr(self.model, "peft_config")
+        requested = (args.model_init_kwargs or {}).get("dtype") if isinstance(model, str) else None
+        self.precision = check_trainable_precision(
+            self.model, self.accelerator, args.low_precision_weights, peft, requested
+        )
+        engine.agree_gradient_accumulation(self.accelerator, args.gradient_accumulation_steps)  # DeepSpeed's, quietly
         self.loss_fn = losses.POLICY_LOSSES[args.loss_type]
         self.loss_settings = losses.LossSettings(
             self.epsilon_low, self.epsilon_high, args.delta, args.sapo_temperature_pos, args.sapo_temperature_neg
@@ -100,7 +112,8 @@ class GSPOTrainer(GRPOTrainer):
         self.nonfinite = NonFiniteGuard(self.run, self.accelerator, args.max_consecutive_nonfinite)
         self.sampler_epoch = checkpointing.SamplerEpoch()  # each epoch's prompt order, also after a resume
         self.signal_checkpoint = checkpointing.SignalCheckpoint(self.accelerator) if args.checkpoint_on_signal else None
-        for callback in (self.nonfinite, self.sampler_epoch, self.signal_checkpoint):
+        self.weight_updates = WeightUpdates(self.precision.line)  # weights_changed, sampled around each optimizer step
+        for callback in (self.nonfinite, self.sampler_epoch, self.signal_checkpoint, self.weight_updates):
             if callback is not None:
                 self.add_callback(callback)
 
@@ -230,14 +243,15 @@ class GSPOTrainer(GRPOTrainer):
             self.logprob_forward.release()
 
     # ---------------------------------------------------------------------------------------------- logging
-    @override("guards/diagnostics.py, forward/padding.py")
+    @override("guards/diagnostics.py, forward/padding.py, guards/weight_updates.py")
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """TRL averages its metric lists here, before any callback sees the logs: the diagnostics and throughput
-        windows are reduced across processes into those lists first."""
+        windows and the last step's `weights_changed` are reduced across processes into those lists first."""
         mode = self.run.mode
         values = self.diagnostics.flush(mode, self.accelerator)
         if mode == "train":  # TRL's own split: training logs are the train-mode ones (every rank calls log)
             values.update(self.padding.flush(self.accelerator))
+            values.update(self.weight_updates.flush(self.accelerator, logs.get("grad_norm"), self.state.global_step))
         for name, value in values.items():
             self._metrics[mode][name].append(value)
         super().log(logs, start_time)
@@ -305,11 +319,12 @@ class GSPOTrainer(GRPOTrainer):
         self.nonfinite.observe_grad_norm(norm)
         return norm
 
-    @override("common/model_card.py")
+    @override("common/model_card.py, guards/precision.py")
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """The final save writes TRL's model card (variant, paper, tags) next to the weights; checkpoints and
-        `push_to_hub` write theirs through TRL already."""
-        super().save_model(output_dir, _internal_call)
+        """The final save writes TRL's model card (variant, paper, tags) next to the weights, and an upcast run's
+        weights in the dtype they were loaded in; checkpoints and `push_to_hub` write their cards through TRL already."""
+        with saved_as_loaded(self.model, self.precision, final=not _internal_call):  # checkpoints keep fp32 weights
+            super().save_model(output_dir, _internal_call)
         if _internal_call or not self.args.should_save:
             return
         output_dir = output_dir or self.args.output_dir

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..common import trl_compat
+from ..common.engine import quiet_deepspeed_collectives
 from ..common.imports import import_object
 from ..guards.checkpointing import ResumeError
 from ..rollout.vllm_setup import check_vllm_setup
@@ -52,6 +53,7 @@ from .demo import DEMO_ARGS, run_demo
 from .parser import GSPOScriptArguments, parse, precision_note, quiet_deepspeed_on_cpu, reconcile_mixed_precision
 from .recipe_inputs import RecipeError
 from .rewards import missing_columns, needed_columns, resolve_reward
+from .run_notes import precision_line, precision_refusal_as_recipe_error, say_deepspeed_builds
 from .shipped import SHIPPED, is_shipped, resolve_config_argument, resolve_shipped, shipped_names, take_option
 
 #: `accelerate launch` options `--accelerate_config` runs accept besides the config (none is a recipe key).
@@ -126,6 +128,7 @@ def demo(argv: list[str]) -> int:
     argv, recipe = resolve_config_argument(argv)
     say_recipe("demo", recipe)
     argv = reconcile_mixed_precision("demo", argv)
+    say_deepspeed_builds("demo")
     demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
@@ -236,6 +239,7 @@ def train(argv: list[str]) -> int:
     recipe_dir = recipe.parent if recipe is not None else None
     search_dirs = (str(recipe_dir),) if recipe is not None else ()  # a recipe's own modules sit next to it
     argv = reconcile_mixed_precision("train", argv)
+    say_deepspeed_builds("train")
     script_args, args, model_args, mixture = parse("train", argv)
     quiet_deepspeed_on_cpu(args)
     if not model_args.model_name_or_path:
@@ -280,17 +284,19 @@ def train(argv: list[str]) -> int:
         **(args.model_init_kwargs or {}),
     }
     with failures.removed_if_left_empty(args.output_dir):
-        trainer = trainer_cls(
-            model=model_args.model_name_or_path,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=dataset[split],
-            eval_dataset=eval_set,
-            peft_config=get_peft_config(model_args),
-            quantization_config=get_quantization_config(model_args),
-        )
+        with precision_refusal_as_recipe_error():
+            trainer = trainer_cls(
+                model=model_args.model_name_or_path,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=dataset[split],
+                eval_dataset=eval_set,
+                peft_config=get_peft_config(model_args),
+                quantization_config=get_quantization_config(model_args),
+            )
         use_console(trainer, script_args.console)
         trainer.accelerator.print(f"trl-gspo train: {generation_line(trainer)}")
+        trainer.accelerator.print(precision_line("train", trainer))
         with tied_weights_restored(trainer):
             trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if eval_set is not None:
@@ -378,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with warnings.catch_warnings():  # the caller's filters come back afterwards (main() is also called in-process)
         quiet_library_deprecations()
+        quiet_deepspeed_collectives(os.environ)
         try:
             return COMMANDS[command](rest)
         except (RecipeError, ResumeError) as err:  # ResumeError: the demo's resume, checked by the trainer itself

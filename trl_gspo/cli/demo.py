@@ -31,6 +31,7 @@ from ..testing import build_tiny_model, build_tokenizer
 from ..trainer import GSPOTrainer
 from .console import StartStep, generation_line, quiet_saving, tied_weights_restored, use_console
 from .recipe_inputs import RecipeError
+from .run_notes import precision_line, precision_refusal_as_recipe_error
 
 NUM_DIGITS = 3
 #: Head size of the demo's model when vLLM generates: one vLLM's CPU attention runs (it refuses 16, the plain demo's).
@@ -206,14 +207,16 @@ def run_demo(
             check_vllm_setup(args, model)  # the trainer checks too; here the CLI gets its one line
         except ValueError as err:
             raise RecipeError(str(err)) from err
-    trainer = GSPOTrainer(
-        model, demo_reward, args=args, train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config
-    )
+    with precision_refusal_as_recipe_error():
+        trainer = GSPOTrainer(
+            model, demo_reward, args=args, train_dataset=train_set, processing_class=tokenizer, peft_config=peft_config
+        )
     use_console(trainer, console)
     started = StartStep()
     trainer.add_callback(started)
     if trainer.accelerator.is_main_process:
         print(f"trl-gspo demo: {generation_line(trainer)}", flush=True)
+        print(precision_line("demo", trainer), flush=True)
 
     def held_out_reward():  # under ZeRO-3 the weights are sharded from creation on: gather them to generate
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:

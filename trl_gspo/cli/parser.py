@@ -122,7 +122,7 @@ def precision_note(command: str, argv: list[str], accelerate: str | None) -> str
 
 
 def reconcile_mixed_precision(command: str, argv: list[str]) -> list[str]:
-    """In the training process, before the config is built: run in fp32 where there is no GPU (accelerate's
+    """In the training process, before the config is built: no mixed precision where there is no GPU (accelerate's
     `ACCELERATE_MIXED_PRECISION` set to "no", `--bf16 false --fp16 false` appended), saying so once (rank 0)."""
     note = precision_note(command, argv, os.environ.get("ACCELERATE_MIXED_PRECISION"))
     if note is None:

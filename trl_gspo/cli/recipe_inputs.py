@@ -17,8 +17,9 @@
 - Mixed precision: `accelerate launch` exports its config's `mixed_precision` (or `--mixed_precision`) as
   `ACCELERATE_MIXED_PRECISION`, and TrainingArguments takes it whenever the recipe's `bf16`/`fp16` are off: a bf16
   accelerate config silently trains an fp32 recipe in bf16 under DDP, and fails after the model loads under DeepSpeed
-  (its bf16 check). `reconcile_precision` decides: without CUDA (or with `use_cpu`) training runs in fp32 and one line
-  says what was turned off; on GPUs an accelerate precision that is not the recipe's is an error naming both.
+  (its bf16 check). `reconcile_precision` decides: without CUDA (or with `use_cpu`) mixed precision is off (no
+  autocast) and one line says what was turned off, the weights' dtype aside (the trainer's precision line says what
+  runs: guards/precision.py); on GPUs an accelerate precision that is not the recipe's is an error naming both.
 """
 
 from __future__ import annotations
@@ -224,8 +225,8 @@ def recipe_precision(bf16, fp16) -> tuple[str, str]:
 
 def reconcile_precision(accelerate: str | None, bf16, fp16, use_cpu, cuda: bool) -> str | None:
     """Decide the run's precision from accelerate's (`ACCELERATE_MIXED_PRECISION`, None when not launched by it) and
-    the recipe's. Returns None (nothing to change), or a note: train in fp32 (the caller turns both off and prints
-    it). Raises RecipeError on GPUs when accelerate asks for a mixed precision the recipe does not use."""
+    the recipe's. Returns None (nothing to change), or a note: mixed precision off (the caller turns both off and
+    prints it). Raises RecipeError on GPUs when accelerate asks for a mixed precision the recipe does not use."""
     wanted, said = recipe_precision(bf16, fp16)
     accelerate = (accelerate or "no").lower()
     if not cuda or use_cpu:
@@ -235,7 +236,8 @@ def reconcile_precision(accelerate: str | None, bf16, fp16, use_cpu, cuda: bool)
         if not ignored:
             return None
         return (
-            f"{'no CUDA device' if not cuda else 'use_cpu is set'}: training in fp32, ignoring {' and '.join(ignored)}."
+            f"{'no CUDA device' if not cuda else 'use_cpu is set'}: mixed precision off (no autocast), ignoring "
+            f"{' and '.join(ignored)}."
         )
     if accelerate != "no" and accelerate != wanted:
         flag = {"no": "bf16: false", "bf16": "bf16: true", "fp16": "fp16: true"}[accelerate]
