@@ -3,6 +3,8 @@
     python benchmarks/gpu_check.py                                  # every part that can run here
     python benchmarks/gpu_check.py --parts parity_bf16,demo_cuda    # some parts; the other parts' results are kept
     python benchmarks/gpu_check.py --dry-run                        # list the parts and why each would skip
+    python benchmarks/gpu_check.py --profile quick                  # `make gpu-quick`: the forward path, 8 minutes
+    python benchmarks/gpu_check.py --profile quick --tiny           # its code on the CPU at toy shapes (no timings)
 
 Each part runs in a fresh process with its own time budget. A part whose GPU or package is missing is skipped with
 the reason; a part that fails, crashes or runs out of time records that (with the end of its log) and the next part
@@ -12,6 +14,8 @@ parts keeps the other parts' entries, so the check can also be run in pieces. Th
 one GPU add up to 39 minutes, and `--max-minutes` (45) caps the whole run.
 
 The parts run in-process by this driver (bf16 parity, the demo, colocated sampling, ZeRO runs) are gpu_parts.py.
+The quick profile (`make gpu-quick`: probe, attention, passes, loss; gpu_quick.py) fits 8 minutes on one GPU and
+writes `gpu-quick.json` / `gpu-quick.md` beside the full run's files.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 RESULTS = os.path.join(BENCHMARKS, "results", "gpu-check")  # beside the benchmark's one file per scenario
-JSON_NAME, TABLE_NAME, LOG_DIR = "gpu-check.json", "gpu-check.md", "gpu-check-logs"
+LOG_DIR = "gpu-check-logs"
 for _path in (REPO_ROOT, BENCHMARKS):  # the package, then gpu_parts.py beside this file (searched first)
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import gpu_quick  # noqa: E402  (beside this file: the quick profile's parts)
 from gpu_parts import run_part  # noqa: E402  (beside this file: the parts this driver runs in child processes)
 
 
@@ -280,6 +285,78 @@ PARTS = [
 ]
 
 
+def _quick(part: str, tiny: bool) -> Callable[[str], list[str]]:
+    return lambda out: [*_self(part)(out), *(["--tiny"] if tiny else [])]
+
+
+def _ratios(result: dict) -> dict:
+    """ours/stock per shape and arm of a `passes` / `loss` result."""
+    return {
+        shape: ", ".join(f"{arm} {node[arm]['ratio_vs_stock']}" for arm in node if "ratio_vs_stock" in node[arm])
+        for shape, node in result.items()
+        if isinstance(node, dict) and "stock" in node
+    }
+
+
+def _attention_headline(result: dict) -> dict:
+    return {
+        f"{shape} fwd+bwd ms": ", ".join(
+            f"{arm} {node[arm]['forward_backward_ms']}" for arm in node if "forward_backward_ms" in node.get(arm, {})
+        )
+        for shape, node in result.items()
+        if isinstance(node, dict) and "layout" in node
+    }
+
+
+def quick_parts(tiny: bool = False) -> list[Part]:
+    """`make gpu-quick` (gpu_quick.py). `tiny`: on the CPU at toy shapes, with a stand-in of torch's varlen kernel."""
+    needs = (lambda env: _core(env)) if tiny else _needs()
+    budgets = gpu_quick.BUDGETS
+    return [
+        Part(
+            "probe",
+            "torch / CUDA versions, varlen_attn's signature and alignment, the SDPA backend of a masked GQA block",
+            budgets["probe"],
+            needs,
+            _quick("probe", tiny),
+            lambda r: {
+                "varlen kernel": r.get("varlen_kernel"),
+                "bottom-right error": _round(r.get("varlen_attn", {}).get("bottom_right_error")),
+                "masked GQA block": r.get("masked_gqa_block", {}).get("served_by"),
+            },
+        ),
+        Part(
+            "attention",
+            "one attention layer at Qwen3 shapes, CUDA events: stock's causal call, SDPA blocks, torch varlen, "
+            "flash-attn; outputs and gradients against a dense masked reference",
+            budgets["attention"],
+            needs,
+            _quick("attention", tiny),
+            _attention_headline,
+        ),
+        Part(
+            "passes",
+            "pi_old / reference pass, ours/stock (defaults, trimmed, packed, shared) at equal_settings, long_tail, "
+            "long_prompt; a pi_old forward's model calls under the CUDA sync debug mode",
+            budgets["passes"],
+            needs,
+            _quick("passes", tiny),
+            _ratios,
+        ),
+        Part(
+            "loss",
+            "_compute_loss + backward with gradient checkpointing, ours/stock, same arms and shapes",
+            budgets["loss"],
+            needs,
+            _quick("loss", tiny),
+            _ratios,
+        ),
+    ]
+
+
+QUICK = quick_parts()
+
+
 # ------------------------------------------------------------------------------------------------ the driver
 def _kill(proc: subprocess.Popen) -> None:
     """Stop a part and everything it started (vLLM workers, accelerate ranks): its whole process group."""
@@ -368,14 +445,14 @@ def markdown(report: dict) -> str:
     gpus = ", ".join(env["gpus"]) or "none"
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
     lines = [
-        f"# `make gpu-check`, {report['updated']}",
+        f"# `make {report.get('target', 'gpu-check')}`, {report['updated']}",
         "",
         f"GPUs: {gpus} (CUDA {env['cuda']}). {versions}.",
         "",
         "| part | checks | status | time (budget) | result |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for part in PARTS:
+    for part in PARTS + QUICK:
         entry = report["parts"].get(part.name)
         if entry is None:
             continue
@@ -396,12 +473,19 @@ def scrub(text: str) -> str:
     return re.sub(r"(?<![\w.~$<>-])/(?:work|root|home/[\w.-]+|Users/[\w.-]+)/", "<home>/", text)
 
 
+def _names(report: dict) -> tuple[str, str]:
+    """The result files of the report's target: gpu-check.json/.md, or gpu-quick.json/.md."""
+    target = report.get("target", "gpu-check")
+    return f"{target}.json", f"{target}.md"
+
+
 def save(report: dict, out_dir: str) -> None:
-    """gpu-check.json and gpu-check.md (the logs stay beside them, unscrubbed and git-ignored)."""
+    """gpu-check.json and gpu-check.md, or gpu-quick's (the logs stay beside them, unscrubbed and git-ignored)."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, JSON_NAME), "w") as f:
+    json_name, table_name = _names(report)
+    with open(os.path.join(out_dir, json_name), "w") as f:
         f.write(scrub(json.dumps(report, indent=2)))
-    with open(os.path.join(out_dir, TABLE_NAME), "w") as f:
+    with open(os.path.join(out_dir, table_name), "w") as f:
         f.write(scrub(markdown(report)))
 
 
@@ -417,11 +501,13 @@ def run(
     max_seconds: float = 1800,
     keep: dict | None = None,
     log=_print,
+    target: str = "gpu-check",
 ) -> dict:
     """Run (or, with `dry_run`, only plan) `parts` in order; results are saved after each part when `out_dir` is set.
     `keep`: entries of parts not run this time (from an earlier report), kept in the new one; each entry says when
     and on which GPUs it ran."""
     report = {
+        "target": target,
         "updated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "environment": env,
         "max_minutes": max_seconds / 60,
@@ -453,8 +539,19 @@ def run(
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = [part.name for part in PARTS]
-    parser.add_argument("--parts", default=",".join(names), help=f"comma-separated subset of: {', '.join(names)}")
+    parser.add_argument(
+        "--profile",
+        choices=("full", "quick"),
+        default="full",
+        help="full: every part (`make gpu-check`); quick: the forward path in 8 minutes (`make gpu-quick`)",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="quick profile only: run its parts on the CPU at toy shapes with a stand-in varlen kernel (their code, "
+        "not their timings)",
+    )
+    parser.add_argument("--parts", default=None, help="comma-separated subset of the profile's parts")
     parser.add_argument("--dry-run", action="store_true", help="list every part and why it would skip; run nothing")
     parser.add_argument(
         "--out-dir",
@@ -462,22 +559,33 @@ def main(argv=None) -> int:
         help="where gpu-check.json/.md and the logs go (default: benchmarks/results/gpu-check; a dry run writes "
         "nothing unless given one)",
     )
-    parser.add_argument("--max-minutes", type=float, default=45, help="cap on the whole run (default 45)")
+    parser.add_argument(
+        "--max-minutes", type=float, default=None, help="cap on the whole run (default 45; quick profile 8)"
+    )
     parser.add_argument("--fresh", action="store_true", help="drop the results of parts not run this time")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part is not None:
+        if args.part in gpu_quick.PARTS:
+            return gpu_quick.run_part(args.part, args.result, args.tiny)
         return run_part(args.part, args.result)
+    if args.tiny and args.profile != "quick":
+        parser.error("--tiny runs the quick profile's parts on the CPU: add --profile quick")
 
-    wanted = args.parts.split(",")
+    parts = quick_parts(args.tiny) if args.profile == "quick" else PARTS
+    target = "gpu-quick" if args.profile == "quick" else "gpu-check"
+    names = [part.name for part in parts]
+    wanted = args.parts.split(",") if args.parts else names
     unknown = sorted(set(wanted) - set(names))
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(names)}")
+    max_minutes = args.max_minutes or (8 if args.profile == "quick" else 45)
     out_dir = args.out_dir or (None if args.dry_run else RESULTS)
     keep = {}
-    if out_dir is not None and not args.fresh and os.path.exists(os.path.join(out_dir, JSON_NAME)):
-        with open(os.path.join(out_dir, JSON_NAME)) as f:
+    json_name = f"{target}.json"
+    if out_dir is not None and not args.fresh and os.path.exists(os.path.join(out_dir, json_name)):
+        with open(os.path.join(out_dir, json_name)) as f:
             keep = {k: v for k, v in json.load(f).get("parts", {}).items() if k not in wanted}
     env = environment()
     print(
@@ -485,9 +593,10 @@ def main(argv=None) -> int:
         + ", ".join(f"{k} {v or 'not installed'}" for k, v in env["versions"].items()),
         flush=True,
     )
-    report = run([p for p in PARTS if p.name in wanted], env, out_dir, args.dry_run, args.max_minutes * 60, keep)
+    chosen = [p for p in parts if p.name in wanted]
+    report = run(chosen, env, out_dir, args.dry_run, max_minutes * 60, keep, target=target)
     if out_dir is not None:
-        print(f"gpu-check: results in {os.path.relpath(os.path.join(out_dir, JSON_NAME))} and {TABLE_NAME}")
+        print(f"gpu-check: results in {os.path.relpath(os.path.join(out_dir, json_name))} and {target}.md")
     bad = [
         name
         for name, entry in report["parts"].items()
