@@ -13,7 +13,8 @@ starts. Results go to `benchmarks/results/gpu-check/gpu-check.json` (every numbe
 parts keeps the other parts' entries, so the check can also be run in pieces. The budgets of the parts that run on
 one GPU add up to 39 minutes, and `--max-minutes` (45) caps the whole run.
 
-The parts run in-process by this driver (bf16 parity, the demo, colocated sampling, ZeRO runs) are gpu_parts.py.
+The parts run in-process by this driver (bf16 parity, the demo, colocated sampling, ZeRO runs) are gpu_parts.py; what
+the machine has, and why a part cannot run on it, gpu_env.py.
 The quick profile (`make gpu-quick`: probe, attention, passes, loss; gpu_quick.py) fits 8 minutes on one GPU and
 writes `gpu-quick.json` / `gpu-quick.md` beside the full run's files.
 """
@@ -23,10 +24,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
+import functools
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -48,86 +48,8 @@ for _path in (REPO_ROOT, BENCHMARKS):  # the package, then gpu_parts.py beside t
         sys.path.insert(0, _path)
 
 import gpu_quick  # noqa: E402  (beside this file: the quick profile's parts)
+from gpu_env import core, environment, modules, needs, two_gpus  # noqa: E402  (beside this file: what the machine has)
 from gpu_parts import run_part  # noqa: E402  (beside this file: the parts this driver runs in child processes)
-
-
-# ------------------------------------------------------------------------------------------------ environment
-def environment() -> dict:
-    """GPUs and the packages the parts need; nothing here imports TRL (a missing TRL must not stop the check)."""
-    from importlib import metadata
-
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpus = [torch.cuda.get_device_name(i) for i in range(count)]
-    versions = {}
-    for name in ("torch", "trl", "transformers", "accelerate", "peft", "datasets", "deepspeed", "vllm", "flash-attn"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    modules = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "flash_attn", "deepspeed")}
-    return {
-        "gpus": gpus,
-        "cuda": torch.version.cuda,
-        "versions": versions,
-        "supported": _supported_ranges(),
-        "modules": modules,
-        "python": platform.python_version(),
-    }
-
-
-#: Packages every part imports, checked against trl-gspo's supported ranges (pyproject.toml's dependencies).
-CORE = ("torch", "trl", "transformers", "accelerate", "datasets")
-
-
-def _supported_ranges() -> dict[str, str]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: no TOML reader in the standard library; the ranges go unchecked
-        return {}
-    from packaging.requirements import Requirement
-
-    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
-        requirements = [Requirement(line) for line in tomllib.load(f)["project"]["dependencies"]]
-    order = {">": 0, "!": 1, "<": 2}  # lower bound first, as pyproject.toml writes them
-    return {
-        req.name: ",".join(sorted(map(str, req.specifier), key=lambda spec: order.get(spec[0], 1)))
-        for req in requirements
-        if req.name in CORE
-    }
-
-
-def _core(env) -> list[str]:
-    """A missing core package, or one outside the supported range (e.g. an image's older transformers)."""
-    from packaging.specifiers import SpecifierSet
-
-    reasons = []
-    for name in CORE:
-        version, wanted = env["versions"].get(name), env.get("supported", {}).get(name)
-        if version is None:
-            reasons.append(f"{name} not installed")
-        elif wanted and not SpecifierSet(wanted).contains(version.split("+")[0], prereleases=True):
-            reasons.append(f"{name} {version} outside the supported {wanted}")
-    return reasons
-
-
-def _cuda(env) -> list[str]:
-    return [] if env["gpus"] else ["no CUDA GPU visible"]
-
-
-def _modules(*names) -> Callable[[dict], list[str]]:
-    return lambda env: [f"{name} not installed" for name in names if not env["modules"].get(name)]
-
-
-def _needs(*checks) -> Callable[[dict], list[str]]:
-    """Reasons a part cannot run here (all of them, so a dry run on CPU says everything a GPU machine must have)."""
-    base = (_cuda, _core)
-    return lambda env: [reason for check in (*base, *checks) for reason in check(env)]
-
-
-def _two_gpus(env) -> list[str]:
-    return [] if len(env["gpus"]) >= 2 else [f"needs 2 GPUs, {len(env['gpus'])} visible"]
 
 
 # ------------------------------------------------------------------------------------------------ the parts
@@ -193,9 +115,12 @@ def _bench_headline(result: dict) -> dict:
 
 
 def _packing_note(env) -> str:
+    """Which kernel serves packed and shared calls here (segment_attention.varlen_kernel's rule, in bf16)."""
+    if env["modules"].get("torch_varlen"):
+        return "packed and shared calls run torch's varlen_attn"
     if env["modules"].get("flash_attn"):
-        return "packed rows run flash-attention's varlen kernels"
-    return "flash-attn not installed: packed rows run sdpa with a block-diagonal mask, not varlen kernels"
+        return "packed and shared calls run flash-attn's varlen kernel"
+    return "no fused varlen kernel (torch < 2.10, no flash-attn): 'auto' keeps calls trimmed, explicit settings run SDPA blocks"
 
 
 PARTS = [
@@ -203,7 +128,7 @@ PARTS = [
         "parity_bf16",
         "bf16 loss and gradients of GSPOTrainer vs stock GRPOTrainer on the GPU, each against fp32",
         150,
-        _needs(),
+        needs(),
         _self("parity_bf16"),
         lambda r: {
             "cases passed": f"{r['passed']}/{len(r['cases'])}",
@@ -215,7 +140,7 @@ PARTS = [
         "demo_cuda",
         "`trl-gspo demo` on one GPU in bf16, 300 steps: the held-out reward must rise as on CPU",
         120,
-        _needs(),
+        needs(),
         _self("demo_cuda"),
         lambda r: {"held-out": f"{r['before']:.3f} -> {r['after']:.3f}", "train s": round(r["train_seconds"], 1)},
     ),
@@ -224,7 +149,7 @@ PARTS = [
         "`benchmarks/run.py --device cuda`: ours vs stock seconds/step and MFU with equal settings and "
         "with sampler log-prob reuse, log-prob memory (Qwen3-0.6B shape, bf16, 1 repetition)",
         900,  # measured on an H100: ~160 s per trainer process, 4 of them, then logprob_memory
-        _needs(),
+        needs(),
         _bench("equal_settings", "sampler_logprobs", "logprob_memory"),
         _bench_headline,
     ),
@@ -233,7 +158,7 @@ PARTS = [
         "`benchmarks/run.py --device cuda --scenarios loss_path`: _compute_loss + backward alone, ours "
         "vs stock (the loss pipeline's overhead)",
         420,  # did not finish in 180 s on an H100 (200 alternations of 4 loss passes at the 0.6B shape)
-        _needs(),
+        needs(),
         _bench("loss_path"),
         _bench_headline,
     ),
@@ -242,7 +167,7 @@ PARTS = [
         "layouts vs stock, training phase: long-tail rollouts at two batch shapes (the default layout, "
         "trim + sort, packing) and ~1024-token prompts (shared prefixes, whole-group mini-batches)",
         420,
-        _needs(),
+        needs(),
         _bench("long_tail", "long_prompt"),
         _bench_headline,
         _packing_note,
@@ -251,7 +176,7 @@ PARTS = [
         "vllm_routes",
         "`benchmarks/gpu_routes.py`: vLLM returns MoE routes R3 can replay; sampler/trainer route mismatch",
         120,
-        _needs(_modules("vllm")),
+        needs(modules("vllm")),
         lambda out: [sys.executable, os.path.join(BENCHMARKS, "gpu_routes.py"), "--out", out],
         lambda r: {"vllm": r.get("engine"), "route mismatch (token, layer)": _round(r.get("mismatch_token_layer"))},
     ),
@@ -259,7 +184,7 @@ PARTS = [
         "vllm_colocate",
         "GSPO training with colocated vLLM, old_logprobs_source='sampler' and routing_replay='R3' on a tiny Qwen3-MoE",
         210,
-        _needs(_modules("vllm")),
+        needs(modules("vllm")),
         _self("vllm_colocate"),
         lambda r: {
             k: _round(r.get(k))
@@ -270,7 +195,7 @@ PARTS = [
         "zero2",
         "2-GPU DeepSpeed ZeRO-2 demo (shipped accelerate config): trains, saves a full model",
         240,
-        _needs(_two_gpus, _modules("deepspeed")),
+        needs(two_gpus, modules("deepspeed")),
         _self("zero2"),
         lambda r: {"held-out": r.get("held_out"), "steps": r.get("steps")},
     ),
@@ -278,7 +203,7 @@ PARTS = [
         "zero3",
         "2-GPU DeepSpeed ZeRO-3 demo (shipped accelerate config): trains, gathers and saves a full model",
         240,
-        _needs(_two_gpus, _modules("deepspeed")),
+        needs(two_gpus, modules("deepspeed")),
         _self("zero3"),
         lambda r: {"held-out": r.get("held_out"), "steps": r.get("steps")},
     ),
@@ -289,68 +214,19 @@ def _quick(part: str, tiny: bool) -> Callable[[str], list[str]]:
     return lambda out: [*_self(part)(out), *(["--tiny"] if tiny else [])]
 
 
-def _ratios(result: dict) -> dict:
-    """ours/stock per shape and arm of a `passes` / `loss` result."""
-    return {
-        shape: ", ".join(f"{arm} {node[arm]['ratio_vs_stock']}" for arm in node if "ratio_vs_stock" in node[arm])
-        for shape, node in result.items()
-        if isinstance(node, dict) and "stock" in node
-    }
-
-
-def _attention_headline(result: dict) -> dict:
-    return {
-        f"{shape} fwd+bwd ms": ", ".join(
-            f"{arm} {node[arm]['forward_backward_ms']}" for arm in node if "forward_backward_ms" in node.get(arm, {})
-        )
-        for shape, node in result.items()
-        if isinstance(node, dict) and "layout" in node
-    }
-
-
 def quick_parts(tiny: bool = False) -> list[Part]:
-    """`make gpu-quick` (gpu_quick.py). `tiny`: on the CPU at toy shapes, with a stand-in of torch's varlen kernel."""
-    needs = (lambda env: _core(env)) if tiny else _needs()
-    budgets = gpu_quick.BUDGETS
+    """`make gpu-quick` (gpu_quick.py, gpu_passes.py). `tiny`: on the CPU at toy shapes, a stand-in varlen kernel."""
+    missing = core if tiny else needs()
     return [
         Part(
-            "probe",
-            "torch / CUDA versions, varlen_attn's signature and alignment, the SDPA backend of a masked GQA block",
-            budgets["probe"],
-            needs,
-            _quick("probe", tiny),
-            lambda r: {
-                "varlen kernel": r.get("varlen_kernel"),
-                "bottom-right error": _round(r.get("varlen_attn", {}).get("bottom_right_error")),
-                "masked GQA block": r.get("masked_gqa_block", {}).get("served_by"),
-            },
-        ),
-        Part(
-            "attention",
-            "one attention layer at Qwen3 shapes, CUDA events: stock's causal call, SDPA blocks, torch varlen, "
-            "flash-attn; outputs and gradients against a dense masked reference",
-            budgets["attention"],
-            needs,
-            _quick("attention", tiny),
-            _attention_headline,
-        ),
-        Part(
-            "passes",
-            "pi_old / reference pass, ours/stock (defaults, trimmed, packed, shared) at equal_settings, long_tail, "
-            "long_prompt; a pi_old forward's model calls under the CUDA sync debug mode",
-            budgets["passes"],
-            needs,
-            _quick("passes", tiny),
-            _ratios,
-        ),
-        Part(
-            "loss",
-            "_compute_loss + backward with gradient checkpointing, ours/stock, same arms and shapes",
-            budgets["loss"],
-            needs,
-            _quick("loss", tiny),
-            _ratios,
-        ),
+            name,
+            what,
+            gpu_quick.BUDGETS[name],
+            missing,
+            _quick(name, tiny),
+            functools.partial(gpu_quick.headline, name),
+        )
+        for name, what in gpu_quick.WHAT.items()
     ]
 
 
@@ -567,7 +443,7 @@ def main(argv=None) -> int:
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part is not None:
-        if args.part in gpu_quick.PARTS:
+        if args.part in gpu_quick.WHAT:
             return gpu_quick.run_part(args.part, args.result, args.tiny)
         return run_part(args.part, args.result)
     if args.tiny and args.profile != "quick":

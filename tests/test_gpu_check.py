@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_parts  # noqa: E402
+import gpu_passes  # noqa: E402
 import gpu_quick  # noqa: E402
 import gpu_routes  # noqa: E402
 from gpu_check import Part  # noqa: E402
@@ -341,13 +342,13 @@ def test_quick_parts_run_on_cpu_at_tiny_shapes(tmp_path):
     arms = {name: arm for name, arm in attention["tiny"].items() if name != "layout"}
     assert {"stock", "sdpa_blocks", "torch_varlen"} <= set(arms)
     assert all(arm["check"]["status"] == "ok" and arm["forward_backward_ms"] > 0 for arm in arms.values())
-    for part in (gpu_quick.passes, gpu_quick.loss):
+    for part in (gpu_passes.passes, gpu_passes.loss):
         result = part(str(tmp_path / f"{part.__name__}.json"), tiny=True)
         assert result["status"] == "ok", result["problems"]
         assert json.loads((tmp_path / f"{part.__name__}.json").read_text()) == json.loads(json.dumps(result))
-        for shape in gpu_quick.PASS_SHAPES:
-            assert set(result[shape]) == {"tokens", *gpu_quick.ARMS}
-            assert all(len(result[shape][arm]["runs_ms"]) == gpu_quick.TINY_REPS for arm in gpu_quick.ARMS)
+        for shape in gpu_passes.PASS_SHAPES:
+            assert set(result[shape]) == {"tokens", *gpu_passes.ARMS}
+            assert all(len(result[shape][arm]["runs_ms"]) == gpu_quick.TINY_REPS for arm in gpu_passes.ARMS)
             assert result[shape]["shared"]["plan"]["layouts"].startswith("s1x")  # one row: the varlen kernel's
             assert result[shape]["trimmed"]["plan"]["layouts"].startswith("t")
     assert result["equal_settings"]["shared"]["plan"]["kernel"] == "torch varlen_attn"
