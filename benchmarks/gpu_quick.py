@@ -369,7 +369,7 @@ def headline(name: str, result: dict) -> dict:
     if name == "probe":
         return {
             "varlen kernel": result.get("varlen_kernel"),
-            "bottom-right error": result.get("varlen_attn", {}).get("bottom_right_error"),
+            "bottom-right error": _rounded(result.get("varlen_attn", {}).get("bottom_right_error")),
             "masked GQA block": result.get("masked_gqa_block", {}).get("served_by"),
         }
     nodes = {key: node for key, node in result.items() if isinstance(node, dict) and "stock" in node}
@@ -384,6 +384,10 @@ def headline(name: str, result: dict) -> dict:
         shape: ", ".join(f"{arm} {node[arm]['ratio_vs_stock']}" for arm in node if "ratio_vs_stock" in node[arm])
         for shape, node in nodes.items()
     }
+
+
+def _rounded(value):
+    return float(f"{value:.3g}") if isinstance(value, float) else value
 
 
 def part(name: str):
