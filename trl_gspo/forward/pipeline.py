@@ -17,8 +17,8 @@ columns some row uses), packed (sequences end to end, segment attention) or shar
 completions of it in the chunk, segment attention). `trim_padding`, `sort_by_length`, `padding_free` and
 `shared_prefix` say which are allowed or forced; the device and the varlen kernel that would serve segment calls
 (segment_attention.varlen_kernel) say what `"auto"` may choose. Everything the calls need is worked out on the host
-and copied ahead of them without waiting, so on CUDA step 4 makes no host sync. Multimodal inputs, and TRL without its fused log-prob head
-(< 1.15), go to TRL's own padded loop (step 3 and 4 replaced, steps 1, 2 and 5 unchanged).
+and copied ahead of them without waiting, so on CUDA step 4 makes no host sync. Multimodal inputs, and TRL without
+its fused log-prob head (< 1.15), go to TRL's own padded loop (step 3 and 4 replaced, steps 1, 2 and 5 unchanged).
 """
 
 from __future__ import annotations
