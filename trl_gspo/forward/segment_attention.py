@@ -12,7 +12,7 @@ so a completion sees its prompt exactly as in its own padded row and never a sib
 end attends to itself only. `SegmentPlan` holds that structure per position (`own_start`, `ctx_start`, `ctx_end`)
 and, built once per model call, the blocks every layer runs:
 
-- **SDPA blocks** (CPU, and GPU without flash-attention): query columns in blocks of `BLOCK` positions; each block
+- **SDPA blocks** (CPU, and CUDA without a fused varlen kernel): query columns in blocks of `BLOCK` positions; each block
   attends to the key columns its queries can reach (the prefix range and the local range, gathered when far
   apart) through `scaled_dot_product_attention` with a boolean mask. Causality and the block ranges skip most
   of the masked pairs, which a dense `[W, W]` mask would compute.
@@ -28,14 +28,14 @@ How it reaches the model without patching it: transformers picks the attention f
 `config._attn_implementation`. `arm(configs)` switches those configs to `"trl_gspo_segments:<original>"`, a name
 registered in `AttentionInterface` and `AttentionMaskInterface`. Its attention function runs the original
 implementation unchanged for every call that carries no `segment_plan` (trimmed calls, generation) and the
-segment attention for calls that do; its mask function returns the original's mask, or none during a segment
-call (the plan is the mask). The plan travels as a model keyword argument (`segment_plan=`), which transformers
-passes through to every attention call, so gradient checkpointing's recompute sees it again. During the call itself
-the configs hold a second name, `"trl_gspo_segment_call:<original>"`, registered for the attention only: transformers
-then builds no mask at all (as for any attention without a mask function), which also skips its packed-sequence
-detection and the host sync that comes with it. `disarm` restores
-the original names; the trainer arms before its first segment call and disarms when the training or evaluation
-step is over (after the backward and its recompute). A segment call counts its attention calls and
+segment attention for calls that do; its mask function returns the original's mask. During a segment call
+(`segment_call`) the configs hold a second name, `"trl_gspo_segment_call:<original>"`, registered for the attention
+only: transformers then builds no mask at all (as for any attention without a mask function; the plan is the mask),
+which also skips its packed-sequence detection and the host sync that comes with it. The plan travels as a model
+keyword argument (`segment_plan=`), which transformers passes through to every attention call, so gradient
+checkpointing's recompute (under the armed name) sees it again. `disarm` restores the original names; the trainer
+arms before its first segment call and disarms when the training or evaluation step is over (after the backward and
+its recompute). A segment call counts its attention calls and
 `check_served` raises if the model never ran the segment attention (e.g. a model whose attention does not go
 through the registry): a silently causal attention would let completions see each other.
 """
@@ -301,7 +301,7 @@ def torch_varlen_options(kernel) -> tuple[dict, bool, bool]:
     (causal keywords, takes `scale`, takes `enable_gqa`), read from its signature."""
     params = inspect.signature(kernel).parameters
     if "window_size" in params:
-        causal = {"window_size": (-1, 0)}  # torch >= 2.11: causal is a window with no keys to the right
+        causal = {"window_size": (-1, 0)}  # later releases (2.13 among them): a window with no keys to the right
     elif "is_causal" in params:
         causal = {"is_causal": True}  # torch 2.10
     else:
