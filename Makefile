@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo lint test test-vllm check gpu-check gpu-wheels
+.PHONY: demo lint test test-vllm check gpu-check gpu-quick gpu-wheels
 demo: $(VENV)/.installed
 	$(BIN)/trl-gspo demo
 
@@ -54,6 +54,7 @@ $(VENV)/.installed: pyproject.toml
 # `make gpu-check GPU_PYTHON=.venv/bin/python` for the venv above). For a GPU machine that cannot reach a package
 # index: `make gpu-wheels` on one that can, copy the checkout over; gpu-check then installs $(WHEELS)/*.whl for
 # GPU_PYTHON into $(GPU_SITE)/ first, offline. Arguments: `make gpu-check GPU_CHECK_ARGS="--parts parity_bf16"`.
+# `make gpu-quick`: the same driver's quick profile (the forward path: probe, attention, passes, loss), 8 minutes.
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
 WHEELS ?= .whl
@@ -62,12 +63,13 @@ GPU_SITE ?= .gpu-site
 GPU_WHEELS ?= trl==1.16.0 transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 GPU_WHEELS_PYTHON_VERSION ?= 3.12
 
-gpu-check:
+gpu-check gpu-quick:
 	@if ls $(WHEELS)/*.whl >/dev/null 2>&1; then \
 		echo "installing $(WHEELS)/*.whl into $(GPU_SITE)/"; \
 		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl; \
 	fi
-	PYTHONPATH="$(CURDIR)/$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH="$(CURDIR)/$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) benchmarks/gpu_check.py \
+		$(if $(filter gpu-quick,$@),--profile quick) $(GPU_CHECK_ARGS)
 
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEELS_PYTHON_VERSION) \

@@ -3,6 +3,8 @@
     python benchmarks/gpu_check.py                                  # every part that can run here
     python benchmarks/gpu_check.py --parts parity_bf16,demo_cuda    # some parts; the other parts' results are kept
     python benchmarks/gpu_check.py --dry-run                        # list the parts and why each would skip
+    python benchmarks/gpu_check.py --profile quick                  # `make gpu-quick`: the forward path, 8 minutes
+    python benchmarks/gpu_check.py --profile quick --tiny           # its code on the CPU at toy shapes (no timings)
 
 Each part runs in a fresh process with its own time budget. A part whose GPU or package is missing is skipped with
 the reason; a part that fails, crashes or runs out of time records that (with the end of its log) and the next part
@@ -11,7 +13,10 @@ starts. Results go to `benchmarks/results/gpu-check/gpu-check.json` (every numbe
 parts keeps the other parts' entries, so the check can also be run in pieces. The budgets of the parts that run on
 one GPU add up to 39 minutes, and `--max-minutes` (45) caps the whole run.
 
-The parts run in-process by this driver (bf16 parity, the demo, colocated sampling, ZeRO runs) are gpu_parts.py.
+The parts run in-process by this driver (bf16 parity, the demo, colocated sampling, ZeRO runs) are gpu_parts.py; what
+the machine has, and why a part cannot run on it, gpu_env.py.
+The quick profile (`make gpu-quick`: probe, attention, passes, loss; gpu_quick.py) fits 8 minutes on one GPU and
+writes `gpu-quick.json` / `gpu-quick.md` beside the full run's files.
 """
 
 from __future__ import annotations
@@ -19,10 +24,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
+import functools
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -38,91 +42,14 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 RESULTS = os.path.join(BENCHMARKS, "results", "gpu-check")  # beside the benchmark's one file per scenario
-JSON_NAME, TABLE_NAME, LOG_DIR = "gpu-check.json", "gpu-check.md", "gpu-check-logs"
+LOG_DIR = "gpu-check-logs"
 for _path in (REPO_ROOT, BENCHMARKS):  # the package, then gpu_parts.py beside this file (searched first)
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import gpu_quick  # noqa: E402  (beside this file: the quick profile's parts)
+from gpu_env import core, environment, modules, needs, two_gpus  # noqa: E402  (beside this file: what the machine has)
 from gpu_parts import run_part  # noqa: E402  (beside this file: the parts this driver runs in child processes)
-
-
-# ------------------------------------------------------------------------------------------------ environment
-def environment() -> dict:
-    """GPUs and the packages the parts need; nothing here imports TRL (a missing TRL must not stop the check)."""
-    from importlib import metadata
-
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpus = [torch.cuda.get_device_name(i) for i in range(count)]
-    versions = {}
-    for name in ("torch", "trl", "transformers", "accelerate", "peft", "datasets", "deepspeed", "vllm", "flash-attn"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    modules = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "flash_attn", "deepspeed")}
-    return {
-        "gpus": gpus,
-        "cuda": torch.version.cuda,
-        "versions": versions,
-        "supported": _supported_ranges(),
-        "modules": modules,
-        "python": platform.python_version(),
-    }
-
-
-#: Packages every part imports, checked against trl-gspo's supported ranges (pyproject.toml's dependencies).
-CORE = ("torch", "trl", "transformers", "accelerate", "datasets")
-
-
-def _supported_ranges() -> dict[str, str]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: no TOML reader in the standard library; the ranges go unchecked
-        return {}
-    from packaging.requirements import Requirement
-
-    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
-        requirements = [Requirement(line) for line in tomllib.load(f)["project"]["dependencies"]]
-    order = {">": 0, "!": 1, "<": 2}  # lower bound first, as pyproject.toml writes them
-    return {
-        req.name: ",".join(sorted(map(str, req.specifier), key=lambda spec: order.get(spec[0], 1)))
-        for req in requirements
-        if req.name in CORE
-    }
-
-
-def _core(env) -> list[str]:
-    """A missing core package, or one outside the supported range (e.g. an image's older transformers)."""
-    from packaging.specifiers import SpecifierSet
-
-    reasons = []
-    for name in CORE:
-        version, wanted = env["versions"].get(name), env.get("supported", {}).get(name)
-        if version is None:
-            reasons.append(f"{name} not installed")
-        elif wanted and not SpecifierSet(wanted).contains(version.split("+")[0], prereleases=True):
-            reasons.append(f"{name} {version} outside the supported {wanted}")
-    return reasons
-
-
-def _cuda(env) -> list[str]:
-    return [] if env["gpus"] else ["no CUDA GPU visible"]
-
-
-def _modules(*names) -> Callable[[dict], list[str]]:
-    return lambda env: [f"{name} not installed" for name in names if not env["modules"].get(name)]
-
-
-def _needs(*checks) -> Callable[[dict], list[str]]:
-    """Reasons a part cannot run here (all of them, so a dry run on CPU says everything a GPU machine must have)."""
-    base = (_cuda, _core)
-    return lambda env: [reason for check in (*base, *checks) for reason in check(env)]
-
-
-def _two_gpus(env) -> list[str]:
-    return [] if len(env["gpus"]) >= 2 else [f"needs 2 GPUs, {len(env['gpus'])} visible"]
 
 
 # ------------------------------------------------------------------------------------------------ the parts
@@ -188,9 +115,12 @@ def _bench_headline(result: dict) -> dict:
 
 
 def _packing_note(env) -> str:
+    """Which kernel serves packed and shared calls here (segment_attention.varlen_kernel's rule, in bf16)."""
+    if env["modules"].get("torch_varlen"):
+        return "packed and shared calls run torch's varlen_attn"
     if env["modules"].get("flash_attn"):
-        return "packed rows run flash-attention's varlen kernels"
-    return "flash-attn not installed: packed rows run sdpa with a block-diagonal mask, not varlen kernels"
+        return "packed and shared calls run flash-attn's varlen kernel"
+    return "no fused varlen kernel (torch < 2.10, no flash-attn): 'auto' keeps calls trimmed, explicit settings run SDPA blocks"
 
 
 PARTS = [
@@ -198,7 +128,7 @@ PARTS = [
         "parity_bf16",
         "bf16 loss and gradients of GSPOTrainer vs stock GRPOTrainer on the GPU, each against fp32",
         150,
-        _needs(),
+        needs(),
         _self("parity_bf16"),
         lambda r: {
             "cases passed": f"{r['passed']}/{len(r['cases'])}",
@@ -210,7 +140,7 @@ PARTS = [
         "demo_cuda",
         "`trl-gspo demo` on one GPU in bf16, 300 steps: the held-out reward must rise as on CPU",
         120,
-        _needs(),
+        needs(),
         _self("demo_cuda"),
         lambda r: {"held-out": f"{r['before']:.3f} -> {r['after']:.3f}", "train s": round(r["train_seconds"], 1)},
     ),
@@ -219,7 +149,7 @@ PARTS = [
         "`benchmarks/run.py --device cuda`: ours vs stock seconds/step and MFU with equal settings and "
         "with sampler log-prob reuse, log-prob memory (Qwen3-0.6B shape, bf16, 1 repetition)",
         900,  # measured on an H100: ~160 s per trainer process, 4 of them, then logprob_memory
-        _needs(),
+        needs(),
         _bench("equal_settings", "sampler_logprobs", "logprob_memory"),
         _bench_headline,
     ),
@@ -228,7 +158,7 @@ PARTS = [
         "`benchmarks/run.py --device cuda --scenarios loss_path`: _compute_loss + backward alone, ours "
         "vs stock (the loss pipeline's overhead)",
         420,  # did not finish in 180 s on an H100 (200 alternations of 4 loss passes at the 0.6B shape)
-        _needs(),
+        needs(),
         _bench("loss_path"),
         _bench_headline,
     ),
@@ -237,7 +167,7 @@ PARTS = [
         "layouts vs stock, training phase: long-tail rollouts at two batch shapes (the default layout, "
         "trim + sort, packing) and ~1024-token prompts (shared prefixes, whole-group mini-batches)",
         420,
-        _needs(),
+        needs(),
         _bench("long_tail", "long_prompt"),
         _bench_headline,
         _packing_note,
@@ -246,7 +176,7 @@ PARTS = [
         "vllm_routes",
         "`benchmarks/gpu_routes.py`: vLLM returns MoE routes R3 can replay; sampler/trainer route mismatch",
         120,
-        _needs(_modules("vllm")),
+        needs(modules("vllm")),
         lambda out: [sys.executable, os.path.join(BENCHMARKS, "gpu_routes.py"), "--out", out],
         lambda r: {"vllm": r.get("engine"), "route mismatch (token, layer)": _round(r.get("mismatch_token_layer"))},
     ),
@@ -254,7 +184,7 @@ PARTS = [
         "vllm_colocate",
         "GSPO training with colocated vLLM, old_logprobs_source='sampler' and routing_replay='R3' on a tiny Qwen3-MoE",
         210,
-        _needs(_modules("vllm")),
+        needs(modules("vllm")),
         _self("vllm_colocate"),
         lambda r: {
             k: _round(r.get(k))
@@ -265,7 +195,7 @@ PARTS = [
         "zero2",
         "2-GPU DeepSpeed ZeRO-2 demo (shipped accelerate config): trains, saves a full model",
         240,
-        _needs(_two_gpus, _modules("deepspeed")),
+        needs(two_gpus, modules("deepspeed")),
         _self("zero2"),
         lambda r: {"held-out": r.get("held_out"), "steps": r.get("steps")},
     ),
@@ -273,11 +203,34 @@ PARTS = [
         "zero3",
         "2-GPU DeepSpeed ZeRO-3 demo (shipped accelerate config): trains, gathers and saves a full model",
         240,
-        _needs(_two_gpus, _modules("deepspeed")),
+        needs(two_gpus, modules("deepspeed")),
         _self("zero3"),
         lambda r: {"held-out": r.get("held_out"), "steps": r.get("steps")},
     ),
 ]
+
+
+def _quick(part: str, tiny: bool) -> Callable[[str], list[str]]:
+    return lambda out: [*_self(part)(out), *(["--tiny"] if tiny else [])]
+
+
+def quick_parts(tiny: bool = False) -> list[Part]:
+    """`make gpu-quick` (gpu_quick.py, gpu_passes.py). `tiny`: on the CPU at toy shapes, a stand-in varlen kernel."""
+    missing = core if tiny else needs()
+    return [
+        Part(
+            name,
+            what,
+            gpu_quick.BUDGETS[name],
+            missing,
+            _quick(name, tiny),
+            functools.partial(gpu_quick.headline, name),
+        )
+        for name, what in gpu_quick.WHAT.items()
+    ]
+
+
+QUICK = quick_parts()
 
 
 # ------------------------------------------------------------------------------------------------ the driver
@@ -368,14 +321,14 @@ def markdown(report: dict) -> str:
     gpus = ", ".join(env["gpus"]) or "none"
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
     lines = [
-        f"# `make gpu-check`, {report['updated']}",
+        f"# `make {report.get('target', 'gpu-check')}`, {report['updated']}",
         "",
         f"GPUs: {gpus} (CUDA {env['cuda']}). {versions}.",
         "",
         "| part | checks | status | time (budget) | result |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for part in PARTS:
+    for part in PARTS + QUICK:
         entry = report["parts"].get(part.name)
         if entry is None:
             continue
@@ -396,12 +349,19 @@ def scrub(text: str) -> str:
     return re.sub(r"(?<![\w.~$<>-])/(?:work|root|home/[\w.-]+|Users/[\w.-]+)/", "<home>/", text)
 
 
+def _names(report: dict) -> tuple[str, str]:
+    """The result files of the report's target: gpu-check.json/.md, or gpu-quick.json/.md."""
+    target = report.get("target", "gpu-check")
+    return f"{target}.json", f"{target}.md"
+
+
 def save(report: dict, out_dir: str) -> None:
-    """gpu-check.json and gpu-check.md (the logs stay beside them, unscrubbed and git-ignored)."""
+    """gpu-check.json and gpu-check.md, or gpu-quick's (the logs stay beside them, unscrubbed and git-ignored)."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, JSON_NAME), "w") as f:
+    json_name, table_name = _names(report)
+    with open(os.path.join(out_dir, json_name), "w") as f:
         f.write(scrub(json.dumps(report, indent=2)))
-    with open(os.path.join(out_dir, TABLE_NAME), "w") as f:
+    with open(os.path.join(out_dir, table_name), "w") as f:
         f.write(scrub(markdown(report)))
 
 
@@ -417,11 +377,13 @@ def run(
     max_seconds: float = 1800,
     keep: dict | None = None,
     log=_print,
+    target: str = "gpu-check",
 ) -> dict:
     """Run (or, with `dry_run`, only plan) `parts` in order; results are saved after each part when `out_dir` is set.
     `keep`: entries of parts not run this time (from an earlier report), kept in the new one; each entry says when
     and on which GPUs it ran."""
     report = {
+        "target": target,
         "updated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "environment": env,
         "max_minutes": max_seconds / 60,
@@ -453,8 +415,19 @@ def run(
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = [part.name for part in PARTS]
-    parser.add_argument("--parts", default=",".join(names), help=f"comma-separated subset of: {', '.join(names)}")
+    parser.add_argument(
+        "--profile",
+        choices=("full", "quick"),
+        default="full",
+        help="full: every part (`make gpu-check`); quick: the forward path in 8 minutes (`make gpu-quick`)",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="quick profile only: run its parts on the CPU at toy shapes with a stand-in varlen kernel (their code, "
+        "not their timings)",
+    )
+    parser.add_argument("--parts", default=None, help="comma-separated subset of the profile's parts")
     parser.add_argument("--dry-run", action="store_true", help="list every part and why it would skip; run nothing")
     parser.add_argument(
         "--out-dir",
@@ -462,22 +435,33 @@ def main(argv=None) -> int:
         help="where gpu-check.json/.md and the logs go (default: benchmarks/results/gpu-check; a dry run writes "
         "nothing unless given one)",
     )
-    parser.add_argument("--max-minutes", type=float, default=45, help="cap on the whole run (default 45)")
+    parser.add_argument(
+        "--max-minutes", type=float, default=None, help="cap on the whole run (default 45; quick profile 8)"
+    )
     parser.add_argument("--fresh", action="store_true", help="drop the results of parts not run this time")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part is not None:
+        if args.part in gpu_quick.WHAT:
+            return gpu_quick.run_part(args.part, args.result, args.tiny)
         return run_part(args.part, args.result)
+    if args.tiny and args.profile != "quick":
+        parser.error("--tiny runs the quick profile's parts on the CPU: add --profile quick")
 
-    wanted = args.parts.split(",")
+    parts = quick_parts(args.tiny) if args.profile == "quick" else PARTS
+    target = "gpu-quick" if args.profile == "quick" else "gpu-check"
+    names = [part.name for part in parts]
+    wanted = args.parts.split(",") if args.parts else names
     unknown = sorted(set(wanted) - set(names))
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(names)}")
+    max_minutes = args.max_minutes or (8 if args.profile == "quick" else 45)
     out_dir = args.out_dir or (None if args.dry_run else RESULTS)
     keep = {}
-    if out_dir is not None and not args.fresh and os.path.exists(os.path.join(out_dir, JSON_NAME)):
-        with open(os.path.join(out_dir, JSON_NAME)) as f:
+    json_name = f"{target}.json"
+    if out_dir is not None and not args.fresh and os.path.exists(os.path.join(out_dir, json_name)):
+        with open(os.path.join(out_dir, json_name)) as f:
             keep = {k: v for k, v in json.load(f).get("parts", {}).items() if k not in wanted}
     env = environment()
     print(
@@ -485,9 +469,10 @@ def main(argv=None) -> int:
         + ", ".join(f"{k} {v or 'not installed'}" for k, v in env["versions"].items()),
         flush=True,
     )
-    report = run([p for p in PARTS if p.name in wanted], env, out_dir, args.dry_run, args.max_minutes * 60, keep)
+    chosen = [p for p in parts if p.name in wanted]
+    report = run(chosen, env, out_dir, args.dry_run, max_minutes * 60, keep, target=target)
     if out_dir is not None:
-        print(f"gpu-check: results in {os.path.relpath(os.path.join(out_dir, JSON_NAME))} and {TABLE_NAME}")
+        print(f"gpu-check: results in {os.path.relpath(os.path.join(out_dir, json_name))} and {target}.md")
     bad = [
         name
         for name, entry in report["parts"].items()

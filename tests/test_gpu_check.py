@@ -10,10 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_parts  # noqa: E402
+import gpu_passes  # noqa: E402
+import gpu_quick  # noqa: E402
 import gpu_routes  # noqa: E402
 from gpu_check import Part  # noqa: E402
 
@@ -233,11 +237,12 @@ def test_saved_demo_check_and_zero_command(tmp_path):
     assert cmd[cmd.index("--num_processes") + 1] == "2" and cmd[cmd.index("--bf16") + 1] == "true"
 
 
-def test_make_target_runs_the_dry_run(tmp_path):
+@pytest.mark.parametrize("target", ["gpu-check", "gpu-quick"])
+def test_make_target_runs_the_dry_run(tmp_path, target):
     proc = subprocess.run(
         [
             "make",
-            "gpu-check",
+            target,
             f"GPU_PYTHON={sys.executable}",
             f"WHEELS={tmp_path / 'none'}",
             f"GPU_CHECK_ARGS=--dry-run --out-dir {tmp_path}",
@@ -249,7 +254,8 @@ def test_make_target_runs_the_dry_run(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads((tmp_path / "gpu-check.json").read_text())["parts"].keys() == {p.name for p in gpu_check.PARTS}
+    parts = gpu_check.PARTS if target == "gpu-check" else gpu_check.QUICK
+    assert json.loads((tmp_path / f"{target}.json").read_text())["parts"].keys() == {p.name for p in parts}
 
 
 def test_zero_part_streams_its_launch_and_checks_what_it_saved(monkeypatch, capsys):
@@ -297,3 +303,74 @@ def test_vllm_routes_part_dry_run(tmp_path):
         assert entry["shape"][0] == entry["prompt_tokens"] + entry["completion_tokens"] - 1
         assert entry["rows_with_route"] == entry["shape"][0]
     assert report["mismatch_token_layer"] == 0.0  # same fp32 weights on CPU: generate and forward route alike
+
+
+# ------------------------------------------------------------------------------------------- make gpu-quick
+def test_quick_profile_dry_run_and_budget(tmp_path, capsys):
+    """`make gpu-quick` lists its four parts (skipped on CPU, why); their budgets fit its 8 minutes with room for
+    each process's start; its results go to gpu-quick.json / .md, leaving the full run's files alone."""
+    assert gpu_check.main(["--profile", "quick", "--dry-run", "--out-dir", str(tmp_path)]) == 0
+    names = [part.name for part in gpu_check.QUICK]
+    assert names == ["probe", "attention", "passes", "loss"]
+    assert sum(part.budget_s for part in gpu_check.QUICK) <= 8 * 60 - 20
+    report = json.loads((tmp_path / "gpu-quick.json").read_text())
+    assert report["target"] == "gpu-quick" and report["max_minutes"] == 8 and list(report["parts"]) == names
+    assert all("no CUDA GPU visible" in entry["reason"] for entry in report["parts"].values())
+    assert not (tmp_path / "gpu-check.json").exists() and "`make gpu-quick`" in (tmp_path / "gpu-quick.md").read_text()
+    assert gpu_check.quick_parts(tiny=True)[1].command("out")[-5:] == [
+        "--part",
+        "attention",
+        "--result",
+        "out",
+        "--tiny",
+    ]
+    assert gpu_check.quick_parts(tiny=True)[0].missing(gpu_check.environment()) == []  # the CPU runs --tiny
+
+
+def test_quick_parts_run_on_cpu_at_tiny_shapes(tmp_path):
+    """Every quick part's code on the CPU (`--tiny`: toy shapes, the stand-in varlen kernel): the probe reads
+    varlen_attn's options and alignment, the attention arms match the dense reference, the passes and the loss run
+    every arm at every shape with the planner's choice logged, the pi_old forward's calls make no host sync; each
+    result file is the part's result. Timings at these shapes mean nothing."""
+    probe = gpu_quick.probe(str(tmp_path / "probe.json"), tiny=True)
+    assert probe["status"] == "ok", probe["problems"]
+    if probe["varlen_attn"]["signature"] is not None:
+        assert probe["varlen_attn"]["bottom_right_error"] < 1e-5
+    assert probe["masked_gqa_block"]["accepted"]["MATH"] is True
+    attention = gpu_quick.attention(str(tmp_path / "attention.json"), tiny=True)
+    assert attention["status"] == "ok", attention["problems"]
+    arms = {name: arm for name, arm in attention["tiny"].items() if name != "layout"}
+    assert {"stock", "sdpa_blocks", "torch_varlen"} <= set(arms)
+    assert all(arm["check"]["status"] == "ok" and arm["forward_backward_ms"] > 0 for arm in arms.values())
+    for part in (gpu_passes.passes, gpu_passes.loss):
+        result = part(str(tmp_path / f"{part.__name__}.json"), tiny=True)
+        assert result["status"] == "ok", result["problems"]
+        assert json.loads((tmp_path / f"{part.__name__}.json").read_text()) == json.loads(json.dumps(result))
+        for shape in gpu_passes.PASS_SHAPES:
+            assert set(result[shape]) == {"tokens", *gpu_passes.ARMS}
+            assert all(len(result[shape][arm]["runs_ms"]) == gpu_quick.TINY_REPS for arm in gpu_passes.ARMS)
+            assert result[shape]["shared"]["plan"]["layouts"].startswith("s1x")  # one row: the varlen kernel's
+            assert result[shape]["trimmed"]["plan"]["layouts"].startswith("t")
+    assert result["equal_settings"]["shared"]["plan"]["kernel"] == "torch varlen_attn"
+
+
+def test_quick_checks_can_fail(tmp_path, monkeypatch):
+    """A varlen kernel aligned top-left fails the attention part's check; a host sync fails `no_sync`."""
+    import torch
+
+    def top_left(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1)):  # keys 0..i
+        key, value = (x.repeat_interleave(query.size(1) // x.size(1), 1) for x in (key, value))
+        outs = []
+        for i in range(len(cu_seq_q) - 1):
+            q, k, v = (x[c[i] : c[i + 1]] for x, c in ((query, cu_seq_q), (key, cu_seq_k), (value, cu_seq_k)))
+            allowed = torch.ones(len(q), len(k), dtype=torch.bool).tril(0)
+            scores = torch.einsum("qhd,khd->hqk", q, k) * q.size(-1) ** -0.5
+            outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v))
+        return torch.cat(outs)
+
+    monkeypatch.setattr(gpu_quick, "cpu_varlen", top_left)
+    attention = gpu_quick.attention(None, tiny=True)
+    assert attention["status"] == "failed" and any("torch_varlen" in p for p in attention["problems"])
+    with pytest.raises(RuntimeError, match="host sync"):
+        with gpu_quick.no_sync(torch.device("cpu")):
+            torch.tensor([1.0]).item()

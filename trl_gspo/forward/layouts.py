@@ -7,6 +7,10 @@ forward/padding.py and forward/shared_prefix.py.
 `_get_per_token_logps_and_entropies`, or -1 for filler (the tail of a packed row); `aliases` adds the batch
 positions a shared prompt prefix also stands for. `layout.to_model(x, fill)` moves any per-position tensor
 `[B, S, ...]` into the call's layout (one gather or a slice); `layouts_to_batch` maps per-call outputs back.
+
+Layouts are planned on the host from the row spans; `ForwardLayout.to` and `scatter_plan` move what the calls need
+to the device ahead of them, so the calls and the scatter back make no host sync (no `.any()`, `nonzero`, `.item()`
+or boolean indexing on a device tensor).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .segment_attention import SegmentPlan
+from .segment_attention import SegmentPlan, to_device
 
 
 # ------------------------------------------------------------------------------------------------ layouts
@@ -28,7 +32,8 @@ class ForwardLayout:
     `columns = (lead, end)`: its input is `x[rows, lead:end]`, which `to_model` slices instead of gathering.
     `packed`: a segment layout, several sequences per row (forward/segment_attention.py), with `segments` its attention
     plan, `segment_lengths` the lengths of the units and filler runs laid end to end, row by row, and `aliases`
-    (`[2, n]`: model flat position, batch flat position) the rows a shared prompt prefix also stands for.
+    (`[2, n]`: model flat position, batch flat position) the rows a shared prompt prefix also stands for. `filler`:
+    whether any position is filler (worked out on the host when the layout is made; kept by `to`).
     """
 
     source: torch.Tensor
@@ -40,6 +45,11 @@ class ForwardLayout:
     columns: tuple[int, int] | None = None
     segments: SegmentPlan | None = None
     aliases: torch.Tensor | None = None
+    filler: bool | None = None
+
+    def __post_init__(self):
+        if self.filler is None:  # layouts are made on the host (the planner); `to` passes the answer along
+            object.__setattr__(self, "filler", bool((self.source < 0).any()))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -51,10 +61,12 @@ class ForwardLayout:
         return 0 if self.aliases is None else self.aliases.size(1)
 
     def to(self, device) -> ForwardLayout:
+        """This layout's tensors on `device`, copied without a host sync (`to_device`); the plan moves when its call
+        is prepared (forward/pipeline.py)."""
         if self.source.device == torch.device(device):
             return self
         moved = {k: getattr(self, k) for k in ("source", "position_ids", "rows", "aliases")}
-        moved = {k: None if v is None else v.to(device) for k, v in moved.items()}
+        moved = {k: None if v is None else to_device(v, device) for k, v in moved.items()}
         return ForwardLayout(
             **moved,
             batch_shape=self.batch_shape,
@@ -62,7 +74,8 @@ class ForwardLayout:
             segment_lengths=self.segment_lengths,
             columns=self.columns,
             segments=self.segments,
-        )  # (the plan moves when its call is built)
+            filler=self.filler,
+        )
 
     def to_model(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """`[B, S, ...]` -> `[rows, width, ...]`: the values at the positions this call's input holds, `fill` at
@@ -73,37 +86,66 @@ class ForwardLayout:
         if self.columns is not None:
             return x.index_select(0, self.rows)[:, self.columns[0] : self.columns[1]]
         out = x.reshape(b * s, *x.shape[2:])[self.source.clamp(min=0)]
-        filler = self.source < 0
-        if self.packed and bool(filler.any()):
+        if self.packed and self.filler:
+            filler = self.source < 0
             out = out.masked_fill(filler.view(*filler.shape, *([1] * (x.dim() - 2))), fill)
         return out
 
 
 def layouts_to_batch(layouts, outputs, fill=0, columns_from: int = 0) -> torch.Tensor:
     """Inverse of `ForwardLayout.to_model` over the model calls of one batch: each `outputs[i]` is
-    `[rows_i, width_i, ...]` in `layouts[i]`; returns `[B, S - columns_from, ...]` with `fill` where no call held
-    the position. Keeping only columns `>= columns_from` (the completion) scatters less. Differentiable."""
+    `[rows_i, width_i, ...]` in `layouts[i]` (host layouts); returns `[B, S - columns_from, ...]` with `fill` where no
+    call held the position. Keeping only columns `>= columns_from` (the completion) scatters less. Differentiable."""
+    device = outputs[0].device
+    return scatter(scatter_plan(layouts, columns_from, device), outputs, fill)
+
+
+@dataclass(frozen=True)
+class ScatterPlan:
+    """How `scatter` puts the outputs of a batch's calls back, worked out on the host by `scatter_plan`: `order`
+    (trimmed calls covering every row once: each call's output padded back to the full width, then rows reordered
+    by `order`, None if already in order) or `keep` / `index` (per call, the flat output positions kept and where
+    they go in the flat `[B * width]` batch), both already on the device."""
+
+    batch_shape: tuple[int, int]
+    columns_from: int
+    columns: list | None = None
+    order: torch.Tensor | None = None
+    keep: list | None = None
+    index: torch.Tensor | None = None
+
+
+def scatter_plan(layouts, columns_from: int, device) -> ScatterPlan:
+    """The host half of `layouts_to_batch`: `layouts` are the host layouts of the calls."""
     b, s = layouts[0].batch_shape
     width = s - columns_from
     if all(layout.columns is not None for layout in layouts):
         rows = torch.cat([layout.rows for layout in layouts])
         if rows.numel() == b:  # trimmed calls that cover every row once: pad each back, then undo the row order
-            parts = [_pad_columns(y, layout.columns, columns_from, s, fill) for layout, y in zip(layouts, outputs)]
-            out = torch.cat(parts)
-            return (
-                out
-                if len(layouts) == 1 and bool((rows == torch.arange(b, device=rows.device)).all())
-                else (out.index_select(0, torch.argsort(rows)))
-            )
-    index, values = [], []
-    for layout, y in zip(layouts, outputs):
-        col = layout.source % s
-        keep = (layout.source >= 0) & (col >= columns_from)
-        index.append((layout.source // s * width + col - columns_from)[keep])
-        values.append(y[keep])
-    values = torch.cat(values)
+            in_order = len(layouts) == 1 and bool((rows == torch.arange(b)).all())
+            order = None if in_order else to_device(torch.argsort(rows), device)
+            return ScatterPlan((b, s), columns_from, [layout.columns for layout in layouts], order=order)
+    keep, index = [], []
+    for layout in layouts:
+        source = layout.source.reshape(-1)
+        col = source % s
+        kept = ((source >= 0) & (col >= columns_from)).nonzero()[:, 0]
+        keep.append(to_device(kept, device))
+        index.append((source // s * width + col - columns_from)[kept])
+    return ScatterPlan((b, s), columns_from, keep=keep, index=to_device(torch.cat(index), device))
+
+
+def scatter(plan: ScatterPlan, outputs, fill=0) -> torch.Tensor:
+    """The device half of `layouts_to_batch`: no host sync."""
+    b, s = plan.batch_shape
+    width = s - plan.columns_from
+    if plan.columns is not None:
+        parts = [_pad_columns(y, cols, plan.columns_from, s, fill) for cols, y in zip(plan.columns, outputs)]
+        out = torch.cat(parts)
+        return out if plan.order is None else out.index_select(0, plan.order)
+    values = torch.cat([y.reshape(-1, *y.shape[2:]).index_select(0, kept) for kept, y in zip(plan.keep, outputs)])
     out = values.new_full((b * width, *values.shape[1:]), fill)
-    return out.index_put((torch.cat(index),), values).view(b, width, *values.shape[1:])
+    return out.index_put((plan.index,), values).view(b, width, *values.shape[1:])
 
 
 def _pad_columns(y, columns, columns_from, s, fill):

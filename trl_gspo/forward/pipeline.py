@@ -6,28 +6,33 @@ no-grad pi_old pass over the rollout batch, and the reference pass. The trainer'
 
     1. pi_old from the sampler         rollout/sampler_logprobs.py   (`old_logprobs_source="sampler"`: no model call)
     2. the router pass                 moe/routing_replay.py     (MoE: record / replay routes for pi_old and loss)
-    3. the plan                        `plan_forward` (forward/planner.py: layouts.py, shared_prefix.py groups)
-    4. the model calls                 `_call_model` here    (routes follow each layout; segment attention armed)
+    3. the plan                        `plan_forward` (forward/planner.py: layouts.py, shared_prefix.py groups),
+                                       then each call prepared on the host and copied to the device (`_prepare`)
+    4. the model calls                 `_run_calls` here     (routes follow each layout; segment attention armed)
     5. back to the batch               layouts.py (`layouts_to_batch`), padding.py (throughput counts), routes kept
 
 The plan cuts the batch into TRL's chunks (the same number of model calls on every ZeRO-3 rank) and gives each chunk
 the cheapest exact layout by a token-count cost model (planner.py): trimmed (the model's own attention on the
 columns some row uses), packed (sequences end to end, segment attention) or shared (each prompt once for the
 completions of it in the chunk, segment attention). `trim_padding`, `sort_by_length`, `padding_free` and
-`shared_prefix` say which are allowed or forced. Multimodal inputs, and TRL without its fused log-prob head
-(< 1.15), go to TRL's own padded loop (step 3 and 4 replaced, steps 1, 2 and 5 unchanged).
+`shared_prefix` say which are allowed or forced; the device and the varlen kernel that would serve segment calls
+(segment_attention.varlen_kernel) say what `"auto"` may choose. Everything the calls need is worked out on the host
+and copied ahead of them without waiting, so on CUDA step 4 makes no host sync. Multimodal inputs, and TRL without
+its fused log-prob head (< 1.15), go to TRL's own padded loop (step 3 and 4 replaced, steps 1, 2 and 5 unchanged).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from ..common import trl_compat
+from ..common.model_config import text_config
 from . import fused_head, segment_attention, shared_prefix
-from .layouts import ForwardLayout, layouts_to_batch, row_spans
+from .layouts import ForwardLayout, row_spans, scatter, scatter_plan
 from .planner import choose_layout, pair_cost, plan_forward
 
 logger = logging.getLogger(__name__)
@@ -41,7 +46,6 @@ class SegmentSupport:
     model: torch.nn.Module  # inside DDP / DeepSpeed wrappers (segment_attention.base_model)
     configs: list  # the configs its attention reads the implementation from: armed for its segment calls
     problem: str | None  # why it cannot take packed / shared-prefix layouts (None: it can)
-    flash: bool  # loaded with flash-attention: segment calls hold one packed row (varlen)
 
 
 class LogprobForward:
@@ -81,6 +85,7 @@ class LogprobForward:
         self.pair_cost = pair_cost(run.model.config)
         self.segment_models: dict[int, SegmentSupport] = {}
         self.armed: dict[int, object] = {}  # configs switched to the segment attention during this step
+        self._said: set = set()  # kernels named in the log for explicit True settings
         if args.shared_prefix is True and not padding.fused:
             raise ValueError(
                 f"shared_prefix=True: TRL {trl_compat.installed_trl_version()} has no fused log-prob head "
@@ -99,7 +104,6 @@ class LogprobForward:
                 base,
                 segment_attention.attention_configs(base),
                 segment_attention.unsupported(base),
-                "flash" in segment_attention.attention_implementation(base),
             )
             self.segment_models[id(base)] = support
             if support.problem:
@@ -210,14 +214,35 @@ class LogprobForward:
         b, s = input_ids.shape
         prompt_width = s - logits_to_keep
         spans = row_spans(attention_mask)
+        kernel = self.varlen_kernel(support, input_ids.device)
         layouts = self._plan(
-            spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay, support
+            spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay, support, kernel
         )
+        calls = [self._prepare(layout, support, kernel, input_ids.device) for layout in layouts]
+        back = scatter_plan(layouts, prompt_width, input_ids.device)
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :prompt_width] = -100  # only completion tokens are scored
+        logps, entropies, aux_losses = self._run_calls(
+            model, calls, input_ids, attention_mask, labels, compute_entropy, compute_aux_loss, observed
+        )
+        self.padding.count(spans, layouts, (b, s))
+        logps = scatter(back, logps, 0.0)
+        entropies = scatter(back, entropies, 0.0) if compute_entropy else None
+        aux_loss = torch.stack(aux_losses).mean() if compute_aux_loss else None
+        return logps, entropies, aux_loss
+
+    def _prepare(self, layout: ForwardLayout, support: SegmentSupport, kernel, device) -> ForwardLayout:
+        """One call's layout on the device, its segment plan built on the host first (varlen arguments for `kernel`,
+        else the SDPA blocks) and copied without waiting."""
+        if layout.packed:
+            plan = layout.segments.build_varlen(kernel) if kernel else layout.segments.build_blocks()
+            layout = dataclasses.replace(layout, segments=plan.to(device))
+        return layout.to(device)
+
+    def _run_calls(self, model, calls, input_ids, attention_mask, labels, compute_entropy, compute_aux_loss, observed):
+        """4. The model calls of one forward: device work only (no host sync on CUDA; tests/test_forward_syncs.py)."""
         logps, entropies, aux_losses = [], [], []
-        for layout in layouts:
-            layout = layout.to(input_ids.device)
+        for layout in calls:
             inputs = {
                 "input_ids": layout.to_model(input_ids, self.pad_token_id),
                 "fused_lm_head": True,
@@ -241,11 +266,7 @@ class LogprobForward:
                 entropies.append(torch.nn.functional.pad(out.entropy, (1, 0)))
             if compute_aux_loss:
                 aux_losses.append(out.aux_loss)
-        self.padding.count(spans, layouts, (b, s))
-        logps = layouts_to_batch(layouts, logps, 0.0, columns_from=prompt_width)
-        entropies = layouts_to_batch(layouts, entropies, 0.0, columns_from=prompt_width) if compute_entropy else None
-        aux_loss = torch.stack(aux_losses).mean() if compute_aux_loss else None
-        return logps, entropies, aux_loss
+        return logps, entropies, aux_losses
 
     # -------------------------------------------------------------------------------------------- 3. the plan
     def _layout_settings(self, compute_aux_loss: bool, support: SegmentSupport):
@@ -263,8 +284,38 @@ class LogprobForward:
             share = False  # sharing would count each prompt once in the load-balancing loss
         return pack, share
 
-    def _plan(self, spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay, support):
+    def varlen_kernel(self, support: SegmentSupport, device) -> str | None:
+        """The fused varlen kernel that would serve `support.model`'s segment calls on `device` (None: SDPA blocks),
+        for its compute dtype (the mixed-precision dtype, else its weights') and attention dropout."""
+        if device.type != "cuda":
+            return None
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.accelerator.mixed_precision))
+        if dtype is None:
+            dtype = next(support.model.parameters()).dtype
+        dropout = support.model.training and (getattr(text_config(support.model.config), "attention_dropout", 0) or 0)
+        return segment_attention.varlen_kernel(device.type, dtype, bool(dropout))
+
+    def _say_kernel(self, pack, share, kernel, device) -> None:
+        """Explicit True settings: name once in the log what serves their segment calls."""
+        forced = [name for name, value in (("padding_free", pack), ("shared_prefix", share)) if value is True]
+        if not forced or (kernel, device.type) in self._said:
+            return
+        self._said.add((kernel, device.type))
+        served = kernel or (
+            "the SDPA blocks (segment_attention.py); on CUDA without a fused varlen kernel (torch >= 2.10 or "
+            "flash-attn, half precision) they are slower than stock's attention"
+            if device.type == "cuda"
+            else "the SDPA blocks (segment_attention.py)"
+        )
+        logger.info(
+            "%s: packed / shared calls on %s run %s.", " and ".join(f"{n}=True" for n in forced), device, served
+        )
+
+    def _plan(
+        self, spans, input_ids, attention_mask, prompt_width, chunk_rows, compute_aux_loss, replay, support, kernel
+    ):
         pack, share = self._layout_settings(compute_aux_loss, support)
+        self._say_kernel(pack, share, kernel, input_ids.device)
         groups = []
         if share is not False:
             groups = shared_prefix.prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
@@ -280,9 +331,11 @@ class LogprobForward:
             trim=self.args.trim_padding,
             pack=pack,
             share=share,
-            one_row=support.flash,
+            one_row=kernel is not None,  # a varlen kernel takes one row of sequences
             alpha=self.pair_cost,
             multiple_of=self.args.pad_to_multiple_of,
+            device=input_ids.device.type,
+            kernel=kernel,
         )
 
     def loss_cost_estimator(self):
@@ -301,13 +354,18 @@ class LogprobForward:
         groups = shared_prefix.prompt_groups(batch["prompt_ids"], batch["prompt_mask"]) if share is not False else []
         group_of = {r: tuple(rows) for rows in groups for r in rows}
         rows = list(range(mask.size(0)))
-        trim = self.args.trim_padding
-        return choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, support.flash, self.pair_cost)[1]
+        trim, device = self.args.trim_padding, self.accelerator.device
+        kernel = self.varlen_kernel(support, device)
+        one_row = kernel is not None
+        return choose_layout(
+            spans, rows, prompt_width, group_of, trim, pack, share, one_row, self.pair_cost, device.type, kernel
+        )[1]
 
     # ------------------------------------------------------------------------------------- 4. the model call
     def _call_model(self, model, layout: ForwardLayout, **model_inputs):
         """The one model call of the planned forward. A segment layout (packed / shared) runs under the segment
-        attention (forward/segment_attention.py), armed here for the model called and disarmed when the step is over."""
+        attention (forward/segment_attention.py) with the plan `_prepare` built, armed here for the model called and
+        disarmed when the step is over."""
         if not layout.packed:
             return model(**model_inputs)
         support = self.segment_support(model)
@@ -318,12 +376,12 @@ class LogprobForward:
                 "calls."
             )
         plan = layout.segments
-        if plan.blocks is None and plan.varlen is None:
-            plan.build_varlen() if support.flash and _flash_available() else plan.build_blocks()
-            plan = plan.to(model_inputs["input_ids"].device)
+        if plan.blocks is None and plan.varlen is None:  # a layout not made by `_prepare` (a direct call)
+            device = model_inputs["input_ids"].device
+            plan = self._prepare(layout, support, self.varlen_kernel(support, device), device).segments
         segment_attention.arm(support.configs)
         self.armed.update((id(config), config) for config in support.configs)
-        with segment_attention.segment_call():
+        with segment_attention.segment_call(support.configs):
             out = model(**model_inputs, segment_plan=plan)
         segment_attention.check_served(plan, type(support.model).__name__)
         return out
@@ -334,11 +392,3 @@ class LogprobForward:
         segment_attention.disarm(list(self.armed.values()))
         self.armed.clear()
         self.routes.release()
-
-
-def _flash_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True

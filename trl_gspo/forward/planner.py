@@ -6,6 +6,13 @@ end to end, segment attention) or shared (each prompt once for the completions o
 attention). The cost of a layout is its positions run plus `pair_cost` times the (query, key) pairs its attention
 computes, plus a fixed cost per SDPA block of a segment call. Pure functions of the row spans (layouts.row_spans);
 pipeline.py runs the plan.
+
+The device and the kernel are arguments (`device`, `kernel`: segment_attention.varlen_kernel's answer), so the CPU
+can ask the CUDA question. On the CPU the SDPA blocks serve segment calls and the model above decides. On CUDA the
+SDPA blocks lose to stock's one flash call whatever the token counts say (each masked GQA block runs PyTorch's math
+backend, about 14 kernels, so a pass is launch-bound): there `"auto"` chooses a packed or shared layout only when a
+fused varlen kernel serves it and its cost is below `CUDA_MARGIN` of the trimmed call's; otherwise trimmed, which
+runs stock's own attention on fewer columns. Explicit `True` settings are obeyed everywhere.
 """
 
 from __future__ import annotations
@@ -28,6 +35,12 @@ from .layouts import (
 #: Token-equivalents one SDPA block of a segment call costs beyond its arithmetic (kernel launch, gathers), and
 #: the extra per-position cost of gathering a packed call's input and scattering its output (a trimmed call slices).
 BLOCK_OVERHEAD, GATHER_OVERHEAD = 4.0, 0.02
+#: On CUDA, a packed or shared layout served by a varlen kernel is chosen under "auto" only when its cost is below this
+#: share of the trimmed call's. The token counts leave out what such a call adds on a GPU and a trimmed call does
+#: not: gathering each segment's prefix keys and values in every layer, a gather of the input and a scatter of the
+#: output per position, the plan's copies, and the kernel's lower occupancy on short sequences. Until the GPU check
+#: (`make gpu-quick`, part c) measures them, a saving must clear 20 %; trimmed cannot be slower than stock.
+CUDA_MARGIN = 0.8
 
 
 # ------------------------------------------------------------------------------------------------ cost model
@@ -74,10 +87,24 @@ def unit_widths(spans, units, prompt_width) -> list[tuple[int, int, list[int]]]:
     return out
 
 
-def segment_cost(widths, pack, one_row, alpha) -> float:
+def varlen_cost(widths, alpha) -> float:
+    """Cost of a segment layout in one row run by a varlen kernel: every unit's positions and the gather, and the
+    (query, key) pairs the kernel computes (causal per sequence: a prefix with itself, each segment with the prefix
+    and causally with itself); no blocks."""
+    positions, pairs = 0, 0.0
+    for width, prefix, segments in widths:
+        positions += width
+        pairs += prefix * (prefix + 1) / 2 + sum(n * prefix + n * (n + 1) / 2 for n in segments)
+    return positions * (1 + GATHER_OVERHEAD) + alpha * pairs
+
+
+def segment_cost(widths, pack, one_row, alpha, kernel=None) -> float:
     """Cost of a segment layout: positions run (rows x capacity, from first-fit decreasing as `segment_layout`
     places the units), the (query, key) pairs its SDPA blocks compute (`block_pairs`, the rule
-    `SegmentPlan.build_blocks` follows), the blocks' fixed cost and the gather."""
+    `SegmentPlan.build_blocks` follows), the blocks' fixed cost and the gather; with a varlen `kernel`,
+    `varlen_cost`."""
+    if kernel is not None:
+        return varlen_cost(widths, alpha)
     order = sorted(range(len(widths)), key=lambda i: -widths[i][0]) if pack else range(len(widths))
     capacity = sum(w for w, _, _ in widths) if one_row else max(w for w, _, _ in widths)
     rows: list[list[int]] = []
@@ -132,13 +159,31 @@ def block_pairs(rows, width, block) -> int:
 
 
 def plan_forward(
-    spans, batch_shape, prompt_width, chunk_rows, *, groups, sort, trim, pack, share, one_row, alpha, multiple_of=None
+    spans,
+    batch_shape,
+    prompt_width,
+    chunk_rows,
+    *,
+    groups,
+    sort,
+    trim,
+    pack,
+    share,
+    one_row,
+    alpha,
+    multiple_of=None,
+    device="cpu",
+    kernel=None,
 ) -> list[ForwardLayout]:
     """One layout per chunk of `chunk_rows` rows, each the cheapest allowed (see the module docstring).
 
     `pack` / `share`: "auto" (when cheaper), True (wherever possible), False (never). `groups`: rows that share a
     prompt prefix (shared_prefix.prompt_groups); empty when sharing is off for this forward. Rows are taken in
-    length order (`sort`) or TRL's; with groups, also in group order, and the cheaper of the two orders wins."""
+    length order (`sort`) or TRL's; with groups, also in group order, and the cheaper of the two orders wins.
+    `device` ("cpu", "cuda", ...) and `kernel` (the varlen kernel serving segment calls, None: the SDPA blocks)
+    decide what "auto" may choose (`choose_layout`); a varlen kernel also lays segment calls in one row."""
+    if not segments_on_auto(device, kernel):
+        pack, share = (p if p is True else False for p in (pack, share))
     b = batch_shape[0]
     orders = [length_order(spans) if sort else torch.arange(b)]
     if share is not False and groups:
@@ -149,7 +194,9 @@ def plan_forward(
         choices, total = [], 0.0
         for start in range(0, b, chunk_rows):
             rows = order[start : start + chunk_rows].tolist()
-            kind, cost, units = choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha)
+            kind, cost, units = choose_layout(
+                spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha, device, kernel
+            )
             choices.append((kind, rows, units))
             total += cost
         if best is None or total < best[0]:
@@ -168,8 +215,18 @@ def plan_forward(
     return layouts
 
 
-def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha):
-    """(kind, cost, units) of the cheapest allowed layout for one chunk."""
+def segments_on_auto(device, kernel) -> bool:
+    """Whether "auto" may choose a packed or shared layout: on the CPU always (by cost), on CUDA only when a fused
+    varlen kernel serves segment calls (see the module docstring)."""
+    return device != "cuda" or kernel is not None
+
+
+def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha, device="cpu", kernel=None):
+    """(kind, cost, units) of the cheapest allowed layout for one chunk. On CUDA a segment layout's cost counts
+    `1 / CUDA_MARGIN` of itself against the trimmed call's (only when chosen by cost; see `segments_on_auto`)."""
+    if not segments_on_auto(device, kernel):
+        pack, share = (p if p is True else False for p in (pack, share))
+    weight = 1 / CUDA_MARGIN if device == "cuda" else 1.0
     candidates = []
     segments_ok = packable(spans, rows) and bool((spans[rows, 0] < prompt_width).all())
     units = []
@@ -183,12 +240,11 @@ def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_ro
                 seen.add(key)
     shared_ok = any(len(u) > 1 for u in units)
     if shared_ok:
-        candidates.append(
-            ("shared", segment_cost(unit_widths(spans, units, prompt_width), pack is not False, one_row, alpha))
-        )
+        widths = unit_widths(spans, units, prompt_width)
+        candidates.append(("shared", weight * segment_cost(widths, pack is not False, one_row, alpha, kernel)))
     if pack is not False and segments_ok and not (share is True and shared_ok):
         singles = unit_widths(spans, [[r] for r in rows], prompt_width)
-        candidates.append(("packed", segment_cost(singles, True, one_row, alpha)))
+        candidates.append(("packed", weight * segment_cost(singles, True, one_row, alpha, kernel)))
     if not ((pack is True and segments_ok) or (share is True and shared_ok)):
         cost = trimmed_cost(spans, torch.tensor(rows), prompt_width, alpha) if trim else math.inf
         candidates.append(("trimmed", cost))

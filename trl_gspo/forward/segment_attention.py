@@ -12,23 +12,30 @@ so a completion sees its prompt exactly as in its own padded row and never a sib
 end attends to itself only. `SegmentPlan` holds that structure per position (`own_start`, `ctx_start`, `ctx_end`)
 and, built once per model call, the blocks every layer runs:
 
-- **SDPA blocks** (CPU, and GPU without flash-attention): query columns in blocks of `BLOCK` positions; each block
+- **SDPA blocks** (CPU, and CUDA without a fused varlen kernel): query columns in blocks of `BLOCK` positions; each block
   attends to the key columns its queries can reach (the prefix range and the local range, gathered when far
   apart) through `scaled_dot_product_attention` with a boolean mask. Causality and the block ranges skip most
   of the masked pairs, which a dense `[W, W]` mask would compute.
-- **flash-attention varlen** (GPU, models loaded with flash-attention; not yet run on a GPU): each run of queries
-  with the same ranges is one varlen sequence whose keys are gathered ([prefix] + [own segment]); causal
-  alignment is bottom-right, so query `i` of a segment sees the prefix and its segment's first `i + 1` keys.
+- **a fused varlen kernel** (CUDA, half precision; not yet run on a GPU): each run of queries with the same ranges
+  is one varlen sequence whose keys are gathered ([prefix] + [own segment]); causal alignment is bottom-right, so
+  query `i` of a segment sees the prefix and its segment's first `i + 1` keys. One kernel per layer, where the SDPA
+  blocks make one masked call per block (on CUDA, PyTorch serves a masked GQA call with its math backend).
+  `varlen_kernel` picks the kernel, in one place: torch's own `varlen_attn` (torch >= 2.10, whatever attention the
+  model was loaded with), else flash-attention's `flash_attn_varlen_func` when installed. torch's signature moved
+  between releases (`is_causal`, later `window_size=(-1, 0)`, `scale`, `enable_gqa`): it is read, not pinned.
 
 How it reaches the model without patching it: transformers picks the attention function by
 `config._attn_implementation`. `arm(configs)` switches those configs to `"trl_gspo_segments:<original>"`, a name
 registered in `AttentionInterface` and `AttentionMaskInterface`. Its attention function runs the original
 implementation unchanged for every call that carries no `segment_plan` (trimmed calls, generation) and the
-segment attention for calls that do; its mask function returns the original's mask, or none during a segment
-call (the plan is the mask). The plan travels as a model keyword argument (`segment_plan=`), which transformers
-passes through to every attention call, so gradient checkpointing's recompute sees it again. `disarm` restores
-the original names; the trainer arms before its first segment call and disarms when the training or evaluation
-step is over (after the backward and its recompute). A segment call counts its attention calls and
+segment attention for calls that do; its mask function returns the original's mask. During a segment call
+(`segment_call`) the configs hold a second name, `"trl_gspo_segment_call:<original>"`, registered for the attention
+only: transformers then builds no mask at all (as for any attention without a mask function; the plan is the mask),
+which also skips its packed-sequence detection and the host sync that comes with it. The plan travels as a model
+keyword argument (`segment_plan=`), which transformers passes through to every attention call, so gradient
+checkpointing's recompute (under the armed name) sees it again. `disarm` restores the original names; the trainer
+arms before its first segment call and disarms when the training or evaluation step is over (after the backward and
+its recompute). A segment call counts its attention calls and
 `check_served` raises if the model never ran the segment attention (e.g. a model whose attention does not go
 through the registry): a silently causal attention would let completions see each other.
 """
@@ -36,7 +43,9 @@ through the registry): a silently causal attention would let completions see eac
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import functools
+import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass, field
 
@@ -47,10 +56,10 @@ from ..common.model_config import text_config
 #: Name prefix of the registered wrapper: `"trl_gspo_segments:sdpa"` wraps sdpa. Substring checks such as
 #: transformers' `"flash" in config._attn_implementation` keep answering for the original implementation.
 PREFIX = "trl_gspo_segments:"
+#: Name the configs hold during a segment call: registered for the attention only, so transformers builds no mask.
+CALL_PREFIX = "trl_gspo_segment_call:"
 #: Query positions per SDPA block.
 BLOCK = 256
-
-_SEGMENT_CALL = contextvars.ContextVar("trl_gspo_segment_call", default=False)
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -136,9 +145,10 @@ class SegmentPlan:
             self.blocks.append(SdpaBlock(q0, q1, keys, mask))
         return self
 
-    def build_varlen(self) -> SegmentPlan:
-        """flash-attention varlen arguments for a one-row plan: each run of queries sharing `own_start` is a
-        sequence whose keys are `[ctx_start, ctx_end) + [own_start, end of the run)`."""
+    def build_varlen(self, kernel: str = None) -> SegmentPlan:
+        """Varlen arguments for a one-row plan, run by `kernel` (`TORCH_VARLEN` or `FLASH_ATTN`, see
+        `varlen_kernel`; default flash-attention's): each run of queries sharing `own_start` is a sequence whose
+        keys are `[ctx_start, ctx_end) + [own_start, end of the run)`. Built on the host; the maxima are ints."""
         if self.shape[0] != 1:
             raise ValueError("flash-attention segment calls hold one packed row.")
         own, c0, c1 = self.own_start[0], self.ctx_start[0], self.ctx_end[0]
@@ -159,11 +169,13 @@ class SegmentPlan:
             "cu_seqlens_k": cu(k_lens),
             "max_seqlen_q": max(q_lens),
             "max_seqlen_k": max(k_lens),
+            "kernel": kernel or FLASH_ATTN,
         }
         return self
 
     def to(self, device) -> SegmentPlan:
-        move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        """The plan's tensors on `device`, copied without a host sync (`to_device`)."""
+        move = lambda x: to_device(x, device) if isinstance(x, torch.Tensor) else x  # noqa: E731
         blocks = (
             None if self.blocks is None else [SdpaBlock(b.q0, b.q1, move(b.keys), move(b.mask)) for b in self.blocks]
         )
@@ -175,10 +187,24 @@ class SegmentPlan:
         return sum(b.mask.shape[0] * b.mask.shape[2] * b.mask.shape[3] for b in self.blocks or [])
 
 
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for it: on CUDA through pinned memory and a non-blocking copy (the
+    caching host allocator keeps the pinned buffer until the copy has run), elsewhere a plain `.to`."""
+    device = torch.device(device)
+    if x.device == device:
+        return x
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 # ------------------------------------------------------------------------------------------- the attention
 def _original_name(config_name: str | None) -> str:
     name = config_name or "eager"
-    return name[len(PREFIX) :] if name.startswith(PREFIX) else name
+    for prefix in (PREFIX, CALL_PREFIX):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
 
 
 def _original_attention(module, name: str):
@@ -207,7 +233,7 @@ def segment_attention(
         )
     segment_plan.calls += 1
     if segment_plan.varlen is not None:
-        out = _flash_varlen(query, key, value, segment_plan.varlen, dropout, scaling)
+        out = _varlen(query, key, value, segment_plan.varlen, dropout, scaling)
     else:
         out = _sdpa_blocks(query, key, value, segment_plan.blocks, dropout, scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -229,6 +255,23 @@ def _sdpa_blocks(query, key, value, blocks, dropout, scaling):
     return torch.cat(outs, 2) if len(outs) > 1 else outs[0]
 
 
+# ---------------------------------------------------------------------------------------- the varlen kernels
+TORCH_VARLEN, FLASH_ATTN = "torch varlen_attn", "flash-attn flash_attn_varlen_func"
+
+
+def _torch_varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn as kernel
+    except ImportError:  # torch < 2.10
+        return None
+    return kernel
+
+
+#: torch's fused varlen attention (None before torch 2.10). The CPU build has it too, but it runs on CUDA only; tests
+#: replace this name with a CPU stand-in of the same signature.
+varlen_attn = _torch_varlen_attn()
+
+
 def flash_attn_varlen_func(*args, **kwargs):
     """flash-attention's varlen kernel (imported on first use; tests replace this name with a CPU stand-in)."""
     from flash_attn import flash_attn_varlen_func as kernel
@@ -236,30 +279,69 @@ def flash_attn_varlen_func(*args, **kwargs):
     return kernel(*args, **kwargs)
 
 
-def _flash_varlen(query, key, value, varlen, dropout, scaling):
-    """Not yet run on a GPU: checked on CPU against the SDPA blocks with a stand-in kernel (tests)."""
+def varlen_kernel(device_type: str, dtype, dropout: bool = False, *, torch_kernel=None, flash=None) -> str | None:
+    """The fused varlen kernel that serves segment calls (`TORCH_VARLEN`, `FLASH_ATTN`), or None for the SDPA blocks.
+
+    Only on CUDA and in half precision (both kernels take fp16 / bf16 only): torch's `varlen_attn` where it exists,
+    flash-attention's kernel where it is installed and torch's is missing or the call needs attention dropout
+    (torch's kernel has none). `torch_kernel` / `flash`: whether each is available (default: this environment), so
+    the question can be asked for a CUDA machine from a CPU one."""
+    torch_kernel = varlen_attn is not None if torch_kernel is None else torch_kernel
+    flash = importlib.util.find_spec("flash_attn") is not None if flash is None else flash
+    if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if torch_kernel and not dropout:
+        return TORCH_VARLEN
+    return FLASH_ATTN if flash else None
+
+
+@functools.lru_cache(maxsize=None)
+def torch_varlen_options(kernel) -> tuple[dict, bool, bool]:
+    """How to ask `kernel` (torch's `varlen_attn` of the installed release) for bottom-right causal attention:
+    (causal keywords, takes `scale`, takes `enable_gqa`), read from its signature."""
+    params = inspect.signature(kernel).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}  # later releases (2.13 among them): a window with no keys to the right
+    elif "is_causal" in params:
+        causal = {"is_causal": True}  # torch 2.10
+    else:
+        raise RuntimeError(
+            f"torch's varlen_attn{inspect.signature(kernel)} takes neither window_size nor is_causal, so causal "
+            "attention cannot be asked of it. Set shared_prefix=False and padding_free=False, or use another torch."
+        )
+    return causal, "scale" in params, "enable_gqa" in params
+
+
+def _varlen(query, key, value, varlen, dropout, scaling):
+    """One varlen kernel call for a one-row plan: queries in place, each sequence's keys gathered (`build_varlen`)."""
     q = query[0].transpose(0, 1)  # [W, H, D]
     index = varlen["key_index"]
-    k, v = key[0].transpose(0, 1).index_select(0, index), value[0].transpose(0, 1).index_select(0, index)
-    out = flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        varlen["cu_seqlens_q"],
-        varlen["cu_seqlens_k"],
-        varlen["max_seqlen_q"],
-        varlen["max_seqlen_k"],
-        dropout_p=dropout,
-        softmax_scale=scaling,
-        causal=True,
-    )
+    k, v = (x[0].transpose(0, 1).index_select(0, index) for x in (key, value))  # [keys, H_kv, D]
+    lengths = (varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], varlen["max_seqlen_q"], varlen["max_seqlen_k"])
+    if varlen["kernel"] == FLASH_ATTN:  # takes fewer key/value heads as they are
+        out = flash_attn_varlen_func(q, k, v, *lengths, dropout_p=dropout, softmax_scale=scaling, causal=True)
+    else:
+        if dropout:
+            raise RuntimeError("torch's varlen_attn has no attention dropout; varlen_kernel should not have chosen it.")
+        causal, takes_scale, takes_gqa = torch_varlen_options(varlen_attn)
+        options = dict(causal)
+        if k.size(1) != q.size(1):
+            if takes_gqa:
+                options["enable_gqa"] = True
+            else:  # torch 2.10: every query head needs its own key/value head
+                k, v = (x.repeat_interleave(q.size(1) // x.size(1), 1) for x in (k, v))
+        if scaling is not None:
+            if takes_scale:
+                options["scale"] = scaling
+            else:  # the kernel scales by 1 / sqrt(head_dim)
+                q = q * (scaling * q.size(-1) ** 0.5)
+        out = varlen_attn(q, k, v, *lengths, **options)
     return out.transpose(0, 1)[None]  # [1, H, W, D]
 
 
 def segment_mask(*args, config=None, **kwargs):
-    """Registered mask function: none during a segment call (its plan is the mask), the original's otherwise."""
-    if _SEGMENT_CALL.get():
-        return None
+    """Registered mask function of the armed name: the original's (calls without a plan). A segment call holds
+    `CALL_PREFIX`'s name, which has no mask function, so transformers builds none (its plan is the mask)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     return ALL_MASK_ATTENTION_FUNCTIONS[_original_name(config._attn_implementation)](*args, config=config, **kwargs)
@@ -286,6 +368,7 @@ def register(original: str) -> str:
     if name not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, segment_attention)
         AttentionMaskInterface.register(name, segment_mask)
+        AttentionInterface.register(CALL_PREFIX + original, segment_attention)  # no mask function: no mask built
     return name
 
 
@@ -300,18 +383,23 @@ def arm(configs) -> None:
 def disarm(configs) -> None:
     for config in configs:
         current = config._attn_implementation
-        if (current or "").startswith(PREFIX):
+        if (current or "").startswith((PREFIX, CALL_PREFIX)):
             config._attn_implementation = _original_name(current)
 
 
 @contextlib.contextmanager
-def segment_call():
-    """Around one segment-layout model call: the mask function builds no mask."""
-    token = _SEGMENT_CALL.set(True)
+def segment_call(configs):
+    """Around one segment-layout model call: the armed ones of `configs` hold `CALL_PREFIX`'s name, so transformers
+    builds no mask (the plan is the mask). A recompute in the backward runs the layers only, under the armed name,
+    which serves the same `segment_attention`."""
+    armed = [config for config in configs if (config._attn_implementation or "").startswith(PREFIX)]
+    for config in armed:
+        config._attn_implementation = CALL_PREFIX + _original_name(config._attn_implementation)
     try:
         yield
     finally:
-        _SEGMENT_CALL.reset(token)
+        for config in armed:
+            config._attn_implementation = PREFIX + _original_name(config._attn_implementation)
 
 
 class NotServed(RuntimeError):
