@@ -9,7 +9,8 @@ aggregation and the log-ratio clamp, with the paper's defaults.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import MISSING, dataclass, field, fields
 
 from trl import GRPOConfig
 
@@ -131,6 +132,9 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     )
 
     def __post_init__(self):
+        # The arguments as given, before any default is derived from them: `differences_from_grpo` builds the
+        # GRPOConfig these arguments would have made.
+        self._arguments = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         self._validate_counts()  # before TRL's __post_init__, which divides by some of these
         given = {"steps_per_generation": self.steps_per_generation, "generation_batch_size": self.generation_batch_size}
         if self.steps_per_generation is None and self.generation_batch_size is None:
@@ -240,6 +244,71 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
                 self.steps_per_generation,
                 self.gradient_accumulation_steps,
             )
+
+
+#: Why GSPOConfig's defaults differ from GRPOConfig's, said with each difference at start-up (a difference found
+#: without an entry here is still listed, as GSPOConfig's default).
+WHY_NOT_GRPO = {
+    "importance_sampling_level": "GSPO's length-normalised sequence ratio",
+    "epsilon": "sequence ratios stay within ~1e-3 of 1, so GRPO's range would never clip",
+    "epsilon_high": "the paper's upper clip for sequence ratios",
+    "loss_type": "mean per sequence, GSPO's objective; a token sum weights each sequence by its length",
+    "steps_per_generation": (
+        f"the paper's {PAPER_MINI_BATCHES_PER_ROLLOUT} mini-batch updates per rollout batch (with one, every ratio is "
+        "1 and GSPO is GRPO); TRL logs `reward` only on the steps that generate"
+    ),
+    "generation_batch_size": "completions per rollout batch, from steps_per_generation",
+}
+
+
+def _default(f):
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def differences_from_grpo(args: GSPOConfig) -> dict[str, tuple]:
+    """{field: (this config's value, GRPOConfig's value)} for the fields where GSPOConfig's defaults made `args`
+    differ from the `trl.GRPOConfig` built from the same arguments (an argument equal to GSPOConfig's default counts
+    as not given), in `WHY_NOT_GRPO`'s order. Where GRPOConfig refuses those arguments, the fields whose defaults
+    differ compare with GRPOConfig's defaults."""
+    grpo_fields = {f.name: f for f in fields(GRPOConfig) if f.init}
+    ours = {f.name: _default(f) for f in fields(GSPOConfig) if f.init}
+    arguments = getattr(args, "_arguments", None) or {name: getattr(args, name) for name in ours}
+    given = {name: value for name, value in arguments.items() if name in grpo_fields and value != ours[name]}
+    # Building a TrainingArguments sets up the devices; without `use_configured_state` it would reset the running
+    # accelerator's state. A user's own accelerator_config is not merged: such a config compares with the defaults.
+    counterpart = {"accelerator_config": {"use_configured_state": True}, **given}
+    silenced = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # GRPOConfig's own notes on these arguments were already said for args
+    try:
+        if "accelerator_config" in given:
+            raise ValueError("a user's accelerator_config")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            grpo = {name: getattr(GRPOConfig(**counterpart), name) for name in grpo_fields}
+        del grpo["accelerator_config"]
+    except (ValueError, TypeError, RuntimeError):  # e.g. a generation batch that num_generations divides only at 4x
+        grpo = {name: _default(f) for name, f in grpo_fields.items() if name not in given and _default(f) != ours[name]}
+    finally:
+        logging.disable(silenced)
+    found = {name: (getattr(args, name), value) for name, value in grpo.items() if getattr(args, name) != value}
+    order = [name for name in WHY_NOT_GRPO if name in found] + [name for name in found if name not in WHY_NOT_GRPO]
+    return {name: found[name] for name in order}
+
+
+def log_differences_from_grpo(args: GSPOConfig) -> None:
+    """Say once, at start-up, what switching from `GRPOConfig` changed for these arguments, and why."""
+    differences = differences_from_grpo(args)
+    if not differences:
+        return
+    parts = [
+        f"{name}={ours!r} (GRPOConfig: {grpo!r}; {WHY_NOT_GRPO.get(name, 'GSPOConfig default')})"
+        for name, (ours, grpo) in differences.items()
+    ]
+    logger.warning(
+        "GSPOConfig's defaults differ from what GRPOConfig makes of the same arguments: %s. Pass GRPO's values to "
+        "GSPOConfig to keep them.",
+        "; ".join(parts),
+    )
 
 
 def trainer_args(model, args) -> GSPOConfig:

@@ -46,7 +46,7 @@ from . import losses
 from .common import metrics, model_card
 from .common.seam import TRLCalls, colocated_engine_with_routes, override
 from .common.trl_compat import RunView
-from .config import GSPOConfig, check_reference_source, trainer_args
+from .config import GSPOConfig, check_reference_source, log_differences_from_grpo, trainer_args
 from .forward import padding
 from .forward.pipeline import LogprobForward
 from .guards import checkpointing
@@ -89,6 +89,8 @@ class GSPOTrainer(GRPOTrainer):
         with colocated_engine_with_routes(args.routing_replay == "R3" and args.use_vllm):  # R3: vLLM returns routes
             super().__init__(model, reward_funcs, args, *positional, **kwargs)
         self.run, self.trl = RunView(self), TRLCalls(GSPOTrainer, self)  # TRL's state; TRL's own implementations
+        if self.accelerator.is_main_process:
+            log_differences_from_grpo(args)  # what switching the import changed, said once
         self.loss_fn = losses.POLICY_LOSSES[args.loss_type]
         self.loss_settings = losses.LossSettings(
             self.epsilon_low, self.epsilon_high, args.delta, args.sapo_temperature_pos, args.sapo_temperature_neg
