@@ -184,26 +184,26 @@ def test_processes_devices_and_threads_in_one_line_and_a_warning_when_cores_are_
     assert "--multi_gpu" in warning[0] and "--accelerate_config multi_gpu" in warning[0]
 
 
-def test_the_my_task_recipe_copied_out_trains_a_local_file_with_the_users_reward(
+def test_the_custom_task_recipe_copied_out_trains_a_local_file_with_the_users_reward(
     tmp_path, tiny_model_dir, monkeypatch, capfd
 ):
-    """The path most users take: `trl-gspo recipes`, then `trl-gspo train --config my_task` with a local JSONL file and
+    """The path most users take: `trl-gspo recipes`, then `trl-gspo train --config custom_task` with a local JSONL file and
     the reward module beside the copied recipe, and any model path; offline, two steps on a tiny model."""
     monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the recipe's folder on it; undone after the test
-    monkeypatch.delitem(sys.modules, "my_task_reward", raising=False)
+    monkeypatch.delitem(sys.modules, "custom_task_reward", raising=False)
     assert main(["recipes", str(tmp_path)]) == 0
     copied = tmp_path / "recipes"
-    assert {"my_task.yaml", "my_task_reward.py", "my_task.jsonl"} <= {p.name for p in copied.iterdir()}
+    assert {"custom_task.yaml", "custom_task_reward.py", "custom_task.jsonl"} <= {p.name for p in copied.iterdir()}
     monkeypatch.chdir(tmp_path)
     tiny = ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4"]
     argv = ["--model_name_or_path", tiny_model_dir, "--use_cpu", "true", "--bf16", "false", "--max_steps", "2", *tiny]
     capfd.readouterr()
-    assert main(["train", "--config", "my_task", *argv, "--save_strategy", "no", "--output_dir", "out"]) == 0
+    assert main(["train", "--config", "custom_task", *argv, "--save_strategy", "no", "--output_dir", "out"]) == 0
     out, err = capfd.readouterr()
     lines = out.splitlines()
-    assert lines[0] == f"trl-gspo train: recipe {copied / 'my_task.yaml'}", out
+    assert lines[0] == f"trl-gspo train: recipe {copied / 'custom_task.yaml'}", out
     assert lines[1].startswith("trl-gspo train: 1 process on cpu, 1 thread (OMP_NUM_THREADS=1), "), out
-    assert sys.modules["my_task_reward"].__file__ == str(copied / "my_task_reward.py")  # the copy's module
+    assert sys.modules["custom_task_reward"].__file__ == str(copied / "custom_task_reward.py")  # the copy's module
     assert "\r" not in out + err, err  # stdout is no terminal: no progress bars
     assert "done: 2 steps" in out and (tmp_path / "out" / "model.safetensors").is_file()
 

@@ -265,27 +265,29 @@ def _default(f):
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
+#: Fields left out of the GRPOConfig that `differences_from_grpo` builds, and of the comparison: building a
+#: TrainingArguments with them sets up process-wide state (DeepSpeed's global config, the accelerator's state).
+NOT_REBUILT = ("accelerator_config", "deepspeed", "fsdp", "fsdp_config")
+
+
 def differences_from_grpo(args: GSPOConfig) -> dict[str, tuple]:
     """{field: (this config's value, GRPOConfig's value)} for the fields where GSPOConfig's defaults made `args`
     differ from the `trl.GRPOConfig` built from the same arguments (an argument equal to GSPOConfig's default counts
     as not given), in `WHY_NOT_GRPO`'s order. Where GRPOConfig refuses those arguments, the fields whose defaults
     differ compare with GRPOConfig's defaults."""
-    grpo_fields = {f.name: f for f in fields(GRPOConfig) if f.init}
+    grpo_fields = {f.name: f for f in fields(GRPOConfig) if f.init and f.name not in NOT_REBUILT}
     ours = {f.name: _default(f) for f in fields(GSPOConfig) if f.init}
     arguments = getattr(args, "_arguments", None) or {name: getattr(args, name) for name in ours}
     given = {name: value for name, value in arguments.items() if name in grpo_fields and value != ours[name]}
-    # Building a TrainingArguments sets up the devices; without `use_configured_state` it would reset the running
-    # accelerator's state. A user's own accelerator_config is not merged: such a config compares with the defaults.
-    counterpart = {"accelerator_config": {"use_configured_state": True}, **given}
+    # The running accelerator's state is used as it is (without `use_configured_state` it would be reset).
+    counterpart = {**given, "accelerator_config": {"use_configured_state": True}}
     silenced = logging.root.manager.disable
     logging.disable(logging.WARNING)  # GRPOConfig's own notes on these arguments were already said for args
     try:
-        if "accelerator_config" in given:
-            raise ValueError("a user's accelerator_config")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            grpo = {name: getattr(GRPOConfig(**counterpart), name) for name in grpo_fields}
-        del grpo["accelerator_config"]
+            built = GRPOConfig(**counterpart)
+        grpo = {name: getattr(built, name) for name in grpo_fields}
     except (ValueError, TypeError, RuntimeError):  # e.g. a generation batch that num_generations divides only at 4x
         grpo = {name: _default(f) for name, f in grpo_fields.items() if name not in given and _default(f) != ours[name]}
     finally:

@@ -299,7 +299,7 @@ def train(argv: list[str]) -> int:
 
 
 # -------------------------------------------------------------------------------------------------- recipes
-#: What `trl-gspo recipes` copies out: recipes and configs, the modules beside them, example data (my_task.jsonl).
+#: What `trl-gspo recipes` copies out: recipes and configs, the modules beside them, example data (custom_task.jsonl).
 COPIED = (".yaml", ".py", ".jsonl")
 
 

@@ -1,4 +1,4 @@
-"""The reward of the `my_task` recipe: replace `answer_reward` with your own (and name it in the recipe).
+"""The reward of the `custom_task` recipe: replace `answer_reward` with your own (and name it in the recipe).
 
 A TRL reward function gets the completions and, as keyword arguments, every dataset column of the same rows; it
 returns one float per completion (or None to leave a completion out of that reward).
