@@ -189,7 +189,8 @@ def test_the_custom_task_recipe_copied_out_trains_a_local_file_with_the_users_re
 ):
     """The path most users take: `trl-gspo recipes`, then `trl-gspo train --config custom_task` with a local JSONL file and
     the reward module beside the copied recipe, and any model path; offline, two steps on a tiny model."""
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the recipe's folder on it; undone after the test
+    # The CLI puts the recipe's folder on sys.path (undone after the test); a fresh process has no shipped one there.
+    monkeypatch.setattr(sys, "path", [folder for folder in sys.path if folder != str(SHIPPED["recipe"])])
     monkeypatch.delitem(sys.modules, "custom_task_reward", raising=False)
     assert main(["recipes", str(tmp_path)]) == 0
     copied = tmp_path / "recipes"
