@@ -181,7 +181,9 @@ def test_processes_devices_and_threads_in_one_line_and_a_warning_when_cores_are_
     assert out.startswith("trl-gspo train: 1 process on cpu, 1 thread (OMP_NUM_THREADS=1)"), out
     warning = [line for line in err.splitlines() if line.strip()]
     assert len(warning) == 1 and "accelerate launch started a single process" in warning[0], err
-    assert "--multi_gpu" in warning[0] and "--accelerate_config multi_gpu" in warning[0]
+    assert (
+        "--multi_gpu" in warning[0] and "`trl-gspo train --accelerate_config multi_gpu --num_processes N`" in warning[0]
+    )
 
 
 def test_the_custom_task_recipe_copied_out_trains_a_local_file_with_the_users_reward(

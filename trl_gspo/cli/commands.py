@@ -106,7 +106,7 @@ def say_resources(command: str, args, threads_note: str) -> None:
     if args.process_index != 0:
         return
     print(f"trl-gspo {command}: {resources_line(args.world_size, args.device, threads_note)}", flush=True)
-    for note in (oversubscription(args.world_size, args.device), single_process_note(args.world_size)):
+    for note in (oversubscription(args.world_size, args.device), single_process_note(args.world_size, command)):
         if note is not None:
             print(f"trl-gspo {command}: warning: {note}", file=sys.stderr, flush=True)
 

@@ -93,7 +93,7 @@ def oversubscription(num_processes: int, device) -> str | None:
     )
 
 
-def single_process_note(num_processes: int) -> str | None:
+def single_process_note(num_processes: int, command: str) -> str | None:
     """`accelerate launch --num_processes 2` without `--multi_gpu` (or a config that sets a distributed type) on a
     machine without GPUs starts one plain process: its environment has accelerate's variables and rendezvous address
     (set for more than one process only) but no `WORLD_SIZE`. Say how to start several."""
@@ -101,7 +101,7 @@ def single_process_note(num_processes: int) -> str | None:
     if num_processes != 1 or not launched or "WORLD_SIZE" in os.environ:
         return None
     return (
-        "accelerate launch started a single process (without --multi_gpu, or a config whose distributed_type asks "
-        "for several, --num_processes starts one on a machine without GPUs); for several CPU processes pass "
-        "--multi_gpu, or run `trl-gspo COMMAND --accelerate_config multi_gpu --num_processes N`."
+        "accelerate launch started a single process: on a machine without GPUs, --num_processes starts several only "
+        "with --multi_gpu (or a config whose distributed_type is MULTI_CPU). Pass --multi_gpu, or run `trl-gspo "
+        f"{command} --accelerate_config multi_gpu --num_processes N`."
     )
