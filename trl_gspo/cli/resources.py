@@ -6,10 +6,10 @@ on CPU how many threads each, with one warning when the processes' threads excee
     trl-gspo train: 8 processes on cuda (NVIDIA H100 80GB HBM3), one device each
 
 torch runs as many intra-op threads as the machine has cores unless `OMP_NUM_THREADS` (or `MKL_NUM_THREADS`) says
-otherwise. A tiny model gains nothing from them and loses a lot when another process shares the cores (the demo's
-200 steps took 4.8 s with one thread and 21-79 s with torch's two on 2 shared cores), so the demo picks one thread
-(`DEMO_THREADS`) unless the user chose a count (the variables above, or `torch.set_num_threads` in the same Python
-process before the command runs). `train` keeps what torch runs with and names it.
+otherwise. A tiny model gains nothing from them and loses a lot when another process shares the cores (measured:
+docs/console.md), so the demo picks one thread (`DEMO_THREADS`) unless the user chose a count: one of the variables
+above, or, where `main` is called in-process, `torch.set_num_threads` after `trl_gspo.cli` was imported (a count set
+before cannot be told from torch's own). `train` keeps what torch runs with and names it.
 """
 
 from __future__ import annotations
