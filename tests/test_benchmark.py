@@ -48,6 +48,7 @@ def test_tiny_run_writes_one_file_per_scenario(tmp_path):
 
     demo = report["demo"]
     assert demo["seeds"] == [0] and demo["runs"][0]["steps"] == 4 and demo["runs"][0]["eval_prompts"] == 8
+    assert demo["runs"][0]["threads"] == 1 and "the demo's choice" in demo["runs"][0]["threads_from"]  # as typed
     assert 0 <= demo["after_min"] <= 1 and _positive(demo["median_end_to_end_seconds"])
     lp = report["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])

@@ -4,9 +4,11 @@ The check must pass on the installed versions and must fail, naming the case and
 trainer's semantics change: the tests inject such a change into `trl.GRPOTrainer._compute_loss` itself.
 """
 
+import os
 import warnings
 
 import pytest
+import torch
 from trl import GRPOTrainer
 
 from trl_gspo.cli import check, parity
@@ -20,6 +22,17 @@ def test_check_passes_on_the_installed_versions(capsys):
         assert f"  {name} " in out, name
     assert "OK: all" in out and "DIFFERS" not in out
     assert out.count("  ok       ") == len(parity.CASES) + len(parity.MOE_CASES) + len(parity.GSPO_TOKEN_BASES)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU: DeepSpeed finds it")
+def test_check_tells_deepspeed_it_runs_on_cpu_before_any_case(monkeypatch, capsys):
+    """Without it, DeepSpeed's "Setting accelerator to CPU" lands in the middle of the report when transformers first
+    imports DeepSpeed, inside the first parity case."""
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    seen = []
+    monkeypatch.setattr(check, "run_parity", lambda log=print: seen.append(os.environ.get("DS_ACCELERATOR")) or {})
+    assert check.main([]) == 0
+    assert seen == ["cpu"]
 
 
 def _few_cases(monkeypatch):

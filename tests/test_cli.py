@@ -206,11 +206,11 @@ def test_accelerate_config_relaunches_under_accelerate_with_the_shipped_file(mon
 
 def test_recipes_command_copies_out_lists_and_refuses_to_overwrite(tmp_path, capsys):
     assert main(["recipes", str(tmp_path)]) == 0
-    shipped = {p.name for kind in SHIPPED.values() for p in kind.iterdir() if p.suffix in (".yaml", ".py")}
+    shipped = {p.name for kind in SHIPPED.values() for p in kind.iterdir() if p.suffix in (".yaml", ".py", ".jsonl")}
     copied = {p.name for p in (tmp_path / "recipes").iterdir()} | {
         p.name for p in (tmp_path / "accelerate_configs").iterdir()
     }
-    assert copied == shipped and "per_token_advantages.py" in copied
+    assert copied == shipped and {"per_token_advantages.py", "custom_task_reward.py", "custom_task.jsonl"} <= copied
     (tmp_path / "recipes" / "demo.yaml").write_text("edited")
     assert main(["recipes", str(tmp_path)]) == 2
     assert "would overwrite" in capsys.readouterr().err and (tmp_path / "recipes" / "demo.yaml").read_text() == "edited"

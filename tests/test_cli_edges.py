@@ -9,12 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from datasets import DatasetDict
 from helpers.recipes import train_recipe
 
-from trl_gspo.cli.commands import main
+from trl_gspo.cli import resources
+from trl_gspo.cli.commands import main, say_resources
 from trl_gspo.cli.demo import make_demo_dataset
+from trl_gspo.cli.resources import cpu_cores, threads_source
 from trl_gspo.cli.shipped import SHIPPED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,12 +117,98 @@ def test_an_edited_recipe_copy_is_what_runs_and_the_first_line_names_it(tmp_path
     assert "'recipes/demo.yaml': no such file" in line and "--config demo" in line
 
 
-def test_the_shipped_recipe_is_named_as_shipped(tmp_path, monkeypatch, capsys):
+def test_plain_demo_names_the_shipped_recipe_and_runs_on_one_thread(tmp_path, monkeypatch, capsys):
+    """`trl-gspo demo` without --config runs the shipped `demo` recipe and says so; without OMP_NUM_THREADS it picks
+    one thread for its tiny model and names it; stdout is no terminal here, so no progress bar is drawn."""
     monkeypatch.chdir(tmp_path)
-    argv = ["--config", "demo", "--output_dir", str(tmp_path / "o"), "--max_steps", "1", *SMALL_DEMO]
-    assert main(["demo", *argv]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
-    assert first == f"trl-gspo demo: recipe {SHIPPED['recipe'] / 'demo.yaml'} (shipped)"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    try:
+        assert main(["demo", "--output_dir", str(tmp_path / "o"), "--max_steps", "1", *SMALL_DEMO[:-2]]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)  # the suite's setting (conftest.py)
+    out, err = capsys.readouterr()
+    first = out.splitlines()[:3]
+    assert first[0] == f"trl-gspo demo: recipe {SHIPPED['recipe'] / 'demo.yaml'} (shipped)", out
+    why = "the demo's choice for its tiny model; OMP_NUM_THREADS overrides"
+    assert first[1] == f"trl-gspo demo: 1 process on cpu, 1 thread ({why}), {_cores(cpu_cores())}", out
+    assert first[2].startswith("trl-gspo demo: generation: "), out
+    assert "\r" not in out + err and "it/s" not in err, err
+
+
+def _cores(count: int) -> str:
+    return f"{count} core{'s' if count != 1 else ''}"
+
+
+def test_the_users_thread_count_wins_over_the_demos(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(resources, "STARTING_THREADS", 1)
+    try:
+        torch.set_num_threads(2)  # torch.set_num_threads before the command
+        assert resources.pick_threads(1, "the demo's") == "torch.set_num_threads(2)" and torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert resources.pick_threads(1, "the demo's") == "OMP_NUM_THREADS=3" and torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr(resources, "STARTING_THREADS", 2)  # torch's own count: the demo's choice applies
+        assert resources.pick_threads(1, "the demo's") == "the demo's" and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_processes_devices_and_threads_in_one_line_and_a_warning_when_cores_are_short(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    cpu = SimpleNamespace(process_index=0, world_size=2, device=torch.device("cpu"))
+    monkeypatch.setattr(resources, "cpu_cores", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    say_resources("train", cpu, threads_source())
+    out, err = capsys.readouterr()
+    assert out == "trl-gspo train: 2 processes on cpu, 1 thread each (OMP_NUM_THREADS=1), 1 core\n"
+    assert err.count("warning") == 1 and "2 processes x 1 thread = 2 threads on 1 core" in err, err
+    assert "OMP_NUM_THREADS=1 (processes x threads at most the cores)" in err, err
+    say_resources("train", SimpleNamespace(**{**vars(cpu), "process_index": 1}), threads_source())
+    assert capsys.readouterr() == ("", "")  # the main process speaks for all
+
+    # `accelerate launch --num_processes 2` without --multi_gpu on a machine without GPUs: one process, said so
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    monkeypatch.setattr(resources, "cpu_cores", lambda: 2)
+    say_resources("train", SimpleNamespace(**{**vars(cpu), "world_size": 1}), threads_source())
+    out, err = capsys.readouterr()
+    assert out.startswith("trl-gspo train: 1 process on cpu, 1 thread (OMP_NUM_THREADS=1)"), out
+    warning = [line for line in err.splitlines() if line.strip()]
+    assert len(warning) == 1 and "accelerate launch started a single process" in warning[0], err
+    assert (
+        "--multi_gpu" in warning[0] and "`trl-gspo train --accelerate_config multi_gpu --num_processes N`" in warning[0]
+    )
+
+
+def test_the_custom_task_recipe_copied_out_trains_a_local_file_with_the_users_reward(
+    tmp_path, tiny_model_dir, monkeypatch, capfd
+):
+    """The path most users take: `trl-gspo recipes`, then `trl-gspo train --config custom_task` with a local JSONL file and
+    the reward module beside the copied recipe, and any model path; offline, two steps on a tiny model."""
+    # The CLI puts the recipe's folder on sys.path (undone after the test); a fresh process has no shipped one there.
+    monkeypatch.setattr(sys, "path", [folder for folder in sys.path if folder != str(SHIPPED["recipe"])])
+    monkeypatch.delitem(sys.modules, "custom_task_reward", raising=False)
+    assert main(["recipes", str(tmp_path)]) == 0
+    copied = tmp_path / "recipes"
+    assert {"custom_task.yaml", "custom_task_reward.py", "custom_task.jsonl"} <= {p.name for p in copied.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4"]
+    argv = ["--model_name_or_path", tiny_model_dir, "--use_cpu", "true", "--bf16", "false", "--max_steps", "2", *tiny]
+    capfd.readouterr()
+    assert main(["train", "--config", "custom_task", *argv, "--save_strategy", "no", "--output_dir", "out"]) == 0
+    out, err = capfd.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == f"trl-gspo train: recipe {copied / 'custom_task.yaml'}", out
+    assert lines[1].startswith("trl-gspo train: 1 process on cpu, 1 thread (OMP_NUM_THREADS=1), "), out
+    assert sys.modules["custom_task_reward"].__file__ == str(copied / "custom_task_reward.py")  # the copy's module
+    assert "\r" not in out + err, err  # stdout is no terminal: no progress bars
+    assert "done: 2 steps" in out and (tmp_path / "out" / "model.safetensors").is_file()
 
 
 # -------------------------------------------------------------------------------------- one-line errors

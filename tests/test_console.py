@@ -217,3 +217,19 @@ def test_train_cli_prints_compact_lines(tmp_path, tiny_model_dir, capsys):
     out = capsys.readouterr().out.splitlines()
     assert [int(m[1]) for m in map(LINE.match, out) if m] == [1, 2, 3], out
     assert not any(line.startswith("{") for line in out), out
+
+
+def test_no_progress_bar_off_a_terminal_unless_the_recipe_or_a_flag_sets_it(tmp_path, monkeypatch):
+    from helpers.recipes import train_recipe
+
+    from trl_gspo.cli import console
+    from trl_gspo.cli.parser import parse
+
+    recipe = ["--config", train_recipe(tmp_path, "model", "data.jsonl")]
+    assert parse("train", recipe, defaults=console.progress_bar_default())[1].disable_tqdm is True  # captured stdout
+    assert (
+        parse("train", [*recipe, "--disable_tqdm", "false"], defaults=console.progress_bar_default())[1].disable_tqdm
+        is False
+    )
+    monkeypatch.setattr(console.sys, "stdout", type("Terminal", (), {"isatty": staticmethod(lambda: True)})())
+    assert console.progress_bar_default() == {}

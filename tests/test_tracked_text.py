@@ -84,3 +84,9 @@ def test_tracked_text_has_no_machine_paths_or_session_notes():
     assert "README.md" in names  # the README is held to it like every other tracked file
     hits = _scan(name for name in names if name != SELF)
     assert not hits, "rewrite these for a user:\n" + "\n".join(hits)
+
+
+def test_readme_stays_within_its_line_budget():
+    """The README is the first page a user reads: detail goes to docs/, and the page stays at 250 lines or fewer."""
+    lines = len((Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines())
+    assert lines <= 250, f"README.md has {lines} lines; move detail to docs/"

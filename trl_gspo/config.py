@@ -9,7 +9,8 @@ aggregation and the log-ratio clamp, with the paper's defaults.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import MISSING, dataclass, field, fields
 
 from trl import GRPOConfig
 
@@ -134,6 +135,9 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     )
 
     def __post_init__(self):
+        # The arguments as given, before any default is derived from them: `differences_from_grpo` builds the
+        # GRPOConfig these arguments would have made.
+        self._arguments = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         self._validate_counts()  # before TRL's __post_init__, which divides by some of these
         given = {"steps_per_generation": self.steps_per_generation, "generation_batch_size": self.generation_batch_size}
         if self.steps_per_generation is None and self.generation_batch_size is None:
@@ -244,6 +248,73 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
                 self.steps_per_generation,
                 self.gradient_accumulation_steps,
             )
+
+
+#: Why GSPOConfig's defaults differ from GRPOConfig's, said with each difference at start-up (a difference found
+#: without an entry here is still listed, as GSPOConfig's default).
+WHY_NOT_GRPO = {
+    "importance_sampling_level": "GSPO's length-normalised sequence ratio",
+    "epsilon": "sequence ratios stay within ~1e-3 of 1, so GRPO's range would never clip",
+    "epsilon_high": "the paper's upper clip for sequence ratios",
+    "loss_type": "mean per sequence, GSPO's objective; a token sum weights each sequence by its length",
+    "steps_per_generation": (
+        f"the paper's {PAPER_MINI_BATCHES_PER_ROLLOUT} mini-batch updates per rollout batch (with one, every ratio is "
+        "1 and GSPO is GRPO); TRL logs `reward` only on the steps that generate"
+    ),
+    "generation_batch_size": "completions per rollout batch, from steps_per_generation",
+}
+
+
+def _default(f):
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+#: Fields left out of the GRPOConfig that `differences_from_grpo` builds, and of the comparison: building a
+#: TrainingArguments with them sets up process-wide state (DeepSpeed's global config, the accelerator's state).
+NOT_REBUILT = ("accelerator_config", "deepspeed", "fsdp", "fsdp_config")
+
+
+def differences_from_grpo(args: GSPOConfig) -> dict[str, tuple]:
+    """{field: (this config's value, GRPOConfig's value)} for the fields where GSPOConfig's defaults made `args`
+    differ from the `trl.GRPOConfig` built from the same arguments (an argument equal to GSPOConfig's default counts
+    as not given), in `WHY_NOT_GRPO`'s order. Where GRPOConfig refuses those arguments, the fields whose defaults
+    differ compare with GRPOConfig's defaults."""
+    grpo_fields = {f.name: f for f in fields(GRPOConfig) if f.init and f.name not in NOT_REBUILT}
+    ours = {f.name: _default(f) for f in fields(GSPOConfig) if f.init}
+    arguments = getattr(args, "_arguments", None) or {name: getattr(args, name) for name in ours}
+    given = {name: value for name, value in arguments.items() if name in grpo_fields and value != ours[name]}
+    # The running accelerator's state is used as it is (without `use_configured_state` it would be reset).
+    counterpart = {**given, "accelerator_config": {"use_configured_state": True}}
+    silenced = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # GRPOConfig's own notes on these arguments were already said for args
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            built = GRPOConfig(**counterpart)
+        grpo = {name: getattr(built, name) for name in grpo_fields}
+    except (ValueError, TypeError, RuntimeError):  # e.g. a generation batch that num_generations divides only at 4x
+        grpo = {name: _default(f) for name, f in grpo_fields.items() if name not in given and _default(f) != ours[name]}
+    finally:
+        logging.disable(silenced)
+    found = {name: (getattr(args, name), value) for name, value in grpo.items() if getattr(args, name) != value}
+    order = [name for name in WHY_NOT_GRPO if name in found] + [name for name in found if name not in WHY_NOT_GRPO]
+    return {name: found[name] for name in order}
+
+
+def log_differences_from_grpo(args: GSPOConfig) -> None:
+    """Say once, at start-up, what switching from `GRPOConfig` changed for these arguments, and why."""
+    differences = differences_from_grpo(args)
+    if not differences:
+        return
+    parts = [
+        f"{name}={ours!r} (GRPOConfig: {grpo!r}; {WHY_NOT_GRPO.get(name, 'GSPOConfig default')})"
+        for name, (ours, grpo) in differences.items()
+    ]
+    logger.warning(
+        "GSPOConfig's defaults differ from what GRPOConfig makes of the same arguments: %s. Pass GRPO's values to "
+        "GSPOConfig to keep them.",
+        "; ".join(parts),
+    )
 
 
 def trainer_args(model, args) -> GSPOConfig:

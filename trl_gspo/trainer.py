@@ -48,7 +48,7 @@ from . import losses
 from .common import engine, metrics, model_card
 from .common.seam import TRLCalls, colocated_engine_with_routes, override
 from .common.trl_compat import RunView
-from .config import GSPOConfig, check_reference_source, trainer_args
+from .config import GSPOConfig, check_reference_source, log_differences_from_grpo, trainer_args
 from .forward import padding
 from .forward.pipeline import LogprobForward
 from .guards import checkpointing
@@ -101,6 +101,8 @@ class GSPOTrainer(GRPOTrainer):
             self.model, self.accelerator, args.low_precision_weights, peft, requested
         )
         engine.agree_gradient_accumulation(self.accelerator, args.gradient_accumulation_steps)  # DeepSpeed's, quietly
+        if self.accelerator.is_main_process:
+            log_differences_from_grpo(args)  # what switching the import changed, said once
         self.loss_fn = losses.POLICY_LOSSES[args.loss_type]
         self.loss_settings = losses.LossSettings(
             self.epsilon_low, self.epsilon_high, args.delta, args.sapo_temperature_pos, args.sapo_temperature_neg

@@ -1,6 +1,9 @@
-"""The `demo` and `demo_vllm` scenarios: `trl-gspo demo` end to end as a user runs it, one fresh process per seed: the
-held-out reward before and after training, the training seconds (the console's `done:` line) and the seconds end to
-end (the whole command: imports, model, evaluation, saving; with vLLM the engine's start too).
+"""The `demo` and `demo_vllm` scenarios: `trl-gspo demo` end to end as a user types it, one fresh process per seed: the
+held-out reward before and after training, the training seconds (the console's `done:` line), the seconds end to end
+(the whole command: imports, model, evaluation, saving; with vLLM the engine's start too) and the threads it ran with.
+
+As typed means no thread variables: the harness's `OMP_NUM_THREADS` / `MKL_NUM_THREADS` (the other scenarios run
+with one thread) are removed from the demo's environment, so the demo picks its own thread count, as `make demo` does.
 """
 
 from __future__ import annotations
@@ -19,17 +22,21 @@ SEEDS = (0, 1, 2)
 TINY = ("--max_steps", "4", "--num_train_prompts", "32", "--num_eval_prompts", "8")
 HELD_OUT = re.compile(r"held-out reward \(greedy, (\d+) unseen prompts\): before ([\d.]+) -> after ([\d.]+)")
 DONE = re.compile(r"^done: (\d+) steps in ([\d.]+) s", re.MULTILINE)
+#: The demo's line on what it runs on: `trl-gspo demo: 1 process on cpu, 1 thread (...), 2 cores`.
+RESOURCES = re.compile(r"^trl-gspo demo: \d+ process(?:es)? on cpu, (\d+) threads? \(([^)]*)\)", re.MULTILINE)
+#: Variables a user sets to choose torch's threads; the demo runs without them, as typed.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def run_demo(seed: int, use_vllm: bool, tiny: bool, out_dir: str) -> dict:
     """`python -m trl_gspo demo --seed SEED` (with `--use_vllm true --vllm_mode colocate`), its numbers from its console."""
     command = [sys.executable, "-m", "trl_gspo", "demo", "--seed", str(seed), "--output_dir", out_dir]
-    command += ["--disable_tqdm", "true", *(("--use_vllm", "true", "--vllm_mode", "colocate") if use_vllm else ())]
-    command += list(TINY if tiny else ())
+    command += [*(("--use_vllm", "true", "--vllm_mode", "colocate") if use_vllm else ()), *(TINY if tiny else ())]
+    env = {name: value for name, value in os.environ.items() if name not in THREAD_VARIABLES}
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=dict(os.environ))
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
     end_to_end = time.perf_counter() - start
-    held_out, done = HELD_OUT.search(proc.stdout), DONE.search(proc.stdout)
+    held_out, done, resources = HELD_OUT.search(proc.stdout), DONE.search(proc.stdout), RESOURCES.search(proc.stdout)
     if proc.returncode != 0 or held_out is None or done is None:
         raise RuntimeError(
             f"{' '.join(command[2:])} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
@@ -42,6 +49,8 @@ def run_demo(seed: int, use_vllm: bool, tiny: bool, out_dir: str) -> dict:
         "steps": int(done.group(1)),
         "train_seconds": float(done.group(2)),
         "end_to_end_seconds": end_to_end,
+        "threads": int(resources.group(1)) if resources else None,
+        "threads_from": resources.group(2) if resources else None,
     }
 
 
@@ -56,7 +65,8 @@ def demo_scenario(use_vllm: bool, tiny: bool, work_dir: str, log) -> dict:
         )
     return {
         "command": "python -m trl_gspo demo --seed SEED"
-        + (" --use_vllm true --vllm_mode colocate" if use_vllm else ""),
+        + (" --use_vllm true --vllm_mode colocate" if use_vllm else "")
+        + " (no OMP_NUM_THREADS / MKL_NUM_THREADS)",
         "seeds": [r["seed"] for r in runs],
         "before_max": max(r["before"] for r in runs),
         "after_min": min(r["after"] for r in runs),

@@ -2,9 +2,9 @@
 
 `commands` (the entry point `main`, the four commands, the `accelerate launch` relaunch), `parser` (TRL's parser
 with recipe key and type checks), `shipped` (shipped recipes and configs by name, `extends`), `recipe_inputs` (what
-a recipe points at, checked before any model loads), `rewards` (the CLI's reward functions), `console`, `demo`,
-`check` and `parity` (the parity cases it runs against stock TRL). The tiny models and tokenizer the demo and check
-use are `trl_gspo.testing`.
+a recipe points at, checked before any model loads), `rewards` (the CLI's reward functions), `resources` (processes,
+devices and threads, said at start), `console`, `demo`, `check` and `parity` (the parity cases it runs against stock
+TRL). The tiny models and tokenizer the demo and check use are `trl_gspo.testing`.
 
 May import: everything below it (`trl_gspo.trainer`, `trl_gspo.config`, the feature folders, `trl_gspo.common`).
 Nothing in trl_gspo imports `trl_gspo.cli`.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import tempfile
 import time
 import warnings
@@ -96,6 +97,15 @@ def _quiet():
             hf_logging.enable_progress_bar()
 
 
+def quiet_deepspeed_without_gpu() -> None:
+    """The parity cases run on CPU. Where torch sees no GPU, tell DeepSpeed (when installed) so before transformers
+    imports it during the first case: otherwise it prints that it found no accelerator in the middle of the report."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def _line(name: str, found: list[str]) -> str:
     if not found:
         return f"  ok       {name}"
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="trl-gspo check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.parse_args(argv)
+    quiet_deepspeed_without_gpu()
     start = time.perf_counter()
     print("Installed versions:")
     for name, version in installed_versions().items():

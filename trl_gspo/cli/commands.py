@@ -44,6 +44,8 @@ from .check import main as check_main
 from .console import (
     final_eval_line,
     generation_line,
+    library_bars_off_terminal,
+    progress_bar_default,
     quiet_library_deprecations,
     quiet_saving,
     tied_weights_restored,
@@ -52,6 +54,7 @@ from .console import (
 from .demo import DEMO_ARGS, run_demo
 from .parser import GSPOScriptArguments, parse, precision_note, quiet_deepspeed_on_cpu, reconcile_mixed_precision
 from .recipe_inputs import RecipeError
+from .resources import DEMO_THREADS, oversubscription, pick_threads, resources_line, single_process_note, threads_source
 from .rewards import missing_columns, needed_columns, resolve_reward
 from .run_notes import precision_line, precision_refusal_as_recipe_error, say_deepspeed_builds
 from .shipped import SHIPPED, is_shipped, resolve_config_argument, resolve_shipped, shipped_names, take_option
@@ -111,11 +114,19 @@ def say_recipe(command: str, recipe: Path | None) -> None:
     """The console's first line: which recipe file this run loaded (rank 0 only)."""
     if os.environ.get("RANK", "0") != "0":
         return
-    if recipe is None:
-        text = "no recipe (--config): the built-in settings" if command == "demo" else "no recipe (--config)"
-    else:
-        text = f"recipe {recipe}{' (shipped)' if is_shipped(recipe) else ''}"
+    text = "no recipe (--config)" if recipe is None else f"recipe {recipe}{' (shipped)' if is_shipped(recipe) else ''}"
     print(f"trl-gspo {command}: {text}", flush=True)
+
+
+def say_resources(command: str, args, threads_note: str) -> None:
+    """The console's line on what the run runs on (processes, devices, threads on CPU; main process only), and a
+    warning when that is not what was likely meant (more threads than cores, a single process under accelerate)."""
+    if args.process_index != 0:
+        return
+    print(f"trl-gspo {command}: {resources_line(args.world_size, args.device, threads_note)}", flush=True)
+    for note in (oversubscription(args.world_size, args.device), single_process_note(args.world_size, command)):
+        if note is not None:
+            print(f"trl-gspo {command}: warning: {note}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------- demo
@@ -126,13 +137,18 @@ def demo(argv: list[str]) -> int:
     if launched is not None:
         return launched
     argv, recipe = resolve_config_argument(argv)
+    if recipe is None:  # plain `trl-gspo demo` runs the shipped demo recipe (not a copy that happens to be here)
+        argv, recipe = resolve_config_argument(["--config", str(SHIPPED["recipe"] / "demo.yaml"), *argv])
     say_recipe("demo", recipe)
     argv = reconcile_mixed_precision("demo", argv)
     say_deepspeed_builds("demo")
-    demo_args, args, model_args = parse("demo", argv, defaults={**DEMO_ARGS, "output_dir": "outputs/demo"})
+    defaults = {**DEMO_ARGS, "output_dir": "outputs/demo", **progress_bar_default()}
+    demo_args, args, model_args = parse("demo", argv, defaults=defaults)
     if model_args.model_name_or_path is not None:
         raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
     quiet_deepspeed_on_cpu(args)
+    why = "the demo's choice for its tiny model; OMP_NUM_THREADS overrides"
+    say_resources("demo", args, pick_threads(DEMO_THREADS, why))
     result = run_demo(
         args.output_dir,
         demo_args.num_train_prompts,
@@ -240,8 +256,9 @@ def train(argv: list[str]) -> int:
     search_dirs = (str(recipe_dir),) if recipe is not None else ()  # a recipe's own modules sit next to it
     argv = reconcile_mixed_precision("train", argv)
     say_deepspeed_builds("train")
-    script_args, args, model_args, mixture = parse("train", argv)
+    script_args, args, model_args, mixture = parse("train", argv, defaults=progress_bar_default())
     quiet_deepspeed_on_cpu(args)
+    say_resources("train", args, threads_source())
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
     recipe_inputs.resolve_recipe_paths(script_args, model_args, mixture, recipe_dir)
@@ -309,6 +326,10 @@ def train(argv: list[str]) -> int:
 
 
 # -------------------------------------------------------------------------------------------------- recipes
+#: What `trl-gspo recipes` copies out: recipes and configs, the modules beside them, example data (custom_task.jsonl).
+COPIED = (".yaml", ".py", ".jsonl")
+
+
 def recipes(argv: list[str]) -> int:
     """Copy the shipped recipes and accelerate configs to DEST/recipes and DEST/accelerate_configs for editing."""
     import argparse
@@ -318,9 +339,7 @@ def recipes(argv: list[str]) -> int:
     parser.add_argument("--list", action="store_true", help="only list the shipped files and where they are")
     parser.add_argument("--force", action="store_true", help="overwrite files that already exist in DEST")
     options = parser.parse_args(argv)
-    files = [
-        path for folder in SHIPPED.values() for path in sorted(folder.iterdir()) if path.suffix in (".yaml", ".py")
-    ]
+    files = [path for folder in SHIPPED.values() for path in sorted(folder.iterdir()) if path.suffix in COPIED]
     if options.list:
         for kind, folder in SHIPPED.items():
             print(f"{kind}s ({folder}):  {', '.join(shipped_names(kind))}")
@@ -382,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import warnings
 
-    with warnings.catch_warnings():  # the caller's filters come back afterwards (main() is also called in-process)
+    with warnings.catch_warnings(), library_bars_off_terminal():  # the caller's settings come back afterwards
         quiet_library_deprecations()
         quiet_deepspeed_collectives(os.environ)
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import logging
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -139,6 +140,34 @@ def use_console(trainer, mode: str = "compact") -> None:
     for stock, compact in ((ProgressCallback, CompactProgressCallback), (PrinterCallback, CompactPrinterCallback)):
         if trainer.pop_callback(stock) is not None:
             trainer.add_callback(compact)
+
+
+def progress_bar_default() -> dict:
+    """A default for the command's parser: no progress bar when stdout is not a terminal. In a file or a pipe the
+    bar's carriage-return redraws land between the one-line step records; the recipe's or a flag's `disable_tqdm`
+    still wins."""
+    return {} if sys.stdout.isatty() else {"disable_tqdm": True}
+
+
+@contextlib.contextmanager
+def library_bars_off_terminal():
+    """While a command runs with stdout off a terminal: none of transformers' and datasets' progress bars either
+    (loading weights, generating a split), restored afterwards (`main` is also called in-process)."""
+    import datasets
+
+    if sys.stdout.isatty():
+        yield
+        return
+    bars = hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if bars[0]:
+            hf_logging.enable_progress_bar()
+        if bars[1]:
+            datasets.enable_progress_bars()
 
 
 def quiet_library_deprecations() -> None:

@@ -189,6 +189,7 @@ def run_demo(
     `args` replaces the whole config (the CLI passes its parsed one); otherwise `overrides` go to `demo_config`.
     `args.resume_from_checkpoint` resumes from a checkpoint of an earlier run, as `trl-gspo train` does.
     `console`: "compact" (one line per logging step) or "stock" (transformers' log dicts), see cli/console.py.
+    It runs with the process's torch threads; `trl-gspo demo` picks one for this tiny model (cli/resources.py).
     Returns the held-out reward before and after training, the wall time and the steps this call trained.
     """
     from trl.models.utils import unwrap_model_for_generation
