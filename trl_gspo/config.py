@@ -9,7 +9,6 @@ aggregation and the log-ratio clamp, with the paper's defaults.
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import MISSING, dataclass, field, fields
 
 from trl import GRPOConfig
@@ -269,33 +268,26 @@ def _default(f):
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
-#: Fields left out of the GRPOConfig that `differences_from_grpo` builds, and of the comparison: building a
-#: TrainingArguments with them sets up process-wide state (DeepSpeed's global config, the accelerator's state).
-NOT_REBUILT = ("accelerator_config", "deepspeed", "fsdp", "fsdp_config")
-
-
 def differences_from_grpo(args: GSPOConfig) -> dict[str, tuple]:
     """{field: (this config's value, GRPOConfig's value)} for the fields where GSPOConfig's defaults made `args`
-    differ from the `trl.GRPOConfig` built from the same arguments (an argument equal to GSPOConfig's default counts
-    as not given), in `WHY_NOT_GRPO`'s order. Where GRPOConfig refuses those arguments, the fields whose defaults
-    differ compare with GRPOConfig's defaults."""
-    grpo_fields = {f.name: f for f in fields(GRPOConfig) if f.init and f.name not in NOT_REBUILT}
+    differ from what `trl.GRPOConfig` makes of the same arguments (an argument equal to GSPOConfig's default counts as
+    not given), in `WHY_NOT_GRPO`'s order.
+
+    No GRPOConfig is built: building TrainingArguments inside a running job sets process-wide state (under
+    `accelerate launch` with DeepSpeed it replaces transformers' global DeepSpeed config, so one rank would stop
+    gathering ZeRO-3's shards). GRPOConfig's value is its class default for an argument not given, and for the
+    rollout size TRL's own rule when neither `steps_per_generation` nor `generation_batch_size` is given: one
+    optimizer step's batches per generation. tests/test_config.py compares the result with a GRPOConfig it builds."""
+    grpo_fields = {f.name: f for f in fields(GRPOConfig) if f.init}
     ours = {f.name: _default(f) for f in fields(GSPOConfig) if f.init}
     arguments = getattr(args, "_arguments", None) or {name: getattr(args, name) for name in ours}
-    given = {name: value for name, value in arguments.items() if name in grpo_fields and value != ours[name]}
-    # The running accelerator's state is used as it is (without `use_configured_state` it would be reset).
-    counterpart = {**given, "accelerator_config": {"use_configured_state": True}}
-    silenced = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # GRPOConfig's own notes on these arguments were already said for args
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            built = GRPOConfig(**counterpart)
-        grpo = {name: getattr(built, name) for name in grpo_fields}
-    except (ValueError, TypeError, RuntimeError):  # e.g. a generation batch that num_generations divides only at 4x
-        grpo = {name: _default(f) for name, f in grpo_fields.items() if name not in given and _default(f) != ours[name]}
-    finally:
-        logging.disable(silenced)
+    given = {name for name, value in arguments.items() if name in grpo_fields and value != ours[name]}
+    grpo = {name: _default(f) for name, f in grpo_fields.items() if name not in given and _default(f) != ours[name]}
+    if arguments.get("steps_per_generation") is None and arguments.get("generation_batch_size") is None:
+        grpo["steps_per_generation"] = args.gradient_accumulation_steps
+        grpo["generation_batch_size"] = (
+            args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+        )
     found = {name: (getattr(args, name), value) for name, value in grpo.items() if getattr(args, name) != value}
     order = [name for name in WHY_NOT_GRPO if name in found] + [name for name in found if name not in WHY_NOT_GRPO]
     return {name: found[name] for name in order}
