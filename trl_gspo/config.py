@@ -134,8 +134,8 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     )
 
     def __post_init__(self):
-        # The arguments as given, before any default is derived from them: `differences_from_grpo` builds the
-        # GRPOConfig these arguments would have made.
+        # The arguments as given, before any default is derived from them: `differences_from_grpo` tells which ones
+        # the user set (GRPOConfig would keep those) from the ones GSPOConfig's defaults filled in.
         self._arguments = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         self._validate_counts()  # before TRL's __post_init__, which divides by some of these
         given = {"steps_per_generation": self.steps_per_generation, "generation_batch_size": self.generation_batch_size}

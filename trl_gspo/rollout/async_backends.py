@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..common import seam, trl_compat
+from ..common import engine, seam, trl_compat
 from ..moe.route_sources import routes_from_generate
 from ..moe.routing import RouterHooks
 from .async_server import VLLMServerGenerator
@@ -140,8 +140,7 @@ def generator_copy(module: torch.nn.Module, device) -> torch.nn.Module:
 
 
 def _is_zero3(trainer) -> bool:
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    return bool(trainer.is_deepspeed_enabled and plugin is not None and plugin.zero_stage == 3)
+    return bool(trainer.is_deepspeed_enabled and engine.zero_stage(trainer.accelerator) == 3)
 
 
 class _StopWhenClosing:
