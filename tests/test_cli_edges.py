@@ -40,7 +40,8 @@ def _step_lines(out: str) -> list[int]:
 def _demo(out: Path, pause: float, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "STEP_PAUSE": str(pause)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    argv = ["demo", "--output_dir", str(out), "--max_steps", "12", "--save_strategy", "steps", "--save_steps", "4"]
+    argv = ["demo", "--config", "demo", "--output_dir", str(out), "--max_steps", "12", "--save_strategy", "steps"]
+    argv += ["--save_steps", "4"]
     return subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "cli_slow_steps.py"), *argv, *SMALL_DEMO, *extra],
         stdout=subprocess.PIPE,
@@ -117,13 +118,14 @@ def test_an_edited_recipe_copy_is_what_runs_and_the_first_line_names_it(tmp_path
     assert "'recipes/demo.yaml': no such file" in line and "--config demo" in line
 
 
-def test_plain_demo_names_the_shipped_recipe_and_runs_on_one_thread(tmp_path, monkeypatch, capsys):
-    """`trl-gspo demo` without --config runs the shipped `demo` recipe and says so; without OMP_NUM_THREADS it picks
-    one thread for its tiny model and names it; stdout is no terminal here, so no progress bar is drawn."""
+def test_the_copy_demo_names_the_shipped_recipe_and_runs_on_one_thread(tmp_path, monkeypatch, capsys):
+    """`trl-gspo demo --config demo` runs the shipped `demo` recipe and says so; without OMP_NUM_THREADS it picks one
+    thread for its tiny model and names it; stdout is no terminal here, so no progress bar is drawn."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("OMP_NUM_THREADS")
     try:
-        assert main(["demo", "--output_dir", str(tmp_path / "o"), "--max_steps", "1", *SMALL_DEMO[:-2]]) == 0
+        argv = ["demo", "--config", "demo", "--output_dir", str(tmp_path / "o"), "--max_steps", "1", *SMALL_DEMO[:-2]]
+        assert main(argv) == 0
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(1)  # the suite's setting (conftest.py)

@@ -101,7 +101,7 @@ def test_the_demo_resuming_another_models_checkpoint_is_one_line(tmp_path, capsy
     tiny_config(len(build_tokenizer()), hidden_size=128).save_pretrained(checkpoint)  # all the check reads
     checkpointing.mark_complete(str(checkpoint))
     argv = ["--output_dir", str(tmp_path / "demo"), "--resume_from_checkpoint", "true", "--disable_tqdm", "true"]
-    assert main(["demo", *argv, "--num_train_prompts", "16", "--num_eval_prompts", "4"]) == 2
+    assert main(["demo", "--config", "demo", *argv, "--num_train_prompts", "16", "--num_eval_prompts", "4"]) == 2
     line = _error_line(capsys.readouterr().err)
     assert f"{checkpoint} holds weights of another model than the trainer's model" in line, line
     assert "(hidden_size 128 in the checkpoint, 64 in the model;" in line, line

@@ -151,6 +151,8 @@ def test_one_line_per_logging_step_while_the_logger_gets_every_metric(tmp_path, 
 def test_demo_cli_console_compact_and_stock(tmp_path, capsys):
     argv = [
         "demo",
+        "--config",
+        "demo",
         "--max_steps",
         "4",
         "--logging_steps",

@@ -39,7 +39,17 @@ def _free_port() -> int:
 
 
 def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    demo = ("demo", "--output_dir", str(output_dir), "--max_steps", "2", "--num_train_prompts", "64")
+    demo = (
+        "demo",
+        "--config",
+        "demo",
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        "2",
+        "--num_train_prompts",
+        "64",
+    )
     return _launch_command(config, *demo, "--num_eval_prompts", "16", "--logging_steps", "1", *extra, timeout=timeout)
 
 

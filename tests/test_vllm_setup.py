@@ -55,6 +55,6 @@ def test_the_trainer_refuses_use_vllm_without_vllm_before_loading_anything(tmp_p
 
 @pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed here: the refusal of a missing vLLM cannot show")
 def test_the_demo_with_vllm_missing_is_one_line(tmp_path, capsys):
-    assert main(["demo", "--use_vllm", "true", "--output_dir", str(tmp_path)]) == 2
+    assert main(["demo", "--config", "demo", "--use_vllm", "true", "--output_dir", str(tmp_path)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("trl-gspo demo: error: use_vllm=True but vLLM is not installed"), err

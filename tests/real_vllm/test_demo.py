@@ -24,7 +24,19 @@ def _one_error_line(err: str) -> str:
 def test_the_demo_generates_with_colocated_vllm_and_learns(tmp_path, capfd, colocated_engine):
     # capfd, not capsys: vLLM writes around its process groups through sys.stdout's file descriptor
     out = tmp_path / "demo"
-    argv = ["demo", "--use_vllm", "true", "--vllm_mode", "colocate", "--output_dir", str(out), "--max_steps", "300"]
+    argv = [
+        "demo",
+        "--config",
+        "demo",
+        "--use_vllm",
+        "true",
+        "--vllm_mode",
+        "colocate",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "300",
+    ]
     assert main([*argv, "--num_eval_prompts", "100", "--logging_steps", "50", "--disable_tqdm", "true"]) == 0
     printed = capfd.readouterr().out
     assert "trl-gspo demo: generation: vLLM, colocated in the trainer's process (engine dtype bfloat16)" in printed

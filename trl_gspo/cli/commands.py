@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..common import trl_compat
+from ..common import model_store, trl_compat
 from ..common.engine import quiet_deepspeed_collectives
 from ..common.imports import import_object
 from ..guards.checkpointing import ResumeError
@@ -51,10 +51,19 @@ from .console import (
     tied_weights_restored,
     use_console,
 )
-from .demo import DEMO_ARGS, run_demo
-from .parser import GSPOScriptArguments, parse, precision_note, quiet_deepspeed_on_cpu, reconcile_mixed_precision
+from .demo import TASKS as DEMO_TASKS
+from .demo import run_demo
+from .models import main as models_main
+from .parser import (
+    GSPOScriptArguments,
+    parse,
+    precision_note,
+    quiet_deepspeed_on_cpu,
+    recipe_values,
+    reconcile_mixed_precision,
+)
 from .recipe_inputs import RecipeError
-from .resources import DEMO_THREADS, oversubscription, pick_threads, resources_line, single_process_note, threads_source
+from .resources import oversubscription, pick_threads, resources_line, single_process_note, threads_source
 from .rewards import missing_columns, needed_columns, resolve_reward
 from .run_notes import precision_line, precision_refusal_as_recipe_error, say_deepspeed_builds
 from .shipped import SHIPPED, is_shipped, resolve_config_argument, resolve_shipped, shipped_names, take_option
@@ -130,6 +139,10 @@ def say_resources(command: str, args, threads_note: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- demo
+#: The recipe plain `trl-gspo demo` runs: the real model. `--config demo` runs the tiny model's copy task.
+DEFAULT_DEMO_RECIPE = "smollm2_addition.yaml"
+
+
 def demo(argv: list[str]) -> int:
     from trl import get_peft_config
 
@@ -137,18 +150,23 @@ def demo(argv: list[str]) -> int:
     if launched is not None:
         return launched
     argv, recipe = resolve_config_argument(argv)
-    if recipe is None:  # plain `trl-gspo demo` runs the shipped demo recipe (not a copy that happens to be here)
-        argv, recipe = resolve_config_argument(["--config", str(SHIPPED["recipe"] / "demo.yaml"), *argv])
+    if recipe is None:  # plain `trl-gspo demo` runs the shipped recipe (not a copy that happens to be here)
+        argv, recipe = resolve_config_argument(["--config", str(SHIPPED["recipe"] / DEFAULT_DEMO_RECIPE), *argv])
     say_recipe("demo", recipe)
     argv = reconcile_mixed_precision("demo", argv)
     say_deepspeed_builds("demo")
-    defaults = {**DEMO_ARGS, "output_dir": "outputs/demo", **progress_bar_default()}
+    task = recipe_values("demo", argv, ("task",))["task"]
+    if task not in DEMO_TASKS:
+        raise RecipeError(f"task={task!r}; allowed: {', '.join(DEMO_TASKS)}.")
+    defaults = {**DEMO_TASKS[task].settings, "output_dir": "outputs/demo", **progress_bar_default()}
     demo_args, args, model_args = parse("demo", argv, defaults=defaults)
-    if model_args.model_name_or_path is not None:
-        raise RecipeError("demo builds its tiny model in code; model_name_or_path belongs to `trl-gspo train`.")
     quiet_deepspeed_on_cpu(args)
-    why = "the demo's choice for its tiny model; OMP_NUM_THREADS overrides"
-    say_resources("demo", args, pick_threads(DEMO_THREADS, why))
+    threads = DEMO_TASKS[task].threads
+    if threads is None:
+        say_resources("demo", args, threads_source())
+    else:
+        why = "the demo's choice for its tiny model; OMP_NUM_THREADS overrides"
+        say_resources("demo", args, pick_threads(threads, why))
     result = run_demo(
         args.output_dir,
         demo_args.num_train_prompts,
@@ -157,6 +175,9 @@ def demo(argv: list[str]) -> int:
         args=args,
         peft_config=get_peft_config(model_args),
         console=demo_args.console,
+        task=task,
+        model_name_or_path=model_args.model_name_or_path,
+        eval_every=demo_args.eval_every,
     )
     trl_compat.end_training(result["trainer"])  # trackers and process group, as `trl grpo` does
     return 0
@@ -262,6 +283,14 @@ def train(argv: list[str]) -> int:
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
     recipe_inputs.resolve_recipe_paths(script_args, model_args, mixture, recipe_dir)
+    if model_args.model_name_or_path in model_store.OFFLINE_SOURCES:  # the Hub, or the copy prepared for offline use
+        try:
+            resolved = model_store.resolve_model(model_args.model_name_or_path)
+        except model_store.ModelSourceError as err:
+            raise RecipeError(str(err)) from err
+        if args.process_index == 0:
+            print(f"trl-gspo train: {resolved.note}", flush=True)
+        model_args.model_name_or_path = resolved.path
     try:
         reward_funcs = resolve_rewards(script_args, search_dirs)
     except ValueError as err:
@@ -363,13 +392,19 @@ def check(argv: list[str]) -> int:
     return check_main(argv)
 
 
-COMMANDS = {"demo": demo, "train": train, "check": check, "recipes": recipes}
-USAGE = """usage: trl-gspo {demo,train,check,recipes} [...]    (trl-gspo --version: versions in one line)
+def models(argv: list[str]) -> int:
+    return models_main(argv)
 
-  demo     train a tiny model offline on a digit-copy task (CPU, ~1 min on 2 cores); prints held-out reward before/after
+
+COMMANDS = {"demo": demo, "train": train, "check": check, "recipes": recipes, "models": models}
+USAGE = """usage: trl-gspo {demo,train,check,recipes,models} [...]    (trl-gspo --version: versions in one line)
+
+  demo     train SmolLM2-135M-Instruct on two-digit addition (CPU); prints held-out accuracy before/during/after;
+           --config demo: a tiny model built in code on a digit-copy task (~2 min on 2 cores, no downloads)
   train    GSPO on any model/dataset/reward described by a recipe: --config NAME|PATH [--accelerate_config NAME|PATH]
   check    print the installed versions and compare our loss and gradients with the installed stock GRPOTrainer
   recipes  copy the shipped recipes and accelerate configs out for editing (--list to list them)
+  models   prepare: make SmolLM2-135M-Instruct loadable offline (once); list: where each known model resolves
 
 `trl-gspo COMMAND --help` lists every key. Shipped recipes: trl-gspo recipes --list. Multi-GPU / DeepSpeed:
   trl-gspo train --config qwen3_1p7b_math_zero2 --accelerate_config zero2

@@ -16,7 +16,7 @@ from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 from ..config import GSPOConfig
 from . import recipe_inputs
 from .console import ConsoleArguments
-from .demo import DEMO_ARGS
+from .demo import TASKS as DEMO_TASKS
 from .recipe_inputs import RecipeError
 from .shipped import load_recipe, recipe_with_bases, take_option
 
@@ -34,7 +34,7 @@ class GSPOScriptArguments(ScriptArguments, ConsoleArguments):
         default=None,
         metadata={
             "help": "Reward functions: accuracy_reward, reasoning_accuracy_reward, think_format_reward (TRL's), "
-            "math_accuracy_reward, demo_reward (ours), or a dotted import path such as my_pkg.rewards.my_reward."
+            "math_accuracy_reward, demo_reward, addition_reward (ours), or a dotted import path such as my_pkg.rewards.my_reward."
         },
     )
     reward_model_name_or_path: str | None = field(
@@ -60,11 +60,36 @@ class GSPOScriptArguments(ScriptArguments, ConsoleArguments):
 
 @dataclass
 class DemoArguments(ConsoleArguments):
-    """Script arguments of `trl-gspo demo` (the tiny model and the copy task are built in code) and the console."""
+    """Script arguments of `trl-gspo demo` (its tasks are built in code, cli/demo.py) and the console.
 
-    num_train_prompts: int = field(default=2000, metadata={"help": "Training prompts drawn for the copy task."})
-    num_eval_prompts: int = field(default=200, metadata={"help": "Held-out prompts (digits never seen in training)."})
-    moe: bool = field(default=False, metadata={"help": "Use a tiny Qwen3-MoE (4 experts, top-2) instead of dense."})
+    `task`: `addition` trains a real model (SmolLM2-135M-Instruct by default, `model_name_or_path` for another) on
+    two-digit addition; `copy` a tiny model built in code on digit copying. `eval_every` adds held-out scores during
+    training (the accuracy curve).
+    """
+
+    task: str = field(
+        default="copy",
+        metadata={
+            "help": "The demo's task: 'addition' (a real model, SmolLM2-135M-Instruct unless model_name_or_path says "
+            "otherwise; recipe smollm2_addition) or 'copy' (the tiny model built in code; recipe demo).",
+            "choices": list(DEMO_TASKS),
+        },
+    )
+    num_train_prompts: int = field(default=2000, metadata={"help": "Training prompts drawn for the task."})
+    num_eval_prompts: int = field(
+        default=200, metadata={"help": "Held-out prompts, scored greedily (problems training never sees)."}
+    )
+    eval_every: int = field(
+        default=0,
+        metadata={
+            "help": "Score the held-out prompts every this many optimizer steps as well (the curve in "
+            "reward_curve.png and held_out.csv); 0: before and after training only. Each scoring is a greedy "
+            "generation over num_eval_prompts, so it costs time."
+        },
+    )
+    moe: bool = field(
+        default=False, metadata={"help": "Copy task: a tiny Qwen3-MoE (4 experts, top-2) instead of dense."}
+    )
 
 
 #: `TrainingArguments` fields that transformers 5 removed or renamed, and what a recipe says instead: a recipe written for
@@ -104,7 +129,7 @@ def recipe_values(command: str, argv: list[str], keys: tuple[str, ...]) -> dict:
     recipe, rest = take_option(list(argv), "--config")
     parser = make_parser(command, recipe)
     if command == "demo":
-        parser.set_defaults_with_config(**DEMO_ARGS)
+        parser.set_defaults_with_config(**DEMO_TASKS["copy"].settings)
     if recipe is not None:
         config = load_recipe(Path(recipe))
         config.pop("env", None)

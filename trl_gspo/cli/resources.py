@@ -7,9 +7,10 @@ on CPU how many threads each, with one warning when the processes' threads excee
 
 torch runs as many intra-op threads as the machine has cores unless `OMP_NUM_THREADS` (or `MKL_NUM_THREADS`) says
 otherwise. A tiny model gains nothing from them and loses a lot when another process shares the cores (measured:
-docs/console.md), so the demo picks one thread (`DEMO_THREADS`) unless the user chose a count: one of the variables
-above, or, where `main` is called in-process, `torch.set_num_threads` after `trl_gspo.cli` was imported (a count set
-before cannot be told from torch's own). `train` keeps what torch runs with and names it.
+docs/console.md), so the demo's copy task picks one thread (`cli/demo.py`, `TASKS`) unless the user chose a count:
+one of the variables above, or, where `main` is called in-process, `torch.set_num_threads` after `trl_gspo.cli` was
+imported (a count set before cannot be told from torch's own). `train`, and the demo on a real model, keep what torch
+runs with and name it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import torch
 
 #: Environment variables through which a user sets torch's intra-op threads (torch reads them when it starts).
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-#: Intra-op threads for the demo's model (2 layers, hidden size 64): its matrices are too small to split.
-DEMO_THREADS = 1
 #: torch's thread count when this module was first imported (before any command ran): a different count later means
 #: `torch.set_num_threads` was called in this process, and the caller's count is kept.
 STARTING_THREADS = torch.get_num_threads()

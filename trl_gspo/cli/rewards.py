@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from ..common.imports import import_object
+from .addition import addition_reward
 from .demo import demo_reward
 
 #: Arguments TRL passes to every reward function itself; any other parameter without a default is a dataset column.
@@ -71,6 +72,7 @@ def _registry() -> dict[str, Callable]:
         "think_format_reward": think_format_reward,
         "math_accuracy_reward": math_accuracy_reward,
         "demo_reward": demo_reward,
+        "addition_reward": addition_reward,
     }
 
 

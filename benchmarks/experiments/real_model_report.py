@@ -1,0 +1,183 @@
+"""The report of `real_model_compare.py`: per run and per (arm, learning rate) over seeds, `summary.json`,
+`comparison.md` and the plots, from the run files in `<output-dir>/runs/`.
+
+Per run: held-out accuracy before and after (greedy, 200 problems), the rollout reward (TRL's `reward`, the mean over
+a rollout batch's 64 sampled completions) of the first rollout and averaged over the last quarter of the rollouts,
+the token clip fraction (TRL's `clip_ratio/region_mean`, logged by every arm), trl-gspo's sequence-ratio spread
+(`seq_ratio/std`, trl-gspo's arms only: stock TRL has no such metric), the completion length, and the median
+seconds and CPU seconds of an optimizer step (generation included, evaluation not). Over seeds: mean, min and max.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+CLIP = "clip_ratio/region_mean"
+SPREAD = "seq_ratio/std"
+LENGTH = "completions/mean_length"
+COLORS = {
+    "stock GRPO": "tab:red",
+    "stock GSPO": "tab:orange",
+    "trl-gspo GSPO": "tab:blue",
+    "trl-gspo GSPO-token": "tab:green",
+}
+
+
+def values(rows, key):
+    return [row[key] for row in rows if isinstance(row.get(key), (int, float))]
+
+
+def mean(xs):
+    return statistics.fmean(xs) if xs else None
+
+
+def run_summary(run: dict) -> dict:
+    rows = run["rows"]
+    rewards = values(rows, "reward")
+    tail = rewards[-max(1, len(rewards) // 4) :]
+    return {
+        "seed": run["seed"],
+        "held_out_before": run["curve"][0][1],
+        "held_out_after": run["curve"][-1][1],
+        "held_out_gain": run["curve"][-1][1] - run["curve"][0][1],
+        "reward_first_rollout": rewards[0] if rewards else None,
+        "reward_last_quarter": mean(tail),
+        "reward_best_rollout": max(rewards) if rewards else None,
+        "clip_fraction_tokens": mean(values(rows, CLIP)),
+        "seq_ratio_std": mean(values(rows, SPREAD)),
+        "completion_length": mean(values(rows, LENGTH)),
+        "seconds_per_step": statistics.median(run["step_seconds"]),
+        "cpu_seconds_per_step": statistics.median(run["step_cpu_seconds"]),
+        "load_average_end": run["load_average"][0],
+    }
+
+
+def over_seeds(summaries: list[dict]) -> dict:
+    out = {"seeds": [s["seed"] for s in summaries], "runs": summaries}
+    for key in summaries[0]:
+        if key in ("seed",):
+            continue
+        xs = [s[key] for s in summaries if s[key] is not None]
+        if xs:
+            out[key] = {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
+    return out
+
+
+def load_runs(output_dir: Path) -> dict:
+    groups = defaultdict(list)
+    for path in sorted((output_dir / "runs").glob("*.json")):
+        run = json.loads(path.read_text())
+        groups[(run["arm"], run["learning_rate"])].append(run)
+    return groups
+
+
+def by_step(runs, key):
+    """steps and (mean, min, max) over seeds of `key` at each step every run logged it."""
+    per_run = [{row["step"]: row[key] for row in run["rows"] if isinstance(row.get(key), (int, float))} for run in runs]
+    steps = sorted(set.intersection(*(set(r) for r in per_run))) if per_run else []
+    stats = [[r[s] for r in per_run] for s in steps]
+    return steps, [statistics.fmean(x) for x in stats], [min(x) for x in stats], [max(x) for x in stats]
+
+
+def curve_by_step(runs):
+    per_run = [dict((step, value) for step, value in run["curve"]) for run in runs]
+    steps = sorted(set.intersection(*(set(r) for r in per_run)))
+    stats = [[r[s] for r in per_run] for s in steps]
+    return steps, [statistics.fmean(x) for x in stats], [min(x) for x in stats], [max(x) for x in stats]
+
+
+def plot(groups: dict, path: Path, label_of, color_of, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("held-out accuracy (greedy, 200 problems)", None),
+        ("rollout reward (mean of 64 samples)", "reward"),
+        ("clip fraction, tokens (TRL's clip_ratio/region_mean)", CLIP),
+        ("sequence-ratio std (trl-gspo arms)", SPREAD),
+        ("completion length (tokens)", LENGTH),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (name, key) in zip(axes, panels):
+        for group, runs in groups.items():
+            steps, mid, low, high = curve_by_step(runs) if key is None else by_step(runs, key)
+            if not steps:
+                continue
+            ax.plot(steps, mid, "o-" if key is None else "-", ms=3, color=color_of(group), label=label_of(group))
+            ax.fill_between(steps, low, high, color=color_of(group), alpha=0.15, lw=0)
+        ax.set(title=name, xlabel="optimizer step")
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3)
+        if key == CLIP:
+            ax.set_yscale("symlog", linthresh=1e-3)
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"{title} (lines: mean over seeds; bands: min..max)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def fmt(stat, digits=3, percent=False):
+    if stat is None:
+        return "n/a"
+    scale, unit = (100, "") if percent else (1, "")
+    return (
+        f"{stat['mean'] * scale:.{digits}f} [{stat['min'] * scale:.{digits}f}, {stat['max'] * scale:.{digits}f}]{unit}"
+    )
+
+
+def table(summary: dict) -> str:
+    head = (
+        "| arm | lr | seeds | held-out before | held-out after | gain | rollout reward, first -> last quarter | "
+        "clip fraction (tokens) | seq-ratio std | completion length | s / step | CPU s / step |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    lines = []
+    for name, s in summary.items():
+        lines.append(
+            f"| {s['arm']} | {s['learning_rate']:g} | {len(s['seeds'])} | {fmt(s.get('held_out_before'))} | "
+            f"{fmt(s.get('held_out_after'))} | {fmt(s.get('held_out_gain'))} | "
+            f"{fmt(s.get('reward_first_rollout'))} -> {fmt(s.get('reward_last_quarter'))} | "
+            f"{fmt(s.get('clip_fraction_tokens'), 4)} | {fmt(s.get('seq_ratio_std'), 5)} | "
+            f"{fmt(s.get('completion_length'), 1)} | {fmt(s.get('seconds_per_step'), 2)} | "
+            f"{fmt(s.get('cpu_seconds_per_step'), 2)} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def report(output_dir: Path) -> dict:
+    groups = load_runs(output_dir)
+    summary = {}
+    for (arm, lr), runs in sorted(groups.items(), key=lambda item: (item[0][1], list(COLORS).index(item[0][0]))):
+        summary[f"{arm} lr{lr:g}"] = {"arm": arm, "learning_rate": lr, **over_seeds([run_summary(r) for r in runs])}
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (output_dir / "comparison.md").write_text(
+        "Mean over seeds [min, max]; every run in summary.json.\n\n" + table(summary)
+    )
+    at = defaultdict(dict)
+    for (arm, lr), runs in groups.items():
+        at[lr][arm] = runs
+    lrs = sorted(at)
+    main_lr = 5e-6 if 5e-6 in at else lrs[0]
+    plot(
+        at[main_lr], output_dir / "comparison.png", str, COLORS.get, f"SmolLM2-135M-Instruct, addition, lr {main_lr:g}"
+    )
+    gspo = {lr: at[lr]["trl-gspo GSPO"] for lr in lrs if "trl-gspo GSPO" in at[lr]}
+    if len(gspo) > 1:
+        import matplotlib
+
+        cmap = matplotlib.colormaps["viridis"]
+        plot(
+            gspo,
+            output_dir / "lr_study.png",
+            lambda lr: f"GSPO lr {lr:g}",
+            lambda lr: cmap(lrs.index(lr) / max(1, len(lrs) - 1)),
+            "trl-gspo GSPO by learning rate",
+        )
+    print(table(summary))
+    return summary

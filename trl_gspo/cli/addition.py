@@ -1,0 +1,59 @@
+"""The real-model demo's task: two-digit addition, asked in chat form, checked exactly.
+
+    What is 27 + 82? Reply with only the number.        ->  reward 1 when the reply's last integer is 109, else 0
+
+SmolLM2-135M-Instruct answers these in the form "27 + 82 = 109", right about one time in six (greedy), so the reward
+is read from the reply's last integer rather than the whole reply: the policy may keep the equation, it must get the
+sum right. Operands run from 10 to 99 (8,100 problems); a fixed draw of them (`NUM_HELD_OUT`, independent of the
+training seed) is held out, and training never sees those pairs, so a rising held-out accuracy is arithmetic learned,
+not problems memorised. The answer is an integer, so an exact integer comparison is the whole verifier (math-verify
+would accept the same replies and cost a parse per completion).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from datasets import Dataset
+
+PROMPT = "What is {a} + {b}? Reply with only the number."
+#: Problems held out of training, drawn once with a fixed seed.
+NUM_HELD_OUT = 200
+OPERANDS = range(10, 100)
+_INTEGER = re.compile(r"-?\d+")
+
+
+def _problems(split: str) -> list[tuple[int, int]]:
+    pairs = [(a, b) for a in OPERANDS for b in OPERANDS]
+    random.Random(4321).shuffle(pairs)  # fixed split, independent of the sampling seed
+    return pairs[:NUM_HELD_OUT] if split == "test" else pairs[NUM_HELD_OUT:]
+
+
+def make_addition_dataset(num_prompts: int, seed: int = 0, split: str = "train") -> Dataset:
+    """`num_prompts` chat prompts (columns `prompt`, a one-message conversation, and `answer`, the sum). `split="test"`
+    gives the held-out problems in a fixed order (at most `NUM_HELD_OUT`); `"train"` draws from the rest."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split={split!r}; allowed: 'train', 'test'.")
+    pool = _problems(split)
+    if split == "test":
+        if num_prompts > len(pool):
+            raise ValueError(f"num_eval_prompts={num_prompts}: the addition task holds out {len(pool)} problems.")
+        rows = pool[:num_prompts]
+    else:
+        rng = random.Random(seed)
+        rows = [rng.choice(pool) for _ in range(num_prompts)]
+    prompts = [[{"role": "user", "content": PROMPT.format(a=a, b=b)}] for a, b in rows]
+    return Dataset.from_dict({"prompt": prompts, "answer": [a + b for a, b in rows]})
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer written in `text`, or None."""
+    found = _INTEGER.findall(text)
+    return int(found[-1]) if found else None
+
+
+def addition_reward(completions, answer, **kwargs) -> list[float]:
+    """TRL reward function: 1.0 when the completion's last integer equals `answer`, else 0.0."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(last_integer(text) == int(gold)) for text, gold in zip(texts, answer, strict=True)]

