@@ -49,7 +49,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
-# `make gpu-check`: every GPU check in one go (benchmarks/gpu_check.py, docs/gpu-check.md); parts whose GPU or package
+# `make gpu-check`: every GPU check in one go (`python -m benchmarks.gpu`, docs/gpu-check.md); parts whose GPU or package
 # is missing are skipped with the reason. It runs in GPU_PYTHON, the Python that holds CUDA torch (default python3;
 # `make gpu-check GPU_PYTHON=.venv/bin/python` for the venv above). For a GPU machine that cannot reach a package
 # index: `make gpu-wheels` on one that can, copy the checkout over; gpu-check then installs $(WHEELS)/*.whl for
@@ -68,7 +68,7 @@ gpu-check gpu-quick:
 		echo "installing $(WHEELS)/*.whl into $(GPU_SITE)/"; \
 		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl; \
 	fi
-	PYTHONPATH="$(CURDIR)/$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) benchmarks/gpu_check.py \
+	PYTHONPATH="$(CURDIR)/$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m benchmarks.gpu \
 		$(if $(filter gpu-quick,$@),--profile quick) $(GPU_CHECK_ARGS)
 
 gpu-wheels:

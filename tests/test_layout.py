@@ -1,12 +1,13 @@
-"""The package's shape: no import circle, no function-level import inside the package, every public dotted path the
-docs and recipes name resolves, no long module without a stated reason. The layer contracts themselves are
-import-linter's (`make lint`, pyproject.toml)."""
+"""The package's shape: no import circle (in the package and in benchmarks/, whose GPU checks import each other), no
+function-level import inside the package, every public dotted path the docs and recipes name resolves, no long module
+without a stated reason. The layer contracts themselves are import-linter's (`make lint`, pyproject.toml)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import re
+import shutil
 from pathlib import Path
 
 import grimp
@@ -60,10 +61,26 @@ def test_cycle_finder_finds_a_cycle():
     assert _strongly_connected({"a": {"b"}, "b": set()}) == []
 
 
-def test_import_graph_has_no_circle():
-    graph = grimp.build_graph("trl_gspo")  # module-level and function-level imports alike
-    edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
-    assert _strongly_connected(edges) == []
+def _circles(package: str) -> list[list[str]]:
+    graph = grimp.build_graph(package, cache_dir=None)  # module-level and function-level imports alike
+    return _strongly_connected({m: graph.find_modules_directly_imported_by(m) for m in graph.modules})
+
+
+@pytest.mark.parametrize("package", ["trl_gspo", "benchmarks"])
+def test_import_graph_has_no_circle(package, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # benchmarks/ imports from the checkout's root, as `python -m` runs it
+    assert _circles(package) == []
+
+
+def test_a_circle_in_the_gpu_checks_is_found(tmp_path, monkeypatch):
+    """The circle benchmarks/gpu/ once had (the passes importing the quick profile, inside a function, while the
+    quick profile imports the passes), planted in a copy of the folder, is found."""
+    shutil.copytree(ROOT / "benchmarks" / "gpu", tmp_path / "planted_circle" / "gpu")
+    (tmp_path / "planted_circle" / "__init__.py").write_text("")
+    passes = tmp_path / "planted_circle" / "gpu" / "passes.py"
+    passes.write_text(passes.read_text() + "\n\ndef _planted():\n    from . import quick\n\n    return quick\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _circles("planted_circle") == [["planted_circle.gpu.passes", "planted_circle.gpu.quick"]]
 
 
 def _function_level_imports(path: Path) -> list[int]:

@@ -4,7 +4,7 @@ torch's `varlen_attn` runs on CUDA only, so these tests replace it with a CPU st
 signature (checked against it) and of the older `is_causal` form, each computing every sequence with a dense masked
 softmax. The segment attention's output and its gradients (query, key, value) are compared with an independent
 dense reference whose mask is written out position by position from the units, never from `SegmentPlan`. Not a GPU
-run: `make gpu-quick` (benchmarks/gpu_check.py) checks the real kernels against the same kind of reference.
+run: `make gpu-quick` (`python -m benchmarks.gpu`) checks the real kernels against the same kind of reference.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tracked text speaks to users: no absolute path of one developer's machine, no first-person notes, no remarks about
 how the work was done (who ran what, in which session, on which lent machine). Raw results are held to it too: their
-writers record no machine paths (benchmarks/gpu_check.py scrubs them)."""
+writers record no machine paths (benchmarks/gpu/check.py scrubs them)."""
 
 import re
 import subprocess

@@ -1,16 +1,18 @@
-"""The `passes` and `loss` parts of `make gpu-quick` (gpu_quick.py has the other two, the helpers, and the profile's
-table): the pi_old / reference pass and the loss forward+backward, ours against stock TRL, on one model shared by a
-stock `GRPOTrainer` and a `GSPOTrainer` whose settings each arm switches.
+"""The `passes` and `loss` parts of `make gpu-quick` (quick.py has the other two and the profile's table, measure.py
+the helpers both build on): the pi_old / reference pass and the loss forward+backward, ours against stock TRL, on one
+model shared by a stock `GRPOTrainer` and a `GSPOTrainer` whose settings each arm switches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import statistics
+import sys
 import time
 
-from gpu_quick import (
+from .measure import (
     BUDGETS,
     REPS,
     TINY_REPS,
@@ -23,6 +25,10 @@ from gpu_quick import (
     timer,
     tiny_kernel,
 )
+
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if BENCHMARKS not in sys.path:  # the benchmark's scenarios import each other as `scenarios`, as run.py puts them
+    sys.path.insert(0, BENCHMARKS)
 
 #: Batches of the pass and loss parts: rows, rows per chunk (TRL's batch_size), completions per prompt, prompt tokens
 #: (range), completion tokens (max) and how completion lengths spread ("uniform" up to max, or lognormal with this

@@ -1,22 +1,24 @@
 """`make gpu-check`: every GPU check of trl-gspo in one go, on whatever GPUs are present (docs/gpu-check.md).
 
-    python benchmarks/gpu_check.py                                  # every part that can run here
-    python benchmarks/gpu_check.py --parts parity_bf16,demo_cuda    # some parts; the other parts' results are kept
-    python benchmarks/gpu_check.py --dry-run                        # list the parts and why each would skip
-    python benchmarks/gpu_check.py --profile quick                  # `make gpu-quick`: the forward path, 8 minutes
-    python benchmarks/gpu_check.py --profile quick --tiny           # its code on the CPU at toy shapes (no timings)
+    python -m benchmarks.gpu                                  # every part that can run here
+    python -m benchmarks.gpu --parts parity_bf16,demo_cuda    # some parts; the other parts' results are kept
+    python -m benchmarks.gpu --dry-run                        # list the parts and why each would skip
+    python -m benchmarks.gpu --profile quick                  # `make gpu-quick`: the forward path, 8 minutes
+    python -m benchmarks.gpu --profile quick --tiny           # its code on the CPU at toy shapes (no timings)
+    python -m benchmarks.gpu routes --dry-run                 # the vllm_routes part alone, with its own options
 
-Each part runs in a fresh process with its own time budget. A part whose GPU or package is missing is skipped with
-the reason; a part that fails, crashes or runs out of time records that (with the end of its log) and the next part
-starts. Results go to `benchmarks/results/gpu-check/gpu-check.json` (every number each part reported) and
-`gpu-check.md` (one table), rewritten after every part; each part's log to `benchmarks/results/gpu-check/gpu-check-logs/`. A run of some
-parts keeps the other parts' entries, so the check can also be run in pieces. The budgets of the parts that run on
-one GPU add up to 39 minutes, and `--max-minutes` (45) caps the whole run.
+(from the checkout's root; `make gpu-check` and `make gpu-quick` run it from anywhere.) Each part runs in a fresh
+process with its own time budget. A part whose GPU or package is missing is skipped with the reason; a part that
+fails, crashes or runs out of time records that (with the end of its log) and the next part starts. Results go to
+`benchmarks/results/gpu-check/gpu-check.json` (every number each part reported) and `gpu-check.md` (one table),
+rewritten after every part; each part's log to `benchmarks/results/gpu-check/gpu-check-logs/`. A run of some parts
+keeps the other parts' entries, so the check can also be run in pieces. The budgets of the parts that run on one GPU
+add up to 39 minutes, and `--max-minutes` (45) caps the whole run.
 
-The parts run in-process by this driver (bf16 parity, the demo, colocated sampling, ZeRO runs) are gpu_parts.py; what
-the machine has, and why a part cannot run on it, gpu_env.py.
-The quick profile (`make gpu-quick`: probe, attention, passes, loss; gpu_quick.py) fits 8 minutes on one GPU and
-writes `gpu-quick.json` / `gpu-quick.md` beside the full run's files.
+The parts run in-process by this driver (bf16 parity, the demo, colocated sampling, ZeRO runs) are parts.py; the
+vLLM route check, routes.py; what the machine has, and why a part cannot run on it, env.py. The quick profile
+(`make gpu-quick`: probe, attention, passes, loss; quick.py) fits 8 minutes on one GPU and writes `gpu-quick.json` /
+`gpu-quick.md` beside the full run's files. How the folder's modules import each other: __init__.py.
 """
 
 from __future__ import annotations
@@ -39,17 +41,16 @@ for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_NO_ADVISORY
     os.environ.setdefault(_name, "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from . import quick, routes  # noqa: E402  (the quick profile's parts; the vllm_routes part)
+from .env import core, environment, modules, needs, two_gpus  # noqa: E402  (what the machine has)
+from .parts import run_part  # noqa: E402  (the parts this driver runs in child processes)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 RESULTS = os.path.join(BENCHMARKS, "results", "gpu-check")  # beside the benchmark's one file per scenario
 LOG_DIR = "gpu-check-logs"
-for _path in (REPO_ROOT, BENCHMARKS):  # the package, then gpu_parts.py beside this file (searched first)
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-import gpu_quick  # noqa: E402  (beside this file: the quick profile's parts)
-from gpu_env import core, environment, modules, needs, two_gpus  # noqa: E402  (beside this file: what the machine has)
-from gpu_parts import run_part  # noqa: E402  (beside this file: the parts this driver runs in child processes)
+#: How a child process runs this driver: as the package, from the checkout's root (its cwd; REPO_ROOT on PYTHONPATH).
+ENTRY = [sys.executable, "-m", "benchmarks.gpu"]
 
 
 # ------------------------------------------------------------------------------------------------ the parts
@@ -68,8 +69,8 @@ class Part:
 
 
 def _self(part: str) -> Callable[[str], list[str]]:
-    """Command of a part implemented in this file (`run_part`)."""
-    return lambda out: [sys.executable, os.path.abspath(__file__), "--part", part, "--result", out]
+    """Command of a part this driver runs in its child process (`run_part` of parts.py or quick.py)."""
+    return lambda out: [*ENTRY, "--part", part, "--result", out]
 
 
 def _bench(*scenarios: str) -> Callable[[str], list[str]]:
@@ -174,10 +175,10 @@ PARTS = [
     ),
     Part(
         "vllm_routes",
-        "`benchmarks/gpu_routes.py`: vLLM returns MoE routes R3 can replay; sampler/trainer route mismatch",
+        "`python -m benchmarks.gpu routes`: vLLM returns MoE routes R3 can replay; sampler/trainer route mismatch",
         120,
         needs(modules("vllm")),
-        lambda out: [sys.executable, os.path.join(BENCHMARKS, "gpu_routes.py"), "--out", out],
+        lambda out: [*ENTRY, "routes", "--out", out],
         lambda r: {"vllm": r.get("engine"), "route mismatch (token, layer)": _round(r.get("mismatch_token_layer"))},
     ),
     Part(
@@ -215,18 +216,18 @@ def _quick(part: str, tiny: bool) -> Callable[[str], list[str]]:
 
 
 def quick_parts(tiny: bool = False) -> list[Part]:
-    """`make gpu-quick` (gpu_quick.py, gpu_passes.py). `tiny`: on the CPU at toy shapes, a stand-in varlen kernel."""
+    """`make gpu-quick` (quick.py, passes.py). `tiny`: on the CPU at toy shapes, a stand-in varlen kernel."""
     missing = core if tiny else needs()
     return [
         Part(
             name,
             what,
-            gpu_quick.BUDGETS[name],
+            quick.BUDGETS[name],
             missing,
             _quick(name, tiny),
-            functools.partial(gpu_quick.headline, name),
+            functools.partial(quick.headline, name),
         )
-        for name, what in gpu_quick.WHAT.items()
+        for name, what in quick.WHAT.items()
     ]
 
 
@@ -414,7 +415,9 @@ def run(
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--profile",
         choices=("full", "quick"),
@@ -441,10 +444,14 @@ def main(argv=None) -> int:
     parser.add_argument("--fresh", action="store_true", help="drop the results of parts not run this time")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["routes"]:  # the vllm_routes part's own tool and options (routes.py)
+        routes.main(argv[1:])
+        return 0
     args = parser.parse_args(argv)
     if args.part is not None:
-        if args.part in gpu_quick.WHAT:
-            return gpu_quick.run_part(args.part, args.result, args.tiny)
+        if args.part in quick.WHAT:
+            return quick.run_part(args.part, args.result, args.tiny)
         return run_part(args.part, args.result)
     if args.tiny and args.profile != "quick":
         parser.error("--tiny runs the quick profile's parts on the CPU: add --profile quick")
@@ -479,7 +486,3 @@ def main(argv=None) -> int:
         if name in wanted and entry["status"] in ("failed", "error", "timeout")
     ]
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`make gpu-quick`: the short GPU check of the forward path (`benchmarks/gpu_check.py --profile quick`,
+"""`make gpu-quick`: the short GPU check of the forward path (`python -m benchmarks.gpu --profile quick`,
 docs/gpu-check.md). Four parts, each one process that reuses its model across arms and rewrites its result JSON after
 every step, so a part stopped at its budget keeps what it measured:
 
@@ -7,148 +7,31 @@ every step, so a part stopped at its budget keeps what it measured:
 - `attention`: one attention layer at Qwen3's shapes, forward and forward+backward timed with CUDA events: stock's
   causal flash call over padded rows, the SDPA blocks, torch's varlen kernel, flash-attn's if installed; each
   output and gradient checked against a dense masked reference on a small layout.
-- `passes` (gpu_passes.py): the pi_old / reference pass, ours vs stock, at three shapes (`equal_settings`, `long_tail`,
+- `passes` (passes.py): the pi_old / reference pass, ours vs stock, at three shapes (`equal_settings`, `long_tail`,
   `long_prompt`): stock, ours with defaults, trimmed only, packed, shared; 2 warm-ups, 5 interleaved repetitions, the
   planner's choice logged. One pi_old forward's model calls run under `torch.cuda.set_sync_debug_mode("error")`.
-- `loss` (gpu_passes.py): `_compute_loss` + backward with gradient checkpointing, the same arms and shapes.
+- `loss` (passes.py): `_compute_loss` + backward with gradient checkpointing, the same arms and shapes.
 
 `--tiny` runs every part on the CPU at toy shapes, with a CPU stand-in of torch's varlen kernel (its signature) and a
 dispatch mode standing for the sync debug mode, so the code of every part runs in the test suite
 (tests/test_gpu_check.py); its numbers say nothing about speed.
+
+This module holds `probe` and `attention`, the profile's table (`WHAT`, `headline`) and `run_part`, which the driver
+(check.py) calls in each part's process; it imports passes.py for the other two, and both build on measure.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import json
 import statistics
 import time
 
-#: Seconds each part may take (the driver stops it there); a part starts no new shape past 80 % of it.
-BUDGETS = {"probe": 60, "attention": 100, "passes": 150, "loss": 150}
-WARMUPS, REPS = 2, 5
-TINY_WARMUPS, TINY_REPS = 1, 2  # `--tiny` runs the code, not a measurement
+from . import passes
+from .measure import BUDGETS, REPS, TINY_REPS, TINY_WARMUPS, WARMUPS, Result, device_of, kernels, timer
+
 #: Attention shapes (query heads, key/value heads, head dim) from the models' config.json. Qwen3-0.6B and -1.7B share
 #: theirs (they differ in hidden size, which attention alone does not see), so one measurement stands for both.
 ATTENTION_SHAPES = {"Qwen3-0.6B and Qwen3-1.7B": (16, 8, 128), "Qwen3-4B": (32, 8, 128)}
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-class Result:
-    """The part's result, rewritten to `path` after every `set`."""
-
-    def __init__(self, path: str | None):
-        self.path, self.data = path, {"status": "ok", "problems": []}
-
-    def set(self, *keys, value):
-        node = self.data
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = value
-        self.save()
-
-    def problem(self, text: str):
-        self.data["status"] = "failed"
-        self.data["problems"].append(text)
-        self.save()
-
-    def save(self):
-        if self.path:
-            with open(self.path, "w") as f:
-                json.dump(self.data, f, indent=2, default=str)
-
-
-def device_of(tiny: bool):
-    import torch
-
-    device = "cpu" if tiny else "cuda"
-    return torch.device(device), (torch.float32 if tiny else torch.bfloat16)
-
-
-def timer(device):
-    """`time(fn)` -> milliseconds of one call: CUDA events on the GPU, the wall clock elsewhere."""
-    import torch
-
-    def timed(fn):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        begin = time.perf_counter()
-        fn()
-        return (time.perf_counter() - begin) * 1e3
-
-    return timed
-
-
-def cpu_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kw):
-    """CPU stand-in of torch's `varlen_attn` (`--tiny`): each sequence with a dense masked softmax, causal
-    bottom-right aligned for `window_size=(-1, 0)`, key/value heads repeated for GQA."""
-    import torch
-
-    rep = query.size(1) // key.size(1)
-    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-    out = []
-    for i in range(len(cu_seq_q) - 1):
-        q, k, v = (x[c[i] : c[i + 1]] for x, c in ((query, cu_seq_q), (key, cu_seq_k), (value, cu_seq_k)))
-        allowed = torch.ones(len(q), len(k), dtype=torch.bool)
-        if tuple(window_size) == (-1, 0) or kw.get("is_causal"):
-            allowed = allowed.tril(len(k) - len(q))
-        s = torch.einsum("qhd,khd->hqk", q, k) * (q.size(-1) ** -0.5 if scale is None else scale)
-        out.append(torch.einsum("hqk,khd->qhd", s.masked_fill(~allowed, float("-inf")).softmax(-1), v))
-    return torch.cat(out)
-
-
-@contextlib.contextmanager
-def kernels(tiny: bool):
-    """The varlen kernel segment calls use: torch's own, or in `--tiny` the CPU stand-in, which the forward pipeline
-    is told is there (`LogprobForward.varlen_kernel`) as on CUDA."""
-    from trl_gspo.forward import pipeline, segment_attention
-
-    if not tiny:
-        yield
-        return
-    saved = segment_attention.varlen_attn, pipeline.LogprobForward.varlen_kernel
-    segment_attention.varlen_attn = cpu_varlen
-    pipeline.LogprobForward.varlen_kernel = lambda self, support, device: tiny_kernel.get("kernel")
-    try:
-        yield
-    finally:
-        segment_attention.varlen_attn, pipeline.LogprobForward.varlen_kernel = saved
-
-
-tiny_kernel: dict = {"kernel": None}  # what `--tiny` tells the pipeline (set per arm)
-
-
-@contextlib.contextmanager
-def no_sync(device):
-    """Around the model calls of one forward: a host sync raises. On CUDA torch's sync debug mode; on the CPU
-    (`--tiny`) a dispatch mode that raises on every operator that reads a value back."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    syncing = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
-
-    class NoSync(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func) in syncing:
-                raise RuntimeError(f"host sync: {func}")
-            return func(*args, **(kwargs or {}))
-
-    with NoSync():
-        yield
 
 
 def dense_mask(units, width):
@@ -353,7 +236,7 @@ def _check(fn, mask, heads, kv, dim, device, dtype) -> dict:
     return {"relative_errors": errors, "status": "ok" if max(errors.values()) <= tolerance else "failed"}
 
 
-#: What each part checks (the driver's table, gpu_check.py).
+#: What each part checks (the driver's table, check.py).
 WHAT = {
     "probe": "torch / CUDA versions, varlen_attn's signature and alignment, the SDPA backend of a masked GQA block",
     "attention": "one attention layer at Qwen3 shapes, CUDA events: stock's causal call, SDPA blocks, torch varlen, "
@@ -391,16 +274,12 @@ def _rounded(value):
 
 
 def part(name: str):
-    """The function of part `name` (`passes` and `loss` are in gpu_passes.py, which builds on this module)."""
-    if name in ("passes", "loss"):
-        import gpu_passes
-
-        return getattr(gpu_passes, name)
-    return {"probe": probe, "attention": attention}[name]
+    """The function of part `name` (`passes` and `loss` are in passes.py)."""
+    return {"probe": probe, "attention": attention, "passes": passes.passes, "loss": passes.loss}[name]
 
 
 def run_part(name: str, result_path: str, tiny: bool = False) -> int:
-    """Child process of one quick part (gpu_check.py): its result JSON is rewritten after every step."""
+    """Child process of one quick part (check.py): its result JSON is rewritten after every step."""
     from trl_gspo.cli.console import quiet_library_deprecations
 
     quiet_library_deprecations()

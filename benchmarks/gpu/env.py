@@ -1,6 +1,6 @@
-"""What the machine has, for `make gpu-check` / `make gpu-quick` (gpu_check.py): GPUs, the packages the parts need and
+"""What the machine has, for `make gpu-check` / `make gpu-quick` (check.py): GPUs, the packages the parts need and
 trl-gspo's supported ranges, and the checks that say why a part cannot run here. Nothing here imports TRL (a missing
-TRL must not stop the check).
+TRL must not stop the check), nor any other module of this folder.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import platform
 from collections.abc import Callable
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def environment() -> dict:

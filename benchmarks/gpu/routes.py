@@ -1,8 +1,8 @@
-"""The `vllm_routes` part of `make gpu-check` (gpu_check.py runs it): does the installed vLLM return MoE routes that
-trl-gspo's R3 can replay?
+"""The `vllm_routes` part of `make gpu-check` (the driver, check.py, runs it): does the installed vLLM return MoE routes
+that trl-gspo's R3 can replay?
 
-    python benchmarks/gpu_routes.py --out /tmp/vllm-routes.json          # GPU + vLLM (what gpu_check.py runs)
-    python benchmarks/gpu_routes.py --dry-run                            # CPU, no vLLM (tests/test_gpu_check.py)
+    python -m benchmarks.gpu routes --out /tmp/vllm-routes.json          # GPU + vLLM (what the driver runs)
+    python -m benchmarks.gpu routes --dry-run                            # CPU, no vLLM (tests/test_gpu_check.py)
 
 It builds a colocated `vllm.LLM(..., enable_return_routed_experts=True)` on an MoE model (default: a tiny Qwen3-MoE
 built from config and saved to a temporary folder; `--model` for a real one), generates a few completions, reads
@@ -14,21 +14,15 @@ trainer's router picks other experts than vLLM did. A layout trl-gspo does not k
 
 `--dry-run` replaces vLLM by a stand-in engine that samples with transformers `generate` and returns its recorded routes
 in vLLM's first layout (`CompletionOutput.routed_experts`, int32, prompt + completion - 1 rows), so the script's path
-is exercised on CPU (the test suite runs it).
+is exercised on CPU (the test suite runs it). It imports no other module of this folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import types
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
 
 PROMPTS = ["copy 1 2 3 :", "add 4 5 =", "what is the sum of 1 and 2 ?", "count 7 8 9"]
 
@@ -71,7 +65,7 @@ def stand_in_engine(model, hooks, tokenizer, max_tokens: int):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu routes", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model", default=None, help="MoE model folder or Hub id (default: tiny Qwen3-MoE from config)"
     )
@@ -157,7 +151,3 @@ def main(argv=None) -> dict:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
     return report
-
-
-if __name__ == "__main__":
-    main()

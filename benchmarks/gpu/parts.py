@@ -1,6 +1,7 @@
 """The parts of `make gpu-check` implemented here rather than by another script: bf16 parity against stock TRL,
 the demo on a GPU, colocated sampling with the no-grad forward count (`vllm_colocate`), and 2-GPU ZeRO-2 / ZeRO-3
-demo runs. Each runs in a child process of gpu_check.py (`run_part`), which records its result.
+demo runs. Each runs in a child process of the driver (check.py, `run_part`), which records its result. It imports no
+other module of this folder.
 """
 
 from __future__ import annotations
@@ -20,10 +21,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ------------------------------------------------------------------------------------------------ parity, bf16
