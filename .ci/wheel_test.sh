@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheel test: build trl-gspo with `pip install .` (not editable) into a clean venv in a temporary folder and use
-# it from there, where the repository is not importable: the offline demo, `trl-gspo check`, `trl-gspo recipes`, and
+# it from there, where the repository is not importable: the offline copy demo, `trl-gspo models list`, `trl-gspo check`, `trl-gspo recipes`, and
 # a shipped recipe (GSPO-token, whose trainer_class lives next to it; the wheel installs the top-level recipes/ inside the package) for one step on the tiny
 # model; and that every module of every subpackage of trl_gspo/ is in the wheel. Any failing command, missing output
 # or module, or a model card that does not name the variant fails the test.
@@ -30,8 +30,11 @@ for package in sorted({m.parent for m in modules if m.name == "__init__.py"}):
 print(f"wheel: {len(modules)} modules in {len({m.parent for m in modules})} packages, recipes and accelerate configs")
 PY
 
-trl-gspo demo --output_dir demo-out --max_steps 2 --num_train_prompts 32 --num_eval_prompts 16 --disable_tqdm true
+trl-gspo demo --config demo --output_dir demo-out --max_steps 2 --num_train_prompts 32 --num_eval_prompts 16 \
+    --disable_tqdm true
 test -f demo-out/model.safetensors && grep -q "trained with GSPO" demo-out/README.md
+
+trl-gspo models list  # where the real model resolves (the copy `make test` prepared, offline)
 
 trl-gspo check
 

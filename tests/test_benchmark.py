@@ -32,7 +32,7 @@ def test_tiny_run_writes_one_file_per_scenario(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     padding_path = fused_head.available()  # TRL < 1.15: padding removal is off, so the layout scenarios are skipped
     layouts = {"long_tail", "long_prompt"} if padding_path else set()
-    expected = {"demo", "loss_path", "equal_settings", "equal_settings_no_diagnostics", "sampler_logprobs"}
+    expected = {"demo", "demo_copy", "loss_path", "equal_settings", "equal_settings_no_diagnostics", "sampler_logprobs"}
     expected |= {"logprob_memory", "async"} | layouts
     assert {os.path.basename(p) for p in summary["written"]} == {f"{name}.json" for name in expected}
     assert set(summary["skipped"]) >= {"demo_vllm", "vllm_generation"}  # vLLM's CPU build only, not in --tiny
@@ -46,10 +46,14 @@ def test_tiny_run_writes_one_file_per_scenario(tmp_path):
         assert record["versions"]["trl"] and record["settings"]["tiny"] is True and _positive(record["wall_seconds"])
     report = {name: record["result"] for name, record in files.items()}
 
-    demo = report["demo"]
-    assert demo["seeds"] == [0] and demo["runs"][0]["steps"] == 4 and demo["runs"][0]["eval_prompts"] == 8
-    assert demo["runs"][0]["threads"] == 1 and "the demo's choice" in demo["runs"][0]["threads_from"]  # as typed
-    assert 0 <= demo["after_min"] <= 1 and _positive(demo["median_end_to_end_seconds"])
+    demo = report["demo"]  # the real model as typed: torch's threads, every core
+    assert demo["seeds"] == [0] and demo["runs"][0]["steps"] == 2 and demo["runs"][0]["eval_prompts"] == 4
+    assert demo["runs"][0]["threads_from"] == "torch's default"  # no thread count imposed on a real model
+    copy = report["demo_copy"]
+    assert copy["seeds"] == [0] and copy["runs"][0]["steps"] == 4 and copy["runs"][0]["eval_prompts"] == 8
+    assert copy["runs"][0]["threads"] == 1 and "the demo's choice" in copy["runs"][0]["threads_from"]  # as typed
+    for run in (demo, copy):
+        assert 0 <= run["after_min"] <= 1 and _positive(run["median_end_to_end_seconds"])
     lp = report["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
     assert _positive(lp["ratio_seconds_no_diagnostics"]) and _positive(lp["ratio_cpu_seconds_no_diagnostics"])

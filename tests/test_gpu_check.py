@@ -262,6 +262,8 @@ def test_zero_part_streams_its_launch_and_checks_what_it_saved(monkeypatch, caps
             "-m",
             "trl_gspo",
             "demo",
+            "--config",
+            "demo",
             "--output_dir",
             output_dir,
             "--max_steps",

@@ -50,7 +50,7 @@ def test_prepared_folder_holds_the_gguf_weights_and_gives_its_logits(smollm2):
 
 def test_gspo_trains_the_real_model(smollm2, tmp_path):
     from trl_gspo import GSPOConfig, GSPOTrainer
-    from trl_gspo.cli.addition import addition_reward, make_addition_dataset
+    from trl_gspo.cli.addition import make_addition_dataset
 
     args = GSPOConfig(
         output_dir=str(tmp_path),
@@ -67,9 +67,11 @@ def test_gspo_trains_the_real_model(smollm2, tmp_path):
         report_to="none",
         seed=0,
     )
-    trainer = GSPOTrainer(
-        str(smollm2), addition_reward, args=args, train_dataset=make_addition_dataset(16), processing_class=None
-    )
+    def digits(completions, **kwargs):  # varies within every group, so every advantage is non-zero
+        texts = [c[-1]["content"] for c in completions]
+        return [sum(ch.isdigit() for ch in text) / max(1, len(text)) + 0.01 * len(text) for text in texts]
+
+    trainer = GSPOTrainer(str(smollm2), digits, args=args, train_dataset=make_addition_dataset(16))
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     moved = [name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])]

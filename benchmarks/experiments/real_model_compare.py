@@ -151,10 +151,12 @@ def launch(arm: str, seed: int, lr: float, steps: int, every: int, prompts: int,
         return
     command = [sys.executable, __file__, "--one", arm, *(str(x) for x in (seed, lr, steps, every, prompts, path))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{path.stem} failed:\n{done.stderr[-4000:]}")
+    started, console = time.perf_counter(), path.with_suffix(".log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(console, "w") as out:  # a file, not a pipe: the run outlives an interrupted driver
+        code = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"{path.stem} failed ({code}); its console: {console}")
     log(f"{path.stem}: {time.perf_counter() - started:.0f} s")
 
 

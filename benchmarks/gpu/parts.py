@@ -252,6 +252,8 @@ def zero_command(stage: int, output_dir: str, num_processes: int = 2) -> list[st
         str(_free_port()),
     ]
     demo = [
+        "--config",
+        "demo",  # the copy task's tiny model: what check_saved_demo rebuilds and compares
         "--use_cpu",
         "false",
         "--bf16",

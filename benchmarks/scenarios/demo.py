@@ -1,6 +1,9 @@
-"""The `demo` and `demo_vllm` scenarios: `trl-gspo demo` end to end as a user types it, one fresh process per seed: the
-held-out reward before and after training, the training seconds (the console's `done:` line), the seconds end to end
-(the whole command: imports, model, evaluation, saving; with vLLM the engine's start too) and the threads it ran with.
+"""The `demo`, `demo_copy` and `demo_vllm` scenarios: `trl-gspo demo` end to end as a user types it, one fresh process
+per seed: the held-out score before and after training (the real model's accuracy, the copy task's reward), the
+training seconds (the console's `done:` line), the seconds end to end (the whole command: imports, model, evaluation,
+saving; with vLLM the engine's start too) and the threads it ran with. `demo` is `make demo` (SmolLM2-135M-Instruct on
+two-digit addition, from the model `trl-gspo models prepare` made available), `demo_copy` the tiny model's copy task
+(`--config demo`), `demo_vllm` the copy task with colocated vLLM.
 
 As typed means no thread variables: the harness's `OMP_NUM_THREADS` / `MKL_NUM_THREADS` (the other scenarios run
 with one thread) are removed from the demo's environment, so the demo picks its own thread count, as `make demo` does.
@@ -20,7 +23,14 @@ from scenarios.driver import REPO_ROOT
 SEEDS = (0, 1, 2)
 #: --tiny: a few steps, only to run the path.
 TINY = ("--max_steps", "4", "--num_train_prompts", "32", "--num_eval_prompts", "8")
-HELD_OUT = re.compile(r"held-out reward \(greedy, (\d+) unseen prompts\): before ([\d.]+) -> after ([\d.]+)")
+#: --tiny on the real model: one small rollout batch.
+TINY_REAL = (
+    *("--max_steps", "2", "--num_train_prompts", "16", "--num_eval_prompts", "4", "--eval_every", "0"),
+    *("--per_device_train_batch_size", "4", "--num_generations", "4", "--steps_per_generation", "2"),
+)
+HELD_OUT = re.compile(
+    r"held-out (?:reward|accuracy) \(greedy, (\d+) unseen prompts\): before ([\d.]+) -> after ([\d.]+)"
+)
 DONE = re.compile(r"^done: (\d+) steps in ([\d.]+) s", re.MULTILINE)
 #: The demo's line on what it runs on: `trl-gspo demo: 1 process on cpu, 1 thread (...), 2 cores`.
 RESOURCES = re.compile(r"^trl-gspo demo: \d+ process(?:es)? on cpu, (\d+) threads? \(([^)]*)\)", re.MULTILINE)
@@ -28,10 +38,13 @@ RESOURCES = re.compile(r"^trl-gspo demo: \d+ process(?:es)? on cpu, (\d+) thread
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def run_demo(seed: int, use_vllm: bool, tiny: bool, out_dir: str) -> dict:
-    """`python -m trl_gspo demo --seed SEED` (with `--use_vllm true --vllm_mode colocate`), its numbers from its console."""
-    command = [sys.executable, "-m", "trl_gspo", "demo", "--seed", str(seed), "--output_dir", out_dir]
-    command += [*(("--use_vllm", "true", "--vllm_mode", "colocate") if use_vllm else ()), *(TINY if tiny else ())]
+def run_demo(seed: int, copy: bool, use_vllm: bool, tiny: bool, out_dir: str) -> dict:
+    """`python -m trl_gspo demo --seed SEED` (`copy`: with `--config demo`; with `--use_vllm true --vllm_mode
+    colocate`), its numbers from its console."""
+    command = [sys.executable, "-m", "trl_gspo", "demo", *(("--config", "demo") if copy else ())]
+    command += ["--seed", str(seed), "--output_dir", out_dir]
+    command += [*(("--use_vllm", "true", "--vllm_mode", "colocate") if use_vllm else ())]
+    command += [*((TINY if copy else TINY_REAL) if tiny else ())]
     env = {name: value for name, value in os.environ.items() if name not in THREAD_VARIABLES}
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
@@ -54,17 +67,19 @@ def run_demo(seed: int, use_vllm: bool, tiny: bool, out_dir: str) -> dict:
     }
 
 
-def demo_scenario(use_vllm: bool, tiny: bool, work_dir: str, log) -> dict:
-    runs = []
+def demo_scenario(copy: bool, use_vllm: bool, tiny: bool, work_dir: str, log) -> dict:
+    runs, name = [], "demo" + ("-copy" if copy else "") + ("-vllm" if use_vllm else "")
     for seed in SEEDS[:1] if tiny else SEEDS:
-        runs.append(run_demo(seed, use_vllm, tiny, os.path.join(work_dir, f"demo-{'vllm-' if use_vllm else ''}{seed}")))
+        runs.append(run_demo(seed, copy, use_vllm, tiny, os.path.join(work_dir, f"{name}-{seed}")))
         r = runs[-1]
         log(
             f"  demo seed {seed}: held-out {r['before']:.3f} -> {r['after']:.3f}, training {r['train_seconds']:.1f} s, "
             f"end to end {r['end_to_end_seconds']:.1f} s"
         )
     return {
-        "command": "python -m trl_gspo demo --seed SEED"
+        "command": "python -m trl_gspo demo"
+        + (" --config demo" if copy else "")
+        + " --seed SEED"
         + (" --use_vllm true --vllm_mode colocate" if use_vllm else "")
         + " (no OMP_NUM_THREADS / MKL_NUM_THREADS)",
         "seeds": [r["seed"] for r in runs],
