@@ -239,7 +239,7 @@ def test_invalid_choice_is_one_line_without_the_usage(capsys):
 def test_train_with_the_demo_recipe_says_it_is_the_demos(capsys):
     assert main(["train", "--config", "demo"]) == 2
     line = _error_line(capsys.readouterr().err)
-    assert "trl-gspo demo --config demo" in line and "num_train_prompts" in line, line
+    assert "trl-gspo demo --config demo" in line and "'task'" in line, line
 
 
 # ----------------------------------------------------------------------------------------------- console
