@@ -10,6 +10,7 @@ run: `make gpu-quick` (`python -m benchmarks.gpu`) checks the real kernels again
 from __future__ import annotations
 
 import inspect
+import random
 
 import pytest
 import torch
@@ -42,6 +43,21 @@ def _dense_mask(rows, width):
         for i in range(at, width):
             mask[r, i, i] = True
     return mask
+
+
+def test_plan_from_units_matches_the_mask_written_out_from_the_units():
+    """`SegmentPlan.from_units` (filled as Python lists, made tensors once) on random rows of units and filler: its
+    mask is `_dense_mask`'s, position by position, and a plan of no rows is `[0, W]`."""
+    rng = random.Random(0)
+    for _ in range(100):
+        rows = []
+        for _ in range(rng.randint(1, 3)):
+            units = [(rng.choice([0, rng.randint(1, 6)]), [rng.randint(1, 5) for _ in range(rng.randint(1, 3))])]
+            units += [(0, [rng.randint(1, 5)]) for _ in range(rng.randint(0, 2))]
+            rows.append(units)
+        width = max(sum(p + sum(seg) for p, seg in units) for units in rows) + rng.randint(0, 3)
+        assert torch.equal(SegmentPlan.from_units(rows, width).dense_mask(), _dense_mask(rows, width))
+    assert SegmentPlan.from_units([], 5).shape == (0, 5)
 
 
 def _dense_attention(q, k, v, mask, scale):

@@ -227,16 +227,17 @@ def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack:
     keeps its column in the padded batch as position id, as TRL's padded forward gives it. `aliases` lists, for the
     prefix positions, the other rows' batch positions they stand for (their routes and counts)."""
     b, s = batch_shape
+    spans = spans.tolist() if isinstance(spans, torch.Tensor) else spans  # read element by element below
     pieces = []  # per unit: (width, prefix (row, start, length) or None, segments [(row, start, length)])
     for unit in units:
         if len(unit) == 1:
             r = unit[0]
-            start, end = int(spans[r, 0]), int(spans[r, 1])
+            start, end = spans[r][0], spans[r][1]
             pieces.append((end - start, None, [(r, start, end - start)]))
             continue
-        first = int(spans[unit[0], 0])
+        first = spans[unit[0]][0]
         prefix = (unit[0], first, prompt_width - 1 - first)
-        segments = [(r, prompt_width - 1, int(spans[r, 1]) - prompt_width + 1) for r in unit]
+        segments = [(r, prompt_width - 1, spans[r][1] - prompt_width + 1) for r in unit]
         pieces.append((prefix[2] + sum(seg[2] for seg in segments), (unit, prefix), segments))
     widths = [p[0] for p in pieces]
     capacity = (sum(widths) if one_row else max(widths)) if pack else max(widths)
@@ -249,38 +250,39 @@ def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack:
             bins.append([]), room.append(capacity)
             j = len(bins) - 1
         bins[j].append(i), room.__setitem__(j, room[j] - widths[i])
-    source = torch.full((len(bins), capacity), -1, dtype=torch.long)
-    alias_model, alias_batch, plan_rows, seg_lengths = [], [], [], []
+    # Built as Python lists and made tensors once: a slice assignment per unit costs more than the whole list.
+    source_rows, alias_model, alias_batch, plan_rows, seg_lengths = [], [], [], [], []
+    aliased = False
     for j, members in enumerate(bins):
-        at, row_units = 0, []
+        at, row_units, row = 0, [], []
         for i in members:
             width, shared, segments = pieces[i]
             prefix_len = 0
             if shared is not None:
                 unit, (r0, start, prefix_len) = shared
-                cols = torch.arange(start, start + prefix_len)
-                source[j, at : at + prefix_len] = r0 * s + cols
+                row += range(r0 * s + start, r0 * s + start + prefix_len)
                 for r in unit[1:]:
-                    alias_model.append(j * capacity + at + torch.arange(prefix_len)), alias_batch.append(r * s + cols)
-            pos = at + prefix_len
+                    aliased = True
+                    alias_model += range(j * capacity + at, j * capacity + at + prefix_len)
+                    alias_batch += range(r * s + start, r * s + start + prefix_len)
             for r, start, length in segments:
-                source[j, pos : pos + length] = r * s + torch.arange(start, start + length)
-                pos += length
+                row += range(r * s + start, r * s + start + length)
             row_units.append((prefix_len, [seg[2] for seg in segments]))
             seg_lengths.append(width)
             at += width
         if at < capacity:
             seg_lengths.append(capacity - at)
+        source_rows.append(row + [-1] * (capacity - len(row)))
         plan_rows.append(row_units)
+    source = torch.tensor(source_rows, dtype=torch.long)
     position_ids = torch.where(source >= 0, source % s, 0)
-    aliases = None
-    if alias_model:
-        aliases = torch.stack([torch.cat(alias_model), torch.cat(alias_batch)])
+    aliases = torch.tensor([alias_model, alias_batch], dtype=torch.long) if aliased else None
     plan = SegmentPlan.from_units(plan_rows, capacity)
     return ForwardLayout(source, batch_shape, position_ids, True, tuple(seg_lengths), segments=plan, aliases=aliases)
 
 
 def packable(spans, rows) -> bool:
-    """Every row's real tokens are contiguous and it has some (a hole would be attended across when packed)."""
-    lengths = (spans[rows, 1] - spans[rows, 0]).clamp(min=0)
-    return bool((spans[rows, 2] == lengths).all() and (lengths > 0).all())
+    """Every row's real tokens are contiguous and it has some (a hole would be attended across when packed).
+    `spans`: row_spans' tensor or its rows as lists (the planner's)."""
+    spans = spans.tolist() if isinstance(spans, torch.Tensor) else spans
+    return all(spans[r][1] > spans[r][0] and spans[r][2] == spans[r][1] - spans[r][0] for r in rows)

@@ -64,25 +64,33 @@ def pair_cost(config) -> float:
         return 1e-3
 
 
+def span_rows(spans) -> list[list[int]]:
+    """The row spans (layouts.row_spans) as Python lists `[first, end, count]`, one host copy: the cost model reads
+    them element by element, which costs a tensor op per element on a tensor and a list lookup here."""
+    return spans.tolist() if isinstance(spans, torch.Tensor) else spans
+
+
 def trimmed_cost(spans, rows, prompt_width, alpha) -> float:
-    lead = min(int(spans[rows, 0].min()), prompt_width - 1)
-    end = max(int(spans[rows, 1].max()), prompt_width + 1)
+    spans, rows = span_rows(spans), rows.tolist() if isinstance(rows, torch.Tensor) else rows
+    lead = min(min(spans[r][0] for r in rows), prompt_width - 1)
+    end = max(max(spans[r][1] for r in rows), prompt_width + 1)
     width, n = end - lead, len(rows)
-    padded = bool(((spans[rows, 0] > lead) | (spans[rows, 1] < end)).any())
+    padded = any(spans[r][0] > lead or spans[r][1] < end for r in rows)
     pairs = n * width * width if padded else n * width * (width + 1) / 2  # a mask disables SDPA's causal skip
     return n * width + alpha * pairs
 
 
 def unit_widths(spans, units, prompt_width) -> list[tuple[int, int, list[int]]]:
     """(width, prefix, segment lengths) of each unit of a segment layout (see layouts.segment_layout)."""
+    spans = span_rows(spans)
     out = []
     for unit in units:
         if len(unit) == 1:
-            n = int(spans[unit[0], 1] - spans[unit[0], 0])
+            n = spans[unit[0]][1] - spans[unit[0]][0]
             out.append((n, 0, [n]))
         else:
-            prefix = prompt_width - 1 - int(spans[unit[0], 0])
-            segments = [int(spans[r, 1]) - prompt_width + 1 for r in unit]
+            prefix = prompt_width - 1 - spans[unit[0]][0]
+            segments = [spans[r][1] - prompt_width + 1 for r in unit]
             out.append((prefix + sum(segments), prefix, segments))
     return out
 
@@ -189,13 +197,14 @@ def plan_forward(
     if share is not False and groups:
         orders.append(shared_prefix.group_order(spans, groups))
     group_of = {r: tuple(rows) for rows in groups for r in rows}
+    span_list = span_rows(spans)
     best = None
     for order in orders:
-        choices, total = [], 0.0
+        choices, total, order = [], 0.0, order.tolist()
         for start in range(0, b, chunk_rows):
-            rows = order[start : start + chunk_rows].tolist()
+            rows = order[start : start + chunk_rows]
             kind, cost, units = choose_layout(
-                spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha, device, kernel
+                span_list, rows, prompt_width, group_of, trim, pack, share, one_row, alpha, device, kernel
             )
             choices.append((kind, rows, units))
             total += cost
@@ -227,17 +236,21 @@ def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_ro
     if not segments_on_auto(device, kernel):
         pack, share = (p if p is True else False for p in (pack, share))
     weight = 1 / CUDA_MARGIN if device == "cuda" else 1.0
+    spans = span_rows(spans)
     candidates = []
-    segments_ok = packable(spans, rows) and bool((spans[rows, 0] < prompt_width).all())
-    units = []
+    segments_ok = packable(spans, rows) and all(spans[r][0] < prompt_width for r in rows)
+    units = []  # rows of one group together (in the order of their first row), other rows alone
     if share is not False and segments_ok:
-        seen = set()
+        unit_of: dict = {}
         for r in rows:
             key = group_of.get(r)
-            members = [x for x in rows if group_of.get(x) == key] if key is not None else [r]
-            if key is None or key not in seen:
-                units.append(members)
-                seen.add(key)
+            if key is None:
+                units.append([r])
+            elif key in unit_of:
+                unit_of[key].append(r)
+            else:
+                unit_of[key] = [r]
+                units.append(unit_of[key])
     shared_ok = any(len(u) > 1 for u in units)
     if shared_ok:
         widths = unit_widths(spans, units, prompt_width)
@@ -246,7 +259,7 @@ def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_ro
         singles = unit_widths(spans, [[r] for r in rows], prompt_width)
         candidates.append(("packed", weight * segment_cost(singles, True, one_row, alpha, kernel)))
     if not ((pack is True and segments_ok) or (share is True and shared_ok)):
-        cost = trimmed_cost(spans, torch.tensor(rows), prompt_width, alpha) if trim else math.inf
+        cost = trimmed_cost(spans, rows, prompt_width, alpha) if trim else math.inf
         candidates.append(("trimmed", cost))
     kind, cost = min(candidates, key=lambda c: c[1])
     return kind, (0.0 if math.isinf(cost) else cost), units

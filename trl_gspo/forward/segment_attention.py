@@ -63,6 +63,11 @@ BLOCK = 256
 
 
 # ------------------------------------------------------------------------------------------------ the plan
+def _fill(values: list, lo: int, hi: int, value) -> None:
+    """`values[lo:hi] = value`, as on a tensor: the slice keeps its length (a list would grow past its end)."""
+    values[lo:hi] = [value] * len(range(*slice(lo, hi).indices(len(values))))
+
+
 @dataclass
 class SdpaBlock:
     q0: int
@@ -92,25 +97,26 @@ class SegmentPlan:
     def from_units(cls, rows: list[list[tuple[int, list[int]]]], width: int) -> SegmentPlan:
         """`rows[r]` lists the units of model row `r` in order, each `(prefix_len, [segment_len, ...])`; positions
         after the last unit are filler."""
-        n = len(rows)
-        col = torch.arange(width)
-        own_start, ctx_start, ctx_end = (
-            col.repeat(n, 1),
-            torch.zeros(n, width, dtype=torch.long),
-            torch.zeros(n, width, dtype=torch.long),
-        )
-        for r, units in enumerate(rows):
+        # Python lists filled unit by unit and made tensors once (a slice assignment on a tensor per segment costs
+        # more); `_fill` keeps slice semantics, so a unit reaching past `width` is cut there as on a tensor.
+        own_start, ctx_start, ctx_end = [], [], []
+        for units in rows:
+            own, c0, c1 = list(range(width)), [0] * width, [0] * width
             at = 0
             for prefix, segments in units:
-                own_start[r, at : at + prefix] = at
+                _fill(own, at, at + prefix, at)
                 end_prefix = at + prefix
                 start = end_prefix
                 for length in segments:
-                    own_start[r, start : start + length] = start
-                    ctx_start[r, start : start + length] = at
-                    ctx_end[r, start : start + length] = end_prefix
+                    _fill(own, start, start + length, start)
+                    _fill(c0, start, start + length, at)
+                    _fill(c1, start, start + length, end_prefix)
                     start += length
                 at = start
+            own_start.append(own), ctx_start.append(c0), ctx_end.append(c1)
+        own_start, ctx_start, ctx_end = (
+            torch.tensor(x, dtype=torch.long).reshape(len(rows), width) for x in (own_start, ctx_start, ctx_end)
+        )
         return cls(own_start, ctx_start, ctx_end)
 
     def visible(self, queries: torch.Tensor, keys: torch.Tensor, rows=slice(None)) -> torch.Tensor:

@@ -109,16 +109,17 @@ def group_order(spans: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
     """Row order with each group's rows together: units (groups, and rows in none) longest first by the end of
     their longest row, rows inside a group longest first. Stable."""
     b = spans.size(0)
-    in_group = torch.full((b,), -1, dtype=torch.long)
-    for g, rows in enumerate(groups):
-        in_group[rows] = g
-    end = spans[:, 1]
-    units = [(int(end[rows].max()), rows) for rows in groups]
-    units += [(int(end[r]), [r]) for r in range(b) if int(in_group[r]) < 0]
+    in_group = [False] * b
+    for rows in groups:
+        for r in rows:
+            in_group[r] = True
+    end = spans[:, 1].tolist()
+    units = [(max(end[r] for r in rows), rows) for rows in groups]
+    units += [(end[r], [r]) for r in range(b) if not in_group[r]]
     units.sort(key=lambda u: -u[0])  # stable: ties keep the group order
     order = []
     for _, rows in units:
-        order += sorted(rows, key=lambda r: -int(end[r]))
+        order += sorted(rows, key=lambda r: -end[r])
     return torch.tensor(order, dtype=torch.long)
 
 
