@@ -74,9 +74,26 @@ def load_runs(output_dir: Path) -> dict:
     return groups
 
 
-def by_step(runs, key):
-    """steps and (mean, min, max) over seeds of `key` at each step every run logged it."""
-    per_run = [{row["step"]: row[key] for row in run["rows"] if isinstance(row.get(key), (int, float))} for run in runs]
+def per_rollout(run, key) -> dict:
+    """{first step of a rollout batch: mean of `key` over the batch's optimizer steps}: the clip fraction and the
+    ratio spread are 0 at a batch's first (on-policy) update and grow over the next ones, so a batch's mean is what
+    compares across steps."""
+    spg = run["settings"]["steps_per_generation"]
+    groups = {}
+    for row in run["rows"]:
+        if isinstance(row.get(key), (int, float)):
+            groups.setdefault((row["step"] - 1) // spg * spg + 1, []).append(row[key])
+    return {step: statistics.fmean(values) for step, values in groups.items()}
+
+
+def by_step(runs, key, rollout_means: bool = False):
+    """steps and (mean, min, max) over seeds of `key` at each step every run logged it (per rollout batch: its mean)."""
+    per_run = [
+        per_rollout(run, key)
+        if rollout_means
+        else {row["step"]: row[key] for row in run["rows"] if isinstance(row.get(key), (int, float))}
+        for run in runs
+    ]
     steps = sorted(set.intersection(*(set(r) for r in per_run))) if per_run else []
     stats = [[r[s] for r in per_run] for s in steps]
     return steps, [statistics.fmean(x) for x in stats], [min(x) for x in stats], [max(x) for x in stats]
@@ -98,23 +115,37 @@ def plot(groups: dict, path: Path, label_of, color_of, title: str) -> None:
     panels = [
         ("held-out accuracy (greedy, 200 problems)", None),
         ("rollout reward (mean of 64 samples)", "reward"),
-        ("clip fraction, tokens (TRL's clip_ratio/region_mean)", CLIP),
-        ("sequence-ratio std (trl-gspo arms)", SPREAD),
+        ("clip fraction, tokens (TRL's clip_ratio/region_mean),\nmean over each rollout batch's 4 updates", CLIP),
+        ("sequence-ratio std (trl-gspo arms),\nmean over each rollout batch's 4 updates", SPREAD),
         ("completion length (tokens)", LENGTH),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
+    axes = axes.ravel()
     for ax, (name, key) in zip(axes, panels):
         for group, runs in groups.items():
-            steps, mid, low, high = curve_by_step(runs) if key is None else by_step(runs, key)
+            if key is None:
+                steps, mid, low, high = curve_by_step(runs)
+            else:
+                steps, mid, low, high = by_step(runs, key, rollout_means=key in (CLIP, SPREAD))
             if not steps:
                 continue
-            ax.plot(steps, mid, "o-" if key is None else "-", ms=3, color=color_of(group), label=label_of(group))
+            wide = group == "stock GSPO"  # drawn wide underneath: trl-gspo GSPO retraces it rollout for rollout
+            style = dict(lw=4, alpha=0.45) if wide else dict(lw=1.5)
+            marker = "o-" if key is None else "-"
+            ax.plot(steps, mid, marker, ms=3, color=color_of(group), label=label_of(group), **style)
             ax.fill_between(steps, low, high, color=color_of(group), alpha=0.15, lw=0)
         ax.set(title=name, xlabel="optimizer step")
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
-        if key == CLIP:
-            ax.set_yscale("symlog", linthresh=1e-3)
+    seconds = axes[-1]  # CPU seconds per optimizer step, each seed a dot
+    for index, (group, runs) in enumerate(groups.items()):
+        values = [statistics.median(run["step_cpu_seconds"]) for run in runs]
+        seconds.bar(index, statistics.fmean(values), color=color_of(group), alpha=0.6)
+        seconds.plot([index] * len(values), values, "k.", ms=4)
+    seconds.set_xticks(range(len(groups)), [label_of(g) for g in groups], rotation=20, fontsize=7, ha="right")
+    seconds.set(title="CPU seconds per optimizer step (median per run; dots: seeds)")
+    seconds.title.set_fontsize(9)
+    seconds.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle(f"{title} (lines: mean over seeds; bands: min..max)", fontsize=10)
     fig.tight_layout()
