@@ -67,6 +67,7 @@ def test_gspo_trains_the_real_model(smollm2, tmp_path):
         report_to="none",
         seed=0,
     )
+
     def digits(completions, **kwargs):  # varies within every group, so every advantage is non-zero
         texts = [c[-1]["content"] for c in completions]
         return [sum(ch.isdigit() for ch in text) / max(1, len(text)) + 0.01 * len(text) for text in texts]
