@@ -362,10 +362,12 @@ def _row_logps(call, ids, position_ids):
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
 @needs_fused_head
 def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path, trainer_factory):
-    """Changing the tokens of sequence A must leave sequence B, packed right after it in the same row, exactly as it
-    was: through the trainer's packed path and through a direct call on the packed row with its segment plan. The
-    same row through the plain model (causal over the whole row, what a lost plan would give) does see the change,
-    so this check can fail; `_call_model` refuses an attention_mask on a packed call."""
+    """Changing the tokens of sequence A must leave sequence B, packed right after it in the same row, as it was:
+    through the trainer's packed path and through a direct call on the packed row with its segment plan. Dense: bit
+    for bit. MoE: A's new tokens change which tokens each expert's batched matmul holds, which may reorder its sums
+    (seen at 2 threads), so B keeps its values to one forward's fp32 rounding (cli/rounding.py). The same row through
+    the plain model (causal over the whole row, what a lost plan would give) does see the change, far beyond that, so
+    this check can fail; `_call_model` refuses an attention_mask on a packed call."""
     model = build_tiny_model(tokenizer, moe=moe, seed=5).eval()
     trainer = trainer_factory(TRAINER, model=model, output_dir=tmp_path, padding_free=True)
     trainer.model.eval()
@@ -386,7 +388,8 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path, traine
         before, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 5)
         after, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, changed, mask, 5)
     assert not torch.equal(before[seq_a], after[seq_a])  # A did change
-    assert torch.equal(before[seq_b], after[seq_b])  # B did not see it
+    bound = model_bound(torch.float32, model.config, ids.size(1)) if moe else 0.0
+    assert relative_gap(after[seq_b], before[seq_b], math.inf) <= bound  # B did not see it
 
     row_layout = ForwardLayout(
         layout.source[row : row + 1],
@@ -408,7 +411,7 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path, traine
         causal = functools.partial(model, attention_mask=torch.ones_like(row_ids))  # a mask turns packed detection off
         leaked = [_row_logps(causal, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
     trainer.logprob_forward.release()
-    assert torch.equal(*separated)
+    assert relative_gap(separated[1], separated[0], math.inf) <= bound
     assert (leaked[0] - leaked[1]).abs().max() > 1e-3  # plain causal attention over the row: B sees A
     with pytest.raises(RuntimeError, match="packed forward got an attention_mask"):
         trainer.logprob_forward._call_model(model, layout, input_ids=row_ids, attention_mask=torch.ones_like(row_ids))
