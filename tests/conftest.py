@@ -1,7 +1,10 @@
 import os
 
 # Tiny models on 2 CPU cores: one thread keeps timings stable and avoids oversubscription with 2 processes.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# TRL_GSPO_TEST_THREADS overrides it (.ci/numeric_matrix.sh runs the numeric tests at 1 and 2 threads: another thread
+# count cuts torch's sums into other partial sums, which the tolerances must allow).
+THREADS = int(os.environ.get("TRL_GSPO_TEST_THREADS", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -10,7 +13,17 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(1)
+torch.set_num_threads(THREADS)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line a failure report carries: the kernels (torch's CPU capability: DEFAULT, AVX2, AVX512; the
+    ATEN_CPU_CAPABILITY variable picks a lower one) and the thread count the numbers were computed with."""
+    requested = os.environ.get("ATEN_CPU_CAPABILITY", "unset")
+    terminalreporter.write_line(
+        f"torch {torch.__version__}: CPU capability {torch.backends.cpu.get_cpu_capability()} "
+        f"(ATEN_CPU_CAPABILITY={requested}), {torch.get_num_threads()} thread(s)"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -203,10 +203,17 @@ def test_bf16_parity_passes_on_cpu_and_fails_when_our_loss_drifts(monkeypatch):
 
 
 def test_colocate_smoke_on_cpu_and_it_notices_when_pi_old_is_recomputed(monkeypatch):
+    import torch
+
+    from trl_gspo.cli.rounding import model_bound
+    from trl_gspo.testing import build_tokenizer, tiny_config
+
     result = parts.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)
     assert result["status"] == "ok", result["problems"]
     assert result["pi_old_passes"] == 0 and result["replay_coverage"] > 0.5
-    assert result["sampler_logp_abs_diff"] < 1e-5  # same weights, same fp32 model: sampler == trainer
+    # same weights, same fp32 model: sampler == trainer up to one forward's rounding, relative to the log-probs' size
+    bound = model_bound(torch.float32, tiny_config(len(build_tokenizer()), moe=True), result["positions"])
+    assert result["sampler_logp_abs_diff"] <= bound * result["logp_scale"]
 
     from trl_gspo.rollout.sampler_logprobs import SamplerLogprobs
 
@@ -335,7 +342,7 @@ def test_quick_parts_run_on_cpu_at_tiny_shapes(tmp_path):
     probe = quick.probe(str(tmp_path / "probe.json"), tiny=True)
     assert probe["status"] == "ok", probe["problems"]
     if probe["varlen_attn"]["signature"] is not None:
-        assert probe["varlen_attn"]["bottom_right_error"] < 1e-5
+        assert probe["varlen_attn"]["bottom_right_error"] <= probe["varlen_attn"]["bottom_right_bound"]
     assert probe["masked_gqa_block"]["accepted"]["MATH"] is True
     attention = quick.attention(str(tmp_path / "attention.json"), tiny=True)
     assert attention["status"] == "ok", attention["problems"]

@@ -16,6 +16,7 @@ the segment attention, or be given a layout that needs none. Checked here:
 
 import dataclasses
 import logging
+import math
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
@@ -27,6 +28,7 @@ from transformers import AutoModelForCausalLM, BloomConfig, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo.cli.rounding import loss_bound, model_bound, relative_gap, sgd_weights_bound
 from trl_gspo.testing import save_tiny_model
 
 pytestmark = needs_fused_head
@@ -136,19 +138,30 @@ def run(trainer_cls, args, model_dir, tokenizer, peft_config=None, model=None):
 
 def assert_same_training(stock, ours):
     """Same reference log-probs for every rollout, same loss at every step, same weights after every optimizer step
-    (`kl` is a mean per micro-batch, which length-sorted micro-batches change: it is not compared)."""
-    (_, stock_logs, stock_weights, _, stock_ref), (_, our_logs, our_weights, _, our_ref) = stock, ours
+    (`kl` is a mean per micro-batch, which length-sorted micro-batches change: it is not compared), each within fp32's
+    rounding (cli/rounding.py): a forward for the log-probs; a forward and the loss's sums for the loss, whose terms
+    are advantage x ratio, each of size ~1 (TRL scales advantages to unit standard deviation) while their mean is
+    near 0; a forward and backward per step for the weights (plain SGD)."""
+    (trainer, stock_logs, stock_weights, _, stock_ref), (_, our_logs, our_weights, _, our_ref) = stock, ours
+    args, config = trainer.args, trainer.model.config
+    seq_len = 8 + args.max_completion_length  # FixedRollouts(prompt_lengths=(3, 9)): prompts of up to 8 tokens
+    positions = args.per_device_train_batch_size * args.gradient_accumulation_steps * seq_len
+    size = max(logps.abs().max().item() for logps in stock_ref)  # the log-probs' size (cli/rounding.loss_bound)
     assert len(our_ref) == len(stock_ref) > 1
     for rollout, (a, b) in enumerate(zip(stock_ref, our_ref)):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"reference log-probs of rollout {rollout + 1}")
+        gap = relative_gap(b, a, math.inf)
+        assert gap <= model_bound(torch.float32, config, seq_len), f"reference log-probs of rollout {rollout + 1}"
     assert len(our_logs) == len(stock_logs) == len(our_weights) == len(stock_weights) > 0
+    value = loss_bound(torch.float32, config, seq_len, positions, size)
     for step, (a, b) in enumerate(zip(stock_logs, our_logs)):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), f"step {step + 1}: loss"
+        assert b["loss"] == pytest.approx(a["loss"], rel=value, abs=value), f"step {step + 1}: loss"
     assert any(row["kl"] > 1e-6 for row in our_logs), "the KL term never moved: the case compares nothing"
+    gradient = loss_bound(torch.float32, config, seq_len, positions + args.gradient_accumulation_steps, size, positions)
     for step, (a, b) in enumerate(zip(stock_weights, our_weights)):
         assert a.keys() == b.keys()
         for name in a:
-            torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=2e-6, msg=f"step {step + 1}: {name}")
+            bound = sgd_weights_bound(torch.float32, gradient, args, step + 1, a[name].norm().item())
+            assert (b[name] - a[name]).norm().item() <= bound, f"step {step + 1}: {name}"
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +316,8 @@ def test_a_model_whose_attention_bypasses_the_registry_at_run_time_falls_back(
     with torch.no_grad():
         logits = trainer.model(input_ids=ids, attention_mask=mask).logits[:, 3:-1]
     expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 4:, None])[..., 0] * mask[:, 4:]
-    torch.testing.assert_close(logps * mask[:, 4:], expected, atol=1e-5, rtol=1e-5)
+    bound = model_bound(torch.float32, trainer.model.config, ids.size(1))  # one forward's fp32 rounding, every token
+    assert relative_gap(logps * mask[:, 4:], expected, math.inf) <= bound
 
 
 # ---------------------------------------------------------------------- a trainer built without __init__

@@ -10,6 +10,7 @@
 """
 
 import logging
+import math
 
 import pytest
 import torch
@@ -17,15 +18,20 @@ from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo.cli.rounding import loss_bound, model_bound, relative_gap, rounding_bound, sgd_weights_bound
 from trl_gspo.forward import fused_head
 from trl_gspo.forward.pipeline import LogprobForward
 from trl_gspo.rollout import sampler_logprobs as sl
 from trl_gspo.testing import build_tiny_model
 
-# fp32 on CPU: generate's KV-cached logits differ from a full forward only in accumulation order. Measured gaps are
-# ~5e-7 per token (see the sampler/logp_abs_diff/max metric); 1e-5 leaves a 20x margin and still catches any real
-# bug (a wrong temperature, an off-by-one step or top-p renormalisation all move log-probs by >1e-2).
-LOGP_ATOL = 1e-5
+
+def _logp_bound(model, seq_len):
+    """fp32 on CPU: generate's KV-cached logits differ from a full forward only in accumulation order, so log-probs
+    agree to one forward's rounding (cli/rounding.model_bound), relative to the largest log-prob; any real bug (a
+    wrong temperature, an off-by-one step or top-p renormalisation) moves log-probs by >1e-2."""
+    return model_bound(torch.float32, model.config, seq_len)
+
+
 SETTINGS = dict(
     importance_sampling_level="sequence",
     loss_type="grpo",
@@ -92,7 +98,8 @@ def test_recorder_matches_independent_forward_with_top_k_top_p(tokenizer):
     expected = expected.gather(-1, completion[..., None])[..., 0]
     assert [len(r) for r in got] == [7, 3, 7]
     for row, exp in zip(got, expected):
-        torch.testing.assert_close(torch.tensor(row, dtype=torch.float64), exp[: len(row)], atol=LOGP_ATOL, rtol=0)
+        gap = relative_gap(torch.tensor(row, dtype=torch.float64), exp[: len(row)], math.inf)
+        assert gap <= _logp_bound(model, out.size(1))
     # top-k=5 / top-p=0.8 renormalise the sampling distribution: the processed log-prob would be visibly higher.
     assert (expected.exp() < 0.99).all()
 
@@ -119,7 +126,11 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
     runs = {}
     for source in ("recompute", "sampler"):
         calls.clear()
-        trainer = trainer_factory(TRAINER, output_dir=tmp_path / source, max_steps=8, old_logprobs_source=source)
+        # plain SGD: its runs stay within rounding of each other (cli/rounding.sgd_weights_bound); Adam would turn a
+        # rounding-sized gradient difference on a ~0 gradient into a step of up to the learning rate
+        trainer = trainer_factory(
+            TRAINER, output_dir=tmp_path / source, max_steps=8, old_logprobs_source=source, optim="sgd"
+        )
         trainer.train()
         runs[source] = dict(
             no_grad_forwards=calls.count(False),
@@ -131,18 +142,27 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
     # One pi_old forward per rollout batch (2 rollouts) with recompute, none with the sampler's log-probs.
     assert runs["recompute"]["no_grad_forwards"] == 2
     assert runs["sampler"]["no_grad_forwards"] == 0
+    first = runs["recompute"]["batches"][0]
+    seq_len = first["prompt_ids"].size(1) + first["completion_ids"].size(1)
+    logp_bound = _logp_bound(trainer.model, seq_len)
     for a, b in zip(runs["recompute"]["batches"], runs["sampler"]["batches"]):
         assert torch.equal(a["completion_ids"], b["completion_ids"])  # same samples (sampling is RNG-identical)
         m = a["completion_mask"].bool()
-        torch.testing.assert_close(b["old_per_token_logps"][m], a["old_per_token_logps"][m], atol=LOGP_ATOL, rtol=0)
-    torch.testing.assert_close(runs["sampler"]["losses"], runs["recompute"]["losses"], atol=1e-5, rtol=1e-4)
+        assert relative_gap(b["old_per_token_logps"][m], a["old_per_token_logps"][m], math.inf) <= logp_bound
+    # the loss (cli/rounding.loss_bound): its terms are advantage x ratio, each ~1 (advantages scaled to unit std)
+    args, positions = trainer.args, SETTINGS["per_device_train_batch_size"] * seq_len
+    scale = max(b["old_per_token_logps"].abs().max().item() for b in runs["recompute"]["batches"])
+    value = loss_bound(torch.float32, trainer.model.config, seq_len, positions, scale)
+    for a, b in zip(runs["recompute"]["losses"], runs["sampler"]["losses"]):
+        assert b == pytest.approx(a, rel=value, abs=value)
     assert any(abs(x) > 1e-3 for x in runs["recompute"]["losses"])  # a non-trivial loss was compared
+    gradient = loss_bound(torch.float32, trainer.model.config, seq_len, positions, scale, positions)
     for pa, pb in zip(runs["recompute"]["params"], runs["sampler"]["params"]):
-        torch.testing.assert_close(pb, pa, atol=1e-5, rtol=1e-4)
+        assert (pb - pa).norm().item() <= sgd_weights_bound(torch.float32, gradient, args, 8, pa.norm().item())
     # The gap is logged from the on-policy mini-batches only (one per rollout), and is fp32-small.
     logged = [h for h in runs["sampler"]["history"] if "sampler/logp_abs_diff/max" in h]
     assert len(logged) == 2
-    assert all(0 <= h["sampler/logp_abs_diff/max"] < LOGP_ATOL for h in logged)
+    assert all(0 <= h["sampler/logp_abs_diff/max"] <= logp_bound * scale for h in logged)
     assert all(h["sampler/seq_outside_clip_frac"] == 0 for h in logged)
     assert not any("sampler/logp_abs_diff/max" in h for h in runs["recompute"]["history"])
 
@@ -177,9 +197,7 @@ def test_nan_sampler_logprobs_fall_back_to_recompute(tokenizer, tmp_path, caplog
         assert trainer.sampler_logprobs.old_logps(2, 3, "cpu") is None
     assert "NaN" in caplog.text
     trainer.sampler_logprobs.logps = [[-1.0, -2.0], [-0.5]]
-    torch.testing.assert_close(
-        trainer.sampler_logprobs.old_logps(2, 3, "cpu"), torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0, 0]])
-    )
+    assert torch.equal(trainer.sampler_logprobs.old_logps(2, 3, "cpu"), torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0, 0]]))
     with pytest.raises(RuntimeError, match="cover 2 completions but the batch has 3"):
         trainer.sampler_logprobs.old_logps(3, 3, "cpu")
 
@@ -201,10 +219,13 @@ def test_mismatch_stats_against_loops():
             seqs.append(sum(d) / len(d))
     outside = sum(1 for s in seqs if not (1 - 3e-4 <= torch.exp(torch.tensor(s)).item() <= 1 + 4e-4))
     expected = [sum(deltas), len(deltas), max(deltas), sum(map(abs, seqs)), len(seqs), max(map(abs, seqs)), outside]
-    torch.testing.assert_close(stats, torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=1e-5)
+    # the same fp32 differences, summed in fp32 there and in fp64 here: the rounding of a sum over every token, each
+    # sum relative to itself, a sequence's mean (signed terms) relative to the largest difference
+    bound = rounding_bound(torch.float32, mask.numel())
+    torch.testing.assert_close(stats.double(), torch.tensor(expected).double(), rtol=bound, atol=bound * max(deltas))
     assert outside >= 1
     summary = sl.summarize_mismatch(torch.stack([stats, stats]))
-    assert summary["sampler/logp_abs_diff/mean"] == pytest.approx(sum(deltas) / len(deltas), rel=1e-5)
+    assert summary["sampler/logp_abs_diff/mean"] == pytest.approx(sum(deltas) / len(deltas), rel=bound)
     assert summary["sampler/seq_outside_clip_frac"] == pytest.approx(outside / len(seqs))
 
 
@@ -220,7 +241,10 @@ def test_length_normalized_is_ratio_against_loops(mode):
         d = [float(old[i, t] - sampling[i, t]) for t in range(5) if mask[i, t] and sampling[i, t] == sampling[i, t]]
         r = torch.exp(torch.tensor(sum(d) / len(d))).item()
         want = min(max(r, 0.5), 1.2) if mode == "sequence_truncate" else (r if 0.5 <= r <= 1.2 else 0.0)
-        assert got[i, 0].item() == pytest.approx(want, rel=1e-5)
+        # fp32: a mean over the tokens and an exp, of differences of log-probs as large as |old|
+        assert got[i, 0].item() == pytest.approx(
+            want, rel=rounding_bound(torch.float32, 5 + 3) * old.abs().max().item()
+        )
     # The sum over 2k tokens of a 1e-3 gap is e^2 ~ 7.4 (masked by TRL's cap of 3); the mean stays at e^1e-3.
     long_old, long_sampling = torch.full((1, 2048), -1.0), torch.full((1, 2048), -1.001)
     ratio = sl.length_normalized_is_ratio(long_old, long_sampling, torch.ones(1, 2048), "sequence_mask", None, 3.0)
@@ -283,10 +307,13 @@ def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path, t
     ref_logps = ref_all.gather(-1, ids[:, -5:, None])[..., 0]
     ref_entropy = -(ref_all.exp() * ref_all).sum(-1)
     (ref_logps.sum() + 0.5 * ref_entropy.sum()).backward()
-    torch.testing.assert_close(logps.double(), ref_logps, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy.double(), ref_entropy, atol=1e-5, rtol=1e-5)
+    # fp32 rounding of a forward (cli/rounding.py), every token; and of its backward for the gradients
+    bound = model_bound(torch.float32, model.config, ids.size(1))
+    assert relative_gap(logps, ref_logps, math.inf) <= bound
+    assert relative_gap(entropy, ref_entropy, math.inf) <= bound
+    grad_bound = model_bound(torch.float32, model.config, ids.size(1), ids.numel())
     for name, param in model.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+        assert relative_gap(grads[name], param.grad) <= grad_bound, name
 
 
 def test_vocab_chunk_validation(tmp_path):
@@ -322,6 +349,14 @@ class _FakeVLLMTrainer(GSPOTrainer):
         return completion_ids, [[x + SAMPLER_GAP for x in row] for row in rec.completion_logprobs(completion_ids)]
 
 
+def _gap_tolerance(trainer, batches):
+    """How far the stand-in's gap may read from SAMPLER_GAP: the engine's and the trainer's log-probs of one token
+    differ by one forward's fp32 rounding (cli/rounding.model_bound), relative to the largest log-prob."""
+    seq_len = batches[0]["prompt_ids"].size(1) + batches[0]["completion_ids"].size(1)
+    scale = max(b["old_per_token_logps"].abs().max().item() for b in batches)
+    return model_bound(torch.float32, trainer.model.config, seq_len) * scale
+
+
 def _fake_vllm(tokenizer, tmp_path, is_correction, trainer_factory, **overrides):
     trainer = trainer_factory(TRAINER, output_dir=tmp_path, cls=_FakeVLLMTrainer, **overrides)
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, is_correction
@@ -339,8 +374,10 @@ def test_vllm_flow_reuses_engine_logprobs_and_logs_the_gap(tokenizer, tmp_path, 
         assert torch.equal(batch["old_per_token_logps"][m], batch["sampling_per_token_logps"][m])
         assert "importance_sampling_ratio" not in batch
     (logged,) = [h for h in trainer.state.log_history if "sampler/logp_abs_diff/mean" in h]
-    assert logged["sampler/logp_abs_diff/mean"] == pytest.approx(-SAMPLER_GAP, abs=1e-5)
-    assert logged["sampler/seq_log_ratio_abs/mean"] == pytest.approx(-SAMPLER_GAP, abs=1e-5)
+    # the engine's and the trainer's forwards: one forward's rounding, relative to the log-probs' size
+    tol = _gap_tolerance(trainer, batches)
+    assert logged["sampler/logp_abs_diff/mean"] == pytest.approx(-SAMPLER_GAP, abs=tol)
+    assert logged["sampler/seq_log_ratio_abs/mean"] == pytest.approx(-SAMPLER_GAP, abs=tol)
     # exp(2e-3) is past the paper's 1 + 4e-4: the metric shows every sequence would start clipped.
     assert logged["sampler/seq_outside_clip_frac"] == 1.0
 
@@ -355,13 +392,18 @@ def test_vllm_flow_length_normalized_is_correction(tokenizer, tmp_path, trainer_
         vllm_importance_sampling_mode="sequence_truncate",
         trainer_factory=trainer_factory,
     )
-    for batch in _first_rollout(trainer):
+    batches = _first_rollout(trainer)
+    tol = _gap_tolerance(trainer, batches)
+    for batch in batches:
         m = batch["completion_mask"].float()
         diff = (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * m
         mean_gap = diff.sum(1) / m.sum(1)
-        assert mean_gap.allclose(torch.full_like(mean_gap, -SAMPLER_GAP), atol=1e-5)  # recomputed pi_old vs engine
-        # exp of the mean gap (~1.002 at any length), not TRL's exp of the sum (1.002 ** length)
-        torch.testing.assert_close(batch["importance_sampling_ratio"], torch.exp(mean_gap)[:, None])
+        assert (mean_gap + SAMPLER_GAP).abs().max() <= tol  # recomputed pi_old vs engine
+        # exp of the mean gap (~1.002 at any length), not TRL's exp of the sum (1.002 ** length); fp32: a mean over
+        # the completion and an exp, of differences of log-probs as large as the largest
+        scale = batch["old_per_token_logps"].abs().max().item()
+        bound = rounding_bound(torch.float32, m.size(1) + 3) * scale
+        assert relative_gap(batch["importance_sampling_ratio"], torch.exp(mean_gap)[:, None], math.inf) <= bound
         long = m.sum(1) > 3
         assert long.any() and (torch.exp(diff.sum(1)[long]) > torch.exp(mean_gap[long]) + 3e-3).all()
     assert any("sampling/importance_sampling_ratio_length_normalized/mean" in h for h in trainer.state.log_history)

@@ -207,6 +207,7 @@ def vllm_colocate(use_vllm: bool = True, device: str = "cuda", max_steps: int = 
         with _count_no_grad_forwards() as passes:
             trainer.train()
         rows = [row for row in trainer.state.log_history if "loss" in row]
+        last = trainer._buffered_inputs[0]  # the last rollout: the size of its log-probs and of its rows
 
     def values(key):
         return [row[key] for row in rows if key in row]
@@ -215,6 +216,8 @@ def vllm_colocate(use_vllm: bool = True, device: str = "cuda", max_steps: int = 
         "steps": len(rows),
         "pi_old_passes": passes[0],
         "sampler_logp_abs_diff": max(values("sampler/logp_abs_diff/mean"), default=None),
+        "logp_scale": last["old_per_token_logps"].abs().max().item(),
+        "positions": last["prompt_ids"].size(1) + last["completion_ids"].size(1),
         "r3_sampler_mismatch": max(values("moe/r3/sampler_mismatch"), default=None),
         "replay_coverage": min(values("moe/replay/coverage"), default=None),
         "engine": "vllm" if use_vllm else "transformers generate",

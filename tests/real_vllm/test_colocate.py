@@ -17,11 +17,8 @@ import re
 import pytest
 import torch
 
-from .conftest import colocated_engine_dtype, make_trainer, two_processes
+from .conftest import colocated_engine_dtype, logprob_tolerance, make_trainer, two_processes
 
-#: Largest |engine log-prob - trainer log-prob| per token seen after a sync, fp32 engine and trainer: 9.5e-7 (dense)
-#: and 1.9e-6 (MoE, and either rank of the two-process run) over 4 syncs (2026-11-25). The bound leaves ~50x room.
-LOGPROB_TOLERANCE = 1e-4
 #: Smallest change of the engine's log-probs a sync after an optimizer step must make (learning rate 1e-2 moves the
 #: tiny models' log-probs by 0.1-1 nat per step; a sync that does not reach the engine changes them by 0).
 MOVED_AT_LEAST = 1e-3
@@ -58,7 +55,6 @@ def test_every_weight_sync_reaches_the_colocated_engine(
     moe, dtype, vllm_model_dir, vllm_moe_model_dir, tmp_path, colocated_engine, monkeypatch
 ):
     colocated_engine_dtype(dtype, monkeypatch.setattr)
-    tolerance = LOGPROB_TOLERANCE if dtype == "float32" else BF16_ENGINE_TOLERANCE
     model_dir = vllm_moe_model_dir if moe else vllm_model_dir
     trainer = make_trainer(
         model_dir,
@@ -85,6 +81,10 @@ def test_every_weight_sync_reaches_the_colocated_engine(
     assert len(logs) == 4 and all(math.isfinite(row["loss"]) for row in logs)
     assert [step for step, *_ in syncs] == [0, 1, 2, 3]  # one sync before each rollout
     for step, before, after, trainer_logps in syncs:
+        # fp32 engine: one forward's rounding (seen: 9.5e-7 dense, 1.9e-6 MoE, 2026-11-25); bf16 engine: its own
+        tolerance = (
+            logprob_tolerance(trainer, len(SEQUENCE), trainer_logps) if dtype == "float32" else BF16_ENGINE_TOLERANCE
+        )
         gap = (after - trainer_logps).abs().max().item()
         assert gap < tolerance, f"sync at step {step}: engine and trainer differ by {gap}"
         moved = (after - before).abs().max().item()
@@ -125,7 +125,8 @@ def test_completions_after_a_sync_are_sampled_by_the_synced_weights(
         )
     completion_mask = batch["completion_mask"].bool()
     gap = (batch["old_per_token_logps"] - logps)[completion_mask].abs().max().item()
-    assert completion_mask.sum() > 0 and gap < LOGPROB_TOLERANCE, gap
+    tolerance = logprob_tolerance(trainer, ids.size(1), logps[completion_mask])
+    assert completion_mask.sum() > 0 and gap <= tolerance, gap
 
 
 def test_two_processes_each_sync_their_own_engine(vllm_model_dir, tmp_path):
@@ -135,7 +136,7 @@ def test_two_processes_each_sync_their_own_engine(vllm_model_dir, tmp_path):
     log, returncode = two_processes(
         "two_processes_colocate.py", "--model_dir", vllm_model_dir, "--output_dir", str(tmp_path / "run")
     )
-    ranks = sorted(re.findall(r"REAL COLOCATE rank (\d) syncs (\d+) gap (\S+) steps (\d+) (OK|BAD)", log))
+    ranks = sorted(re.findall(r"REAL COLOCATE rank (\d) syncs (\d+) gap/tolerance (\S+) steps (\d+) (OK|BAD)", log))
     assert [rank for rank, *_ in ranks] == ["0", "1"], log[-4000:]
     for rank, syncs, gap, steps, verdict in ranks:
         assert (syncs, steps, verdict) == ("3", "3", "OK"), (rank, syncs, gap, steps, verdict)

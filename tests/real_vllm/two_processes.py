@@ -25,8 +25,8 @@ def main():
     VLLMClient.init_communicator = lambda self, *a, **k: None
     VLLMClient.update_named_params = lambda self, *a, **k: None
 
-    from real_vllm.conftest import make_trainer
-    from real_vllm.test_server import LOGPROB_TOLERANCE, _recomputed
+    from real_vllm.conftest import logprob_tolerance, make_trainer
+    from real_vllm.test_server import _recomputed
 
     trainer = make_trainer(
         cli.model_dir, cli.url, cli.output_dir, old_logprobs_source="sampler", per_device_train_batch_size=4
@@ -38,15 +38,18 @@ def main():
         output = score(batch)
         if checked["gap"] is None:  # first rollout: the server's weights are the trainer's
             mask = output["completion_mask"].bool()
-            gap = (output["old_per_token_logps"] - _recomputed(trainer, output)).abs()[mask].max().item()
-            checked.update(rows=output["completion_ids"].size(0), gap=gap)
+            recomputed = _recomputed(trainer, output)
+            gap = (output["old_per_token_logps"] - recomputed).abs()[mask].max().item()
+            seq_len = output["prompt_ids"].size(1) + mask.size(1)
+            tolerance = logprob_tolerance(trainer, seq_len, recomputed[mask])
+            checked.update(rows=output["completion_ids"].size(0), gap=gap, tolerance=tolerance)
         return output
 
     trainer._generate_and_score_completions = score_and_check
     trainer.train()
     client = "client" if getattr(trainer.vllm_generation, "vllm_client", None) is not None else "no client"
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
-    ok = checked["gap"] is not None and checked["gap"] < LOGPROB_TOLERANCE and all(map(math.isfinite, losses))
+    ok = checked["gap"] is not None and checked["gap"] <= checked["tolerance"] and all(map(math.isfinite, losses))
     print(
         f"REAL SERVER rank {rank} {client} rows {checked['rows']} gap {checked['gap']:.3g} steps {len(losses)} "
         f"{'OK' if ok else 'BAD'}",

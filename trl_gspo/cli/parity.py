@@ -21,6 +21,7 @@ import torch
 
 from ..config import GSPOConfig
 from ..trainer import GSPOTrainer
+from .rounding import loss_bound, model_bound, relative_gap
 
 B, P, T = 6, 5, 7  # sequences, prompt length, completion length of the hand-made batch
 
@@ -66,9 +67,38 @@ GSPO_TOKEN_CASE = ("sequence_token", "sequence")
 #: Sequence-level cases re-run at `sequence_token` (with the clipped surrogate and with SAPO's soft gate).
 GSPO_TOKEN_BASES = ("sequence-grpo (GSPO)", "sequence-sapo")
 
-LOSS_TOLERANCE = dict(rtol=1e-6, atol=1e-7)
-GRAD_TOLERANCE = dict(rtol=1e-5, atol=1e-7)
-METRIC_TOLERANCE = dict(rtol=1e-5, atol=1e-7)
+
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    """How far ours may lie from stock on the hand-made batch: rounding alone (cli/rounding.py), since both run the
+    same math with the sums in another order (ours trims, sorts and packs the forward). `loss` and `metric` are
+    relative to the value, plus an absolute floor: `loss_floor` because the loss averages advantage x ratio terms of
+    either sign, as large as the advantages, `metric_floor` because the metrics are functions of the log-probs
+    (log-ratios are differences of two of them) and carry their rounding. `gradient` is relative to each parameter's
+    gradient norm."""
+
+    loss: float
+    loss_floor: float
+    gradient: float
+    metric: float
+    metric_floor: float
+
+
+def tolerances(model, inputs: dict) -> Tolerances:
+    """The `Tolerances` of `model` (its config and dtype) on `inputs` (`make_inputs`): a policy loss over the batch
+    (`loss_bound`: a forward, importance ratios of log-probs as large as the batch's, the loss's sums over the tokens),
+    and for the gradients the backward too."""
+    dtype = next(model.parameters()).dtype
+    rows, seq_len = inputs["prompt_ids"].size(0), inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
+    size = inputs["old_per_token_logps"].abs().max().item()
+    loss = loss_bound(dtype, model.config, seq_len, rows * seq_len, size)
+    return Tolerances(
+        loss=loss,
+        loss_floor=loss * inputs["advantages"].abs().max().item(),
+        gradient=loss_bound(dtype, model.config, seq_len, rows * seq_len, size, rows * seq_len),
+        metric=loss,
+        metric_floor=model_bound(dtype, model.config, seq_len) * size,
+    )
 
 
 def _reward(completions, **kwargs):
@@ -143,28 +173,33 @@ def loss_and_grads(trainer_cls, config_cls, model, settings, inputs, output_dir,
     return loss.detach(), grads, metrics
 
 
-def differences(reference, candidate, what: str = "stock", metrics: bool = True) -> list[str]:
-    """Human-readable differences between two `loss_and_grads` results (metrics too if `metrics`); empty when
-    they agree."""
+def differences(reference, candidate, tolerance: Tolerances, what: str = "stock", metrics: bool = True) -> list[str]:
+    """Human-readable differences between two `loss_and_grads` results (metrics too if `metrics`) beyond
+    `tolerance`; empty when they agree."""
     (ref_loss, ref_grads, ref_metrics), (loss, grads, cand_metrics) = reference, candidate
     found = []
 
-    def close(a, b, tol):
-        return torch.allclose(torch.as_tensor(a).double(), torch.as_tensor(b).double(), equal_nan=True, **tol)
+    def close(a, b, rel, floor):
+        a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+        return bool(torch.isclose(a, b, rtol=rel, atol=floor, equal_nan=True).all())
 
-    if not close(loss, ref_loss, LOSS_TOLERANCE):
+    if not close(loss, ref_loss, tolerance.loss, tolerance.loss_floor):
         found.append(f"loss: ours {loss.item():.9g} vs {what} {ref_loss.item():.9g}")
     if grads.keys() != ref_grads.keys():
         missing = sorted(ref_grads.keys() ^ grads.keys())
         found.append(f"gradients: parameters with a gradient differ ({', '.join(missing[:3])}...)")
     for name in sorted(ref_grads.keys() & grads.keys()):
-        if not close(grads[name], ref_grads[name], GRAD_TOLERANCE):
-            gap = (grads[name].double() - ref_grads[name].double()).abs().max().item()
-            found.append(f"gradient of {name}: max |ours - {what}| = {gap:.3g}")
+        gap = relative_gap(grads[name], ref_grads[name])
+        if not gap <= tolerance.gradient:
+            largest = (grads[name].double() - ref_grads[name].double()).abs().max().item()
+            found.append(
+                f"gradient of {name}: max |ours - {what}| = {largest:.3g} "
+                f"(relative to its norm {gap:.3g}; rounding allows {tolerance.gradient:.3g})"
+            )
     for key in sorted(ref_metrics.keys() & cand_metrics.keys()) if metrics else ():
         if key.startswith("clip_ratio/") and key.endswith(("_min", "_max")):
             continue  # TRL's per-sequence extrema are NaN for empty completions; ours treat them as 0
-        if not close(cand_metrics[key], ref_metrics[key], METRIC_TOLERANCE):
+        if not close(cand_metrics[key], ref_metrics[key], tolerance.metric, tolerance.metric_floor):
             found.append(f"metric {key}: ours {cand_metrics[key]:.9g} vs {what} {ref_metrics[key]:.9g}")
     return found
 
@@ -176,7 +211,7 @@ def compare_with_stock(settings: dict, model, tokenizer, workdir, seed: int = 2)
     inputs = make_inputs(model, seed=seed, beta=settings.get("beta", 0) > 0)
     stock = loss_and_grads(GRPOTrainer, GRPOConfig, model, settings, inputs, Path(workdir) / "stock", tokenizer)
     ours = loss_and_grads(GSPOTrainer, GSPOConfig, model, settings, inputs, Path(workdir) / "ours", tokenizer)
-    found = differences(stock, ours)
+    found = differences(stock, ours, tolerances(model, inputs))
     if not found and not (torch.isfinite(stock[0]) and stock[0].abs() > 0 and stock[1]):
         found.append("the stock loss is zero, non-finite or has no gradient: the case compares nothing")
     return found
@@ -192,4 +227,4 @@ def compare_gspo_token(base: str, model, tokenizer, workdir, seed: int = 2) -> l
     gspo = loss_and_grads(GSPOTrainer, GSPOConfig, model, settings, inputs, Path(workdir) / "seq", tokenizer)
     settings["importance_sampling_level"] = level
     gspo_token = loss_and_grads(GSPOTrainer, GSPOConfig, model, settings, inputs, Path(workdir) / "seqtok", tokenizer)
-    return differences(gspo, gspo_token, what=reference_level, metrics=False)
+    return differences(gspo, gspo_token, tolerances(model, inputs), what=reference_level, metrics=False)
