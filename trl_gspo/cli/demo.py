@@ -87,7 +87,7 @@ ADDITION_ARGS = dict(
     max_completion_length=16,  # "27 + 82 = 109" and the end-of-turn token fit in 9; room to spare
     temperature=1.0,
     gradient_checkpointing=False,  # GRPOConfig turns it on; this model's activations fit, recomputing costs CPU time
-    max_steps=64,
+    max_steps=32,
     logging_steps=4,
     save_strategy="no",
     report_to="none",
