@@ -1,5 +1,6 @@
-"""The command line with vLLM's CPU build: `trl-gspo demo --use_vllm true --vllm_mode colocate` generates with a real
-colocated engine and learns, offline; set-ups that cannot start are refused in one line before any engine starts."""
+"""The command line with vLLM's CPU build: `trl-gspo demo --config demo --use_vllm true --vllm_mode colocate`
+generates with a real colocated engine and learns, offline; set-ups that cannot start are refused in one line before any
+engine starts."""
 
 import re
 import time
