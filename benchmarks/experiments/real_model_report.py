@@ -52,6 +52,7 @@ def run_summary(run: dict) -> dict:
         "seconds_per_step": statistics.median(run["step_seconds"]),
         "cpu_seconds_per_step": statistics.median(run["step_cpu_seconds"]),
         "load_average_end": run["load_average"][0],
+        **{f"held_out_at_{step}": accuracy for step, accuracy in run["curve"]},
     }
 
 
@@ -181,6 +182,22 @@ def table(summary: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def curve_table(summary: dict) -> str:
+    """Held-out accuracy at each evaluated step, mean over seeds [min, max]."""
+    steps = sorted(
+        {int(key.rsplit("_", 1)[1]) for s in summary.values() for key in s if key.startswith("held_out_at_")}
+    )
+    head = "| arm | lr | " + " | ".join(f"step {step}" for step in steps) + " |\n"
+    head += "| --- | --- | " + " | ".join("---" for _ in steps) + " |\n"
+    lines = [
+        f"| {s['arm']} | {s['learning_rate']:g} | "
+        + " | ".join(fmt(s.get(f"held_out_at_{step}")) for step in steps)
+        + " |"
+        for s in summary.values()
+    ]
+    return head + "\n".join(lines) + "\n"
+
+
 def report(output_dir: Path) -> dict:
     groups = load_runs(output_dir)
     summary = {}
@@ -188,7 +205,10 @@ def report(output_dir: Path) -> dict:
         summary[f"{arm} lr{lr:g}"] = {"arm": arm, "learning_rate": lr, **over_seeds([run_summary(r) for r in runs])}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (output_dir / "comparison.md").write_text(
-        "Mean over seeds [min, max]; every run in summary.json.\n\n" + table(summary)
+        "Mean over seeds [min, max]; every run in summary.json.\n\n"
+        + table(summary)
+        + "\nHeld-out accuracy (greedy, 200 problems) by optimizer step:\n\n"
+        + curve_table(summary)
     )
     at = defaultdict(dict)
     for (arm, lr), runs in groups.items():
