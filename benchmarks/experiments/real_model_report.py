@@ -203,6 +203,12 @@ def report(output_dir: Path) -> dict:
     summary = {}
     for (arm, lr), runs in sorted(groups.items(), key=lambda item: (item[0][1], list(COLORS).index(item[0][0]))):
         summary[f"{arm} lr{lr:g}"] = {"arm": arm, "learning_rate": lr, **over_seeds([run_summary(r) for r in runs])}
+    for name, s in summary.items():  # trl-gspo's CPU cost per step against stock TRL's GSPO setting at the same lr
+        stock = summary.get(f"stock GSPO lr{s['learning_rate']:g}")
+        if s["arm"].startswith("trl-gspo") and stock and "cpu_seconds_per_step" in s:
+            s["cpu_seconds_per_step_over_stock_gspo"] = (
+                s["cpu_seconds_per_step"]["mean"] / stock["cpu_seconds_per_step"]["mean"]
+            )
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (output_dir / "comparison.md").write_text(
         "Mean over seeds [min, max]; every run in summary.json.\n\n"
