@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -130,7 +131,7 @@ def train_one(arm: str, seed: int, lr: float, max_steps: int, eval_every: int, e
         "arm": arm,
         "seed": seed,
         "learning_rate": lr,
-        "model": model.note,
+        "model": re.sub(r" in /\S+", "", model.note),  # where it came from, not the machine's folder
         "settings": {**SHARED, **overrides, "max_steps": max_steps, "trainer": trainer_cls.__name__},
         "curve": curve.points,
         "eval_seconds": curve.seconds,
