@@ -33,6 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from trl_gspo.cli.demo import ADDITION_ARGS
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "smollm2-addition"
 
@@ -44,23 +46,13 @@ ARMS = {
     "trl-gspo GSPO": ("ours", {}),
     "trl-gspo GSPO-token": ("ours", dict(importance_sampling_level="sequence_token")),
 }
-#: What every arm shares (the addition demo's settings, cli/demo.py ADDITION_ARGS, logged every step).
-SHARED = dict(
-    use_cpu=True,
-    bf16=False,
-    lr_scheduler_type="constant",
-    per_device_train_batch_size=16,
-    num_generations=8,
-    steps_per_generation=4,
-    max_completion_length=16,
-    temperature=1.0,
-    gradient_checkpointing=False,  # TRL turns it on; a 135M model's activations fit, and recomputing costs CPU time
-    logging_steps=1,
-    save_strategy="no",
-    report_to="none",
-    dataloader_num_workers=0,
-    disable_tqdm=True,
-)
+#: What every arm shares: the addition demo's settings (cli/demo.py ADDITION_ARGS, the one place they are written),
+#: less what each run sets itself (learning rate, steps, seed), logged every step.
+SHARED = {
+    **{k: v for k, v in ADDITION_ARGS.items() if k not in ("learning_rate", "max_steps", "seed", "logging_steps")},
+    "logging_steps": 1,
+    "disable_tqdm": True,
+}
 STUDIES = {
     "compare": dict(arms=list(ARMS), learning_rates=[5e-6]),
     "lr": dict(arms=["trl-gspo GSPO"], learning_rates=[2e-6, 5e-6, 1e-5]),
