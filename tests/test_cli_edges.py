@@ -236,6 +236,14 @@ def test_invalid_choice_is_one_line_without_the_usage(capsys):
     assert "--importance_sampling_level" in line and "'seq'" in line and "'sequence'" in line, line
 
 
+def test_a_negative_eval_every_is_one_line(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--config", "demo", "--eval_every", "-3", "--output_dir", str(out)]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "eval_every=-3" in line and ">= 0" in line, line
+    assert not out.exists()
+
+
 def test_train_with_the_demo_recipe_says_it_is_the_demos(capsys):
     assert main(["train", "--config", "demo"]) == 2
     line = _error_line(capsys.readouterr().err)

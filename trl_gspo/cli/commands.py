@@ -36,6 +36,7 @@ from .. import __version__
 from ..common import model_store, trl_compat
 from ..common.engine import quiet_deepspeed_collectives
 from ..common.imports import import_object
+from ..common.validation import check_int
 from ..guards.checkpointing import ResumeError
 from ..rollout.vllm_setup import check_vllm_setup
 from ..trainer import GSPOTrainer
@@ -160,6 +161,10 @@ def demo(argv: list[str]) -> int:
         raise RecipeError(f"task={task!r}; allowed: {', '.join(DEMO_TASKS)}.")
     defaults = {**DEMO_TASKS[task].settings, "output_dir": "outputs/demo", **progress_bar_default()}
     demo_args, args, model_args = parse("demo", argv, defaults=defaults)
+    try:
+        check_int("eval_every", demo_args.eval_every, 0, "0: held-out scores before and after training only")
+    except ValueError as err:
+        raise RecipeError(str(err)) from err
     quiet_deepspeed_on_cpu(args)
     threads = DEMO_TASKS[task].threads
     if threads is None:
