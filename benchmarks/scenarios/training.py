@@ -206,21 +206,25 @@ def compare(
     log,
     gradient_checkpointing: bool,
     diagnostics: bool = True,
+    extra: dict[str, dict] | None = None,
 ) -> dict:
-    settings = None if diagnostics else {"diagnostics": False}
-    runs = {"stock": [], "ours": []}
+    """Stock TRL against ours at its defaults (and each `extra` arm: ours with those GSPOConfig settings), every arm
+    once per repetition, in an order that reverses every other repetition so that drift hits every arm alike."""
+    base = {} if diagnostics else {"diagnostics": False}
+    arms = {"stock": None, "ours": base or None, **{k: {**base, **v} for k, v in (extra or {}).items()}}
+    runs = {kind: [] for kind in arms}
     for rep in range(reps):
-        order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")  # ABBA: drift hits both sides alike
+        order = list(arms) if rep % 2 == 0 else list(reversed(arms))  # ABBA over every arm
         for kind in order:
             spec = dict(
                 task="train",
-                kind=kind,
+                kind="stock" if kind == "stock" else "ours",
                 source=source,
                 shape=shape,
                 device=device,
                 out_dir=out_dir,
                 gradient_checkpointing=gradient_checkpointing,
-                settings=settings,
+                settings=arms[kind],
             )
             runs[kind].append(run_worker(spec))
             r = runs[kind][-1]
@@ -263,6 +267,14 @@ def compare(
         ),
         "runs": runs,
     }
+    for kind in extra or {}:  # each extra arm's ratios to stock, and its own generation floor
+        result[kind] = med[kind]
+        result[f"ratio_cpu_seconds_per_step_{kind}"] = ratio_of(
+            med[kind]["cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]
+        )
+        result[f"generation_floor_{kind}"] = ratio_of(
+            med[kind]["generation_cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]
+        )
     if "model_flops_per_s" in med["ours"]:
         peak = shape["peak_flops"]
         result["mfu"] = {k: (med[k]["model_flops_per_s"] / peak if peak else None) for k in ("stock", "ours")}

@@ -46,18 +46,20 @@ class SharedPrefillOptions:
     `GSPOConfig` field of shared prefill in generation (rollout/shared_prefill.py).
 
     Parameters:
-        shared_prefill (`bool`, *optional*, defaults to `True`):
+        shared_prefill (`bool`, *optional*, defaults to `False`):
             When transformers generates (TRL's default path, not vLLM), run each distinct prompt's prefill once and
             copy its KV cache to the prompt's `num_generations` rows, instead of running the prompt once per
-            completion. Exact up to float rounding (the completions and their log-probs are the full prefill's); it
-            saves `(G - 1) / G` of the prefill. `False`: TRL's generation as it is.
+            completion. It saves `(G - 1) / G` of the prefill. Exact up to float rounding: the smaller prefill batch
+            may round differently in the last bit, which can break a near-tie between two tokens, so the rollouts
+            are no longer stock TRL's token for token; off by default so that a run matches stock TRL's rollouts.
     """
 
     shared_prefill: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "With transformers generation, prefill each distinct prompt once and copy its KV cache to its "
-            "num_generations rows (exact up to float rounding). False: TRL's generation unchanged."
+            "num_generations rows (exact up to float rounding, so rollouts may differ from stock TRL's by a broken "
+            "near-tie). False (default): TRL's generation unchanged."
         },
     )
 
@@ -154,7 +156,7 @@ class SharedPrefill:
     Collaborators: `run` (trainer.RunView: what generates), `accelerator` (to find the module `generate` runs) and
     `routes` (moe/routing_replay.py: whether R3 records the sampler's routes, which needs every row's prefill)."""
 
-    def __init__(self, run, accelerator, routes, enabled: bool = True):
+    def __init__(self, run, accelerator, routes, enabled: bool = False):
         self.run, self.accelerator, self.routes, self.enabled = run, accelerator, routes, enabled
 
     @contextlib.contextmanager
