@@ -43,7 +43,7 @@ REAL_SHAPES = {
         num_generations=8,
         completion=16,
         prompt="addition",
-        warmup_rollouts=1,
+        warmup_rollouts=0,
         measured_rollouts=1,
         reps=3,
         # addition prompts (47 tokens), completions lognormal with median 0.3 x 128, ~10 % truncated at 128
@@ -56,7 +56,6 @@ REAL_SHAPES = {
             median_fraction=1 / 3,
             prompt="few_shot",
             shots=(80, 100),
-            warmup_rollouts=0,
         ),
     ),
 }

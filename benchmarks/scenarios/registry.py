@@ -63,16 +63,16 @@ def _with_model(result: dict, shape: dict, real: bool) -> dict:
     return {"model": real_model.model_source(), "model_shape": shape, **result} if real else result
 
 
-#: The real-model generating scenarios' extra arm: ours with `shared_prefill` (off by default), whose generation
-#: floor is lower than the defaults' (rollout/shared_prefill.py).
-REAL_EXTRA_ARMS = {"shared_prefill": {"shared_prefill": True}}
+#: Extra arms of a training scenario: ours with settings other than the defaults. `real_equal_settings` adds
+#: `shared_prefill` (off by default), whose generation floor is lower than the defaults' (rollout/shared_prefill.py).
+EXTRA_ARMS = {"real_equal_settings": {"shared_prefill": {"shared_prefill": True}}}
 
 
 def _training(name: str, source: str, diagnostics: bool = True, real: bool = False) -> Callable[[Context], dict]:
     def run(ctx: Context) -> dict:
         shape = _base_shape(ctx, real)
         reps, gc = ctx.reps_for(shape), ctx.gradient_checkpointing
-        extra = REAL_EXTRA_ARMS if real else None
+        extra = EXTRA_ARMS.get(name)
         result = compare(
             name, source, shape, ctx.device, reps, ctx.work_dir, ctx.log, gc, diagnostics=diagnostics, extra=extra
         )
