@@ -48,10 +48,12 @@ REAL_SHAPES = {
         reps=3,
         # addition prompts (47 tokens), completions lognormal with median 0.3 x 128, ~10 % truncated at 128
         long_tail=dict(batch=4, accumulation=2, completion=128, prompt_range=None),
-        # ~1,000-token few-shot prompts (80-100 worked sums), completions lognormal with median 64 / 3
+        # ~1,000-token few-shot prompts (80-100 worked sums), completions lognormal with median 64 / 3; one optimizer
+        # step per rollout (a stock step costs ~7 CPU minutes; each step is the same work, 8 rows of one prompt)
         long_prompt=dict(
             batch=8,
             accumulation=1,
+            steps_per_generation=1,
             completion=64,
             median_fraction=1 / 3,
             prompt="few_shot",

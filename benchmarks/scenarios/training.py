@@ -64,6 +64,7 @@ def run_training(
 
     tokenizer, model, dataset, counter, encode = build_workload(shape, device)
     n_rollouts = shape["warmup_rollouts"] + shape["measured_rollouts"]
+    steps_per_rollout = shape.get("steps_per_generation", STEPS_PER_GENERATION)
     accumulation = shape.get("accumulation", 1) if long_tail else 1
     common = dict(
         output_dir=out_dir,
@@ -78,9 +79,9 @@ def run_training(
         per_device_train_batch_size=shape["batch"],
         gradient_accumulation_steps=accumulation,
         num_generations=shape["num_generations"],
-        steps_per_generation=STEPS_PER_GENERATION * accumulation,
+        steps_per_generation=steps_per_rollout * accumulation,
         max_completion_length=shape["completion"],
-        max_steps=n_rollouts * STEPS_PER_GENERATION,
+        max_steps=n_rollouts * steps_per_rollout,
         seed=0,
         dataloader_num_workers=0,
         gradient_checkpointing=gradient_checkpointing,  # TRL's GRPOConfig default is True
@@ -106,7 +107,7 @@ def run_training(
     )
 
     marks = {}
-    warmup_steps = shape["warmup_rollouts"] * STEPS_PER_GENERATION
+    warmup_steps = shape["warmup_rollouts"] * steps_per_rollout
 
     # TRL's pi_old pass is its only no-grad call of this method here (beta=0: no reference pass); timing it in both
     # trainers shows the share of a stock step that sampler reuse can remove. TRL's generation call: the share no
@@ -155,7 +156,7 @@ def run_training(
     trainer.add_callback(Clock())
     trainer.train()
     seconds = marks["end"] - marks["start"]
-    measured_steps = shape["measured_rollouts"] * STEPS_PER_GENERATION
+    measured_steps = shape["measured_rollouts"] * steps_per_rollout
     tokens = counter.tokens - marks["tokens"]
     pass_s, pass_cpu, gen_s, gen_cpu = (
         (b - a) / measured_steps for a, b in zip(marks["phases_start"], marks["phases_end"])
@@ -188,7 +189,7 @@ def run_training(
             flops = per_token * result["train_tokens"] * 3
         else:
             prompt_tokens = (
-                shape["measured_rollouts"] * shape["batch"] * STEPS_PER_GENERATION * (shape["prompt_words"] + 1)
+                shape["measured_rollouts"] * shape["batch"] * steps_per_rollout * (shape["prompt_words"] + 1)
             )
             flops = per_token * (prompt_tokens + tokens) * (1 + 3)
         result["model_flops_per_s"] = flops / seconds
@@ -368,7 +369,7 @@ def layout_scenario(
             "ratio_positions": ratio_of(positions["run"], positions["stock_would_run"]),
             "stock_padding_fraction": 1 - positions["real_tokens"] / positions["stock_would_run"],
             "prompt_tokens_saved_per_step": positions["prompt_tokens_saved"]
-            / (shape["measured_rollouts"] * STEPS_PER_GENERATION),
+            / (shape["measured_rollouts"] * shape.get("steps_per_generation", STEPS_PER_GENERATION)),
             # 0: the rollouts come from a rollout_func, nothing is generated (compare's generation floor)
             "generation_floor": ratio_of(
                 med[kind]["generation_cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]
