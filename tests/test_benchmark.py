@@ -127,7 +127,7 @@ def _real_model_scenarios(padding_path: bool) -> set[str]:
 
     if real_model.unavailable() is not None:
         return set()
-    return {"real_equal_settings", "real_sampler_logprobs"} | (
+    return {"real_equal_settings", "real_sampler_logprobs", "real_fast_settings"} | (
         {"real_long_tail", "real_long_prompt"} if padding_path else set()
     )
 
@@ -139,7 +139,7 @@ def _check_real(report: dict, skipped: dict, real: set[str]) -> None:
         assert {"real_equal_settings", "real_sampler_logprobs"} <= set(skipped)
         assert "trl-gspo models prepare" in skipped["real_equal_settings"]  # the one line that says how to get it
         return
-    for name in ("real_equal_settings", "real_sampler_logprobs"):
+    for name in ("real_equal_settings", "real_sampler_logprobs", "real_fast_settings"):
         sc = report[name]
         assert sc["model"].startswith("HuggingFaceTB/SmolLM2-135M-Instruct") and sc["model_shape"]["model"] == "smollm2"
         assert sc["stock"]["generation_cpu_seconds_per_step"] > 0 and sc["ours"]["generation_cpu_seconds_per_step"] > 0
@@ -151,6 +151,9 @@ def _check_real(report: dict, skipped: dict, real: set[str]) -> None:
     ratio = extra["shared_prefill"]["cpu_seconds_per_step"] / extra["stock"]["cpu_seconds_per_step"]
     assert math.isclose(extra["ratio_cpu_seconds_per_step_shared_prefill"], ratio)
     assert set(report["real_sampler_logprobs"]["runs"]) == {"stock", "ours"}
+    fast = report["real_fast_settings"]  # ours with every speed option, against the same stock
+    assert fast["ours_settings"] == {"group_minibatches": True, "shared_prefill": True}
+    assert fast["old_logprobs_source"] == "sampler" and report["real_equal_settings"]["ours_settings"] == {}
     for name in real & {"real_long_tail", "real_long_prompt"}:
         key, variant = ("long_tail", "defaults") if name == "real_long_tail" else ("long_prompt", "shared")
         lt = report[name][key]

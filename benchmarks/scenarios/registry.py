@@ -66,16 +66,18 @@ def _with_model(result: dict, shape: dict, real: bool) -> dict:
 #: Extra arms of a training scenario: ours with settings other than the defaults. `real_equal_settings` adds
 #: `shared_prefill` (off by default), whose generation floor is lower than the defaults' (rollout/shared_prefill.py).
 EXTRA_ARMS = {"real_equal_settings": {"shared_prefill": {"shared_prefill": True}}}
+#: Ours' settings where a scenario measures other than the defaults: `real_fast_settings` turns on every option
+#: that gives up stock's exact rollouts or step contents for speed (with `old_logprobs_source="sampler"`): whole
+#: groups in each optimizer step (forward/shared_prefix.py) and each prompt prefilled once in generation.
+OURS_SETTINGS = {"real_fast_settings": {"group_minibatches": True, "shared_prefill": True}}
 
 
 def _training(name: str, source: str, diagnostics: bool = True, real: bool = False) -> Callable[[Context], dict]:
     def run(ctx: Context) -> dict:
         shape = _base_shape(ctx, real)
         reps, gc = ctx.reps_for(shape), ctx.gradient_checkpointing
-        extra = EXTRA_ARMS.get(name)
-        result = compare(
-            name, source, shape, ctx.device, reps, ctx.work_dir, ctx.log, gc, diagnostics=diagnostics, extra=extra
-        )
+        extra, settings = EXTRA_ARMS.get(name), OURS_SETTINGS.get(name)
+        result = compare(name, source, shape, ctx.device, reps, ctx.work_dir, ctx.log, gc, diagnostics, extra, settings)
         return _with_model(result, shape, real)
 
     return run
@@ -212,6 +214,12 @@ SCENARIOS = {
             "real_sampler_logprobs",
             "sampler_logprobs on SmolLM2-135M-Instruct (the demo's addition prompts and batch), with the generation floor",
             _training("real_sampler_logprobs", "sampler", real=True),
+            _real_model,
+        ),
+        Scenario(
+            "real_fast_settings",
+            "real_sampler_logprobs with group_minibatches and shared_prefill: every speed option on SmolLM2",
+            _training("real_fast_settings", "sampler", real=True),
             _real_model,
         ),
         Scenario(

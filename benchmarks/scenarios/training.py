@@ -208,10 +208,12 @@ def compare(
     gradient_checkpointing: bool,
     diagnostics: bool = True,
     extra: dict[str, dict] | None = None,
+    settings: dict | None = None,
 ) -> dict:
-    """Stock TRL against ours at its defaults (and each `extra` arm: ours with those GSPOConfig settings), every arm
-    once per repetition, in an order that reverses every other repetition so that drift hits every arm alike."""
-    base = {} if diagnostics else {"diagnostics": False}
+    """Stock TRL against ours at its defaults, or with the GSPOConfig `settings` (and each `extra` arm: ours with
+    those settings too), every arm once per repetition, in an order that reverses every other repetition so that
+    drift hits every arm alike."""
+    base = {**(settings or {}), **({} if diagnostics else {"diagnostics": False})}
     arms = {"stock": None, "ours": base or None, **{k: {**base, **v} for k, v in (extra or {}).items()}}
     runs = {kind: [] for kind in arms}
     for rep in range(reps):
@@ -239,6 +241,7 @@ def compare(
     result = {
         "old_logprobs_source": source,
         "diagnostics": diagnostics,
+        "ours_settings": settings or {},
         "stock": med["stock"],
         "ours": med["ours"],
         "ratio_seconds_per_step": ratio_of(med["ours"]["seconds_per_step"], med["stock"]["seconds_per_step"]),
