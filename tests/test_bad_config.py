@@ -82,6 +82,7 @@ def _config(**kwargs):
         ({"padding_free": 1}, r"padding_free=1 is not supported; allowed: 'auto', True, False"),
         ({"shared_prefix": "yes"}, r"shared_prefix='yes' is not supported; allowed: 'auto', True, False"),
         ({"group_minibatches": "no"}, r"group_minibatches='no' must be True or False"),
+        ({"shared_prefill": "yes"}, r"shared_prefill='yes' must be True or False"),
         ({"sort_by_length": "sometimes"}, r"sort_by_length='sometimes' is not supported; allowed: auto, always, never"),
         ({"sort_by_length": True}, r"sort_by_length=True is not supported; allowed: auto, always, never"),
         ({"dynamic_sampling": "yes"}, r"dynamic_sampling='yes' must be True or False"),

@@ -34,6 +34,8 @@ def test_tiny_run_writes_one_file_per_scenario(tmp_path):
     layouts = {"long_tail", "long_prompt"} if padding_path else set()
     expected = {"demo", "demo_copy", "loss_path", "equal_settings", "equal_settings_no_diagnostics", "sampler_logprobs"}
     expected |= {"logprob_memory", "async"} | layouts
+    real = _real_model_scenarios(padding_path)  # SmolLM2 where it is prepared (make test prepares it), else skipped
+    expected |= real
     assert {os.path.basename(p) for p in summary["written"]} == {f"{name}.json" for name in expected}
     assert set(summary["skipped"]) >= {"demo_vllm", "vllm_generation"}  # vLLM's CPU build only, not in --tiny
     files = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in expected}
@@ -85,6 +87,7 @@ def test_tiny_run_writes_one_file_per_scenario(tmp_path):
     assert all(v >= 0 for v in mem["peak_memory_bytes"].values())  # tiny sizes may fit in freed heap
     assert mem["full_fp32_logits_bytes"] == mem["vocab"] * mem["completion_tokens"] * 4
     _check_async(report["async"])
+    _check_real(report, summary["skipped"], real)
     if not padding_path:
         assert "long_tail skipped" in proc.stderr
         return
@@ -115,6 +118,49 @@ def test_tiny_run_writes_one_file_per_scenario(tmp_path):
                 lt["shared"]["prompt_tokens_saved_per_step"] > 0
                 and lt["no_sharing"]["prompt_tokens_saved_per_step"] == 0
             )
+
+
+def _real_model_scenarios(padding_path: bool) -> set[str]:
+    """The real-model scenarios this machine runs: none without the model, the layout ones only with padding removal."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from scenarios import real_model
+
+    if real_model.unavailable() is not None:
+        return set()
+    return {"real_equal_settings", "real_sampler_logprobs", "real_fast_settings"} | (
+        {"real_long_tail", "real_long_prompt"} if padding_path else set()
+    )
+
+
+def _check_real(report: dict, skipped: dict, real: set[str]) -> None:
+    """The real-model scenarios name the copy measured, time generation in both trainers (a generation floor), and
+    run the extra shared-prefill arm where it is one; without the model they are skipped with the reason."""
+    if not real:
+        assert {"real_equal_settings", "real_sampler_logprobs"} <= set(skipped)
+        assert "trl-gspo models prepare" in skipped["real_equal_settings"]  # the one line that says how to get it
+        return
+    for name in ("real_equal_settings", "real_sampler_logprobs", "real_fast_settings"):
+        sc = report[name]
+        assert sc["model"].startswith("HuggingFaceTB/SmolLM2-135M-Instruct") and sc["model_shape"]["model"] == "smollm2"
+        assert sc["stock"]["generation_cpu_seconds_per_step"] > 0 and sc["ours"]["generation_cpu_seconds_per_step"] > 0
+        assert 0 < sc["stock_generation_share"] < 1 and 0 < sc["generation_floor"] < 2
+        floor = sc["ours"]["generation_cpu_seconds_per_step"] / sc["stock"]["cpu_seconds_per_step"]
+        assert math.isclose(sc["generation_floor"], floor)
+    extra = report["real_equal_settings"]
+    assert set(extra["runs"]) == {"stock", "ours", "shared_prefill"} and len(extra["runs"]["shared_prefill"]) == 2
+    ratio = extra["shared_prefill"]["cpu_seconds_per_step"] / extra["stock"]["cpu_seconds_per_step"]
+    assert math.isclose(extra["ratio_cpu_seconds_per_step_shared_prefill"], ratio)
+    assert set(report["real_sampler_logprobs"]["runs"]) == {"stock", "ours"}
+    fast = report["real_fast_settings"]  # ours with every speed option, against the same stock
+    assert fast["ours_settings"] == {"group_minibatches": True, "shared_prefill": True}
+    assert fast["old_logprobs_source"] == "sampler" and report["real_equal_settings"]["ours_settings"] == {}
+    for name in real & {"real_long_tail", "real_long_prompt"}:
+        key, variant = ("long_tail", "defaults") if name == "real_long_tail" else ("long_prompt", "shared")
+        lt = report[name][key]
+        assert _positive(lt[variant]["ratio_cpu_seconds_per_step"]) and 0 < lt[variant]["ratio_positions"] < 1
+        assert lt[variant]["generation_floor"] == 0  # identical rollouts from a rollout_func: nothing generated
+        # the rollouts carry the chat-templated prompts: the template's system prompt makes them tens of tokens
+        assert min(r["mean_prompt_tokens"] for r in lt["runs"]["stock"]) > 20
 
 
 def _check_async(sc: dict) -> None:

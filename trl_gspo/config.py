@@ -28,6 +28,7 @@ from .moe.routing_replay import RoutingReplayOptions
 from .rollout.async_options import AsyncOptions
 from .rollout.dynamic_sampling import DynamicSamplingOptions
 from .rollout.sampler_logprobs import SamplerLogprobOptions
+from .rollout.shared_prefill import SharedPrefillOptions
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ FEATURE_OPTIONS = (
     CheckpointOptions,
     FusedHeadOptions,
     SamplerLogprobOptions,
+    SharedPrefillOptions,
     DiagnosticsOptions,
     RoutingReplayOptions,
     PaddingOptions,
@@ -60,8 +62,8 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     r"""
     Configuration for [`GSPOTrainer`]: every [`trl.GRPOConfig`] field, with the GSPO paper's defaults, plus each
     feature's fields (documented in its options class: `PrecisionOptions`, `NonFiniteOptions`, `RewardGuardOptions`,
-    `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `DiagnosticsOptions`, `RoutingReplayOptions`,
-    `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`, `AsyncOptions`).
+    `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `SharedPrefillOptions`, `DiagnosticsOptions`,
+    `RoutingReplayOptions`, `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`, `AsyncOptions`).
 
     Defaults that differ from `trl.GRPOConfig` (paper, arXiv 2507.18071, Sec. 5):
     - `importance_sampling_level="sequence"` (GSPO) instead of `"token"` (GRPO).

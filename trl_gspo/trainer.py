@@ -63,6 +63,7 @@ from .rollout import colocate_cpu_sync, served_model
 from .rollout.async_rollouts import DecoupledBehaviourWeight
 from .rollout.pipeline import RolloutPipeline, split_rollout
 from .rollout.sampler_logprobs import SamplerLogprobs
+from .rollout.shared_prefill import SharedPrefill
 from .rollout.sources import rollout_source
 from .rollout.vllm_setup import check_vllm_setup
 from .token_advantages import checked_advantages
@@ -150,12 +151,15 @@ class GSPOTrainer(GRPOTrainer):
             aux_loss=aux_loss,
             reference=getattr(self, "ref_model", None),
         )
-        self.rollout = self._rollout_pipeline()
+        self.rollout = self._rollout_pipeline(args.shared_prefill)
         self.rollout_source = rollout_source(self, self.rollout)
         self.behaviour = DecoupledBehaviourWeight(args, self.diagnostics.windows["train"])
 
-    def _rollout_pipeline(self) -> RolloutPipeline:
-        return RolloutPipeline(self, self.run, self.trl, sampler=self.sampler_logprobs, routes=self.moe_routing)
+    def _rollout_pipeline(self, shared_prefill: bool) -> RolloutPipeline:
+        prefill = SharedPrefill(self.run, self.accelerator, self.moe_routing, shared_prefill)
+        return RolloutPipeline(
+            self, self.run, self.trl, sampler=self.sampler_logprobs, routes=self.moe_routing, prefill=prefill
+        )
 
     def _count_nonfinite(self, name: str, count: int) -> None:
         """`rewards/<name>/nonfinite` (guards/rewards_guard.py, `nonfinite_reward="none"`)."""
@@ -214,7 +218,7 @@ class GSPOTrainer(GRPOTrainer):
             self.run, self.trl = RunView(self), TRLCalls(GSPOTrainer, self)
             self.sampler_logprobs = SamplerLogprobs(self.run, self.accelerator)
             self.moe_routing = MoERouting(self.run, "none", None, None, None)
-            self.rollout = self._rollout_pipeline()
+            self.rollout = self._rollout_pipeline(shared_prefill=False)
         return self.rollout
 
     # ------------------------------------------------------------------------------------------ the forward path

@@ -8,10 +8,11 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scenarios import driver
+from scenarios import driver, real_model
 from scenarios.asynchronous import async_scenario
 from scenarios.demo import demo_scenario
 from scenarios.loss import memory_scenario
+from scenarios.real_model import REAL_SHAPES
 from scenarios.training import LAYOUT_SHAPES, LAYOUT_VARIANTS, compare, layout_scenario
 from scenarios.workload import ASYNC_SHAPES, STEPS_PER_GENERATION
 
@@ -52,30 +53,53 @@ def _loss_path(ctx: Context) -> dict:
     return result
 
 
-def _training(name: str, source: str, diagnostics: bool = True) -> Callable[[Context], dict]:
+def _base_shape(ctx: Context, real: bool) -> dict:
+    """The invocation's shape, or the real model's (real_model.REAL_SHAPES; CPU only)."""
+    return REAL_SHAPES["tiny" if ctx.tiny else "cpu"] if real else ctx.shape
+
+
+def _with_model(result: dict, shape: dict, real: bool) -> dict:
+    """A real-model result names the copy measured and its shape (the record's `settings.shape` is the tiny models')."""
+    return {"model": real_model.model_source(), "model_shape": shape, **result} if real else result
+
+
+#: Extra arms of a training scenario: ours with settings other than the defaults. `real_equal_settings` adds
+#: `shared_prefill` (off by default), whose generation floor is lower than the defaults' (rollout/shared_prefill.py).
+EXTRA_ARMS = {"real_equal_settings": {"shared_prefill": {"shared_prefill": True}}}
+#: Ours' settings where a scenario measures other than the defaults: `real_fast_settings` turns on every option
+#: that gives up stock's exact rollouts or step contents for speed (with `old_logprobs_source="sampler"`): whole
+#: groups in each optimizer step (forward/shared_prefix.py) and each prompt prefilled once in generation.
+OURS_SETTINGS = {"real_fast_settings": {"group_minibatches": True, "shared_prefill": True}}
+
+
+def _training(name: str, source: str, diagnostics: bool = True, real: bool = False) -> Callable[[Context], dict]:
     def run(ctx: Context) -> dict:
-        reps, gc = ctx.reps_for(ctx.shape), ctx.gradient_checkpointing
-        return compare(name, source, ctx.shape, ctx.device, reps, ctx.work_dir, ctx.log, gc, diagnostics=diagnostics)
+        shape = _base_shape(ctx, real)
+        reps, gc = ctx.reps_for(shape), ctx.gradient_checkpointing
+        extra, settings = EXTRA_ARMS.get(name), OURS_SETTINGS.get(name)
+        result = compare(name, source, shape, ctx.device, reps, ctx.work_dir, ctx.log, gc, diagnostics, extra, settings)
+        return _with_model(result, shape, real)
 
     return run
 
 
-def _layouts(name: str) -> Callable[[Context], dict]:
+def _layouts(name: str, real: bool = False) -> Callable[[Context], dict]:
     def run(ctx: Context) -> dict:
-        result = {}
+        base, result = _base_shape(ctx, real), {}
         for key in LAYOUT_SHAPES[name]:
-            shape = {**ctx.shape, **ctx.shape["long_tail"], **ctx.shape[key]}  # long_tail's entry is every one's base
+            shape = {**base, **base["long_tail"], **base[key]}  # long_tail's entry is every one's base
+            prompts = f"{shape['prompt']} prompts" if real else f"prompts of {shape['prompt_range']} tokens"
             ctx.log(
-                f"  {key}: prompts of {shape['prompt_range']} tokens, completions lognormal up to "
-                f"{shape['completion']}; {shape['batch']} rows x {shape['accumulation']} micro-batches per optimizer "
-                f"step, {STEPS_PER_GENERATION} optimizer steps per rollout"
+                f"  {key}: {prompts}, completions lognormal up to {shape['completion']}; {shape['batch']} rows x "
+                f"{shape['accumulation']} micro-batches per optimizer step, {shape.get('steps_per_generation', STEPS_PER_GENERATION)} optimizer steps "
+                "per rollout"
             )
             variants = {k: v for k, v in LAYOUT_VARIANTS[name].items() if ctx.variants is None or k in ctx.variants}
             gc = ctx.gradient_checkpointing
             result[key] = layout_scenario(
                 key, shape, ctx.device, ctx.reps_for(shape), ctx.work_dir, ctx.log, gc, variants
             )
-        return result
+        return _with_model(result, base, real)
 
     return run
 
@@ -86,6 +110,16 @@ def _no_fused_head(ctx: Context) -> str | None:
     if fused_head.available():
         return None
     return "this TRL has no fused log-prob head, so padding removal is off (forward/padding.py)"
+
+
+def _real_model(ctx: Context) -> str | None:
+    if ctx.device != "cpu":
+        return "the real-model scenarios are CPU benchmarks (the real model in fp32 on one thread)"
+    return real_model.unavailable()
+
+
+def _real_model_fused_head(ctx: Context) -> str | None:
+    return _real_model(ctx) or _no_fused_head(ctx)
 
 
 def _async(ctx: Context) -> dict:
@@ -169,6 +203,36 @@ SCENARIOS = {
             "training phase with ~1024-token prompts, stock vs ours sharing each group's prompt",
             _layouts("long_prompt"),
             _no_fused_head,
+        ),
+        Scenario(
+            "real_equal_settings",
+            "equal_settings on SmolLM2-135M-Instruct (the demo's addition prompts and batch), with the generation floor",
+            _training("real_equal_settings", "recompute", real=True),
+            _real_model,
+        ),
+        Scenario(
+            "real_sampler_logprobs",
+            "sampler_logprobs on SmolLM2-135M-Instruct (the demo's addition prompts and batch), with the generation floor",
+            _training("real_sampler_logprobs", "sampler", real=True),
+            _real_model,
+        ),
+        Scenario(
+            "real_fast_settings",
+            "real_sampler_logprobs with group_minibatches and shared_prefill: every speed option on SmolLM2",
+            _training("real_fast_settings", "sampler", real=True),
+            _real_model,
+        ),
+        Scenario(
+            "real_long_tail",
+            "long_tail on SmolLM2-135M-Instruct: chat-templated addition prompts, completions up to 128 tokens",
+            _layouts("real_long_tail", real=True),
+            _real_model_fused_head,
+        ),
+        Scenario(
+            "real_long_prompt",
+            "long_prompt on SmolLM2-135M-Instruct: ~1,000-token few-shot addition prompts, one per group of 8",
+            _layouts("real_long_prompt", real=True),
+            _real_model_fused_head,
         ),
         Scenario(
             "async",

@@ -5,6 +5,7 @@ identical long-tailed rollouts (`LongTailRollouts`) and the peak-memory probe, s
 from __future__ import annotations
 
 import importlib.util
+import time
 
 QWEN3_VOCAB = 151_936
 
@@ -170,6 +171,30 @@ class PeakMemory:
         return False
 
 
+class PhaseClock:
+    """Wall and CPU seconds spent inside `with clock:` blocks, summed over every entry (CUDA work synchronised)."""
+
+    def __init__(self, device: str):
+        self.device, self.seconds, self.cpu_seconds = device, 0.0, 0.0
+
+    def __enter__(self):
+        self.started = (time.perf_counter(), time.process_time())
+        return self
+
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        wall, cpu = self.started
+        self.seconds += time.perf_counter() - wall
+        self.cpu_seconds += time.process_time() - cpu
+        return False
+
+    def totals(self) -> tuple[float, float]:
+        return self.seconds, self.cpu_seconds
+
+
 # ------------------------------------------------------------------------------------------------ workload
 def make_tokenizer(vocab_size: int | None = None):
     from trl_gspo.testing import SPECIAL_TOKENS, WORDS, build_tokenizer
@@ -225,17 +250,21 @@ def make_dataset(shape: dict, n: int = 512):
     return Dataset.from_dict({"prompt": prompts})
 
 
+def digit_fraction(completions, **kwargs) -> list[float]:
+    """The tiny models' reward: with spread over their word vocabulary, so advantages are non-zero."""
+    return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
+
+
 class TokenCounter:
-    """Reward with spread (so advantages are non-zero) that also counts the completion tokens generated."""
+    """TRL reward function `reward` (by default `digit_fraction`) that also counts the completion tokens generated."""
 
-    __name__ = "digit_fraction"
-
-    def __init__(self):
-        self.tokens = 0
+    def __init__(self, reward=digit_fraction):
+        self.reward, self.tokens = reward, 0
+        self.__name__ = reward.__name__  # TRL names the reward's metrics by it
 
     def __call__(self, completions, completion_ids=None, **kwargs):
         self.tokens += sum(len(ids) for ids in completion_ids)
-        return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
+        return self.reward(completions, **kwargs)
 
 
 def zero_reward(completions, **kwargs):
@@ -260,7 +289,8 @@ def forward_positions(trainer):
 
 class LongTailRollouts:
     """TRL `rollout_func` that hands every trainer the same rollouts: completion lengths lognormal with median
-    0.3 x max and ~10% truncated at max (no EOS), as in reasoning RL; random tokens, one prompt per group.
+    0.3 x max and ~10% truncated at max (no EOS), as in reasoning RL; random tokens, one prompt per group: random
+    tokens in `prompt_range`, or (`encode`) the group's prompt as the trainer would tokenize it.
 
     Seeded by call count, so stock and ours, called once per rollout batch, see identical batches. Generation then
     costs ~nothing and the step time is the training phase (pi_old pass, loss forward and backward)."""
@@ -275,6 +305,7 @@ class LongTailRollouts:
         num_generations: int,
         seed=0,
         median_fraction: float | None = None,
+        encode=None,
     ):
         import math
         from statistics import NormalDist
@@ -285,7 +316,8 @@ class LongTailRollouts:
         self.mu = math.log(median_fraction * max_completion)
         # P(length >= max) = 10%: ln(max) - mu = z_0.9 * sigma
         self.sigma = math.log(1 / median_fraction) / NormalDist().inv_cdf(1 - self.TRUNCATED_FRACTION)
-        self.seed, self.calls, self.tokens = seed, 0, 0
+        self.seed, self.calls, self.encode = seed, 0, encode
+        self.tokens, self.prompt_tokens, self.rows = 0, 0, 0  # handed out so far: all, prompts', rows
 
     def __call__(self, prompts, trainer):
         import torch
@@ -296,7 +328,9 @@ class LongTailRollouts:
         lengths = torch.exp(self.mu + self.sigma * torch.randn(n, generator=g)).round().clamp(1, self.max_completion)
         prompt_ids, completion_ids = [], []
         for i in range(n):
-            if i % self.num_generations == 0:  # TRL repeats each prompt num_generations times, consecutively
+            if i % self.num_generations == 0 and self.encode is not None:
+                prompt = self.encode(prompts[i])
+            elif i % self.num_generations == 0:  # TRL repeats each prompt num_generations times, consecutively
                 p_len = int(torch.randint(self.prompt_range[0], self.prompt_range[1] + 1, (1,), generator=g))
                 prompt = torch.randint(4, self.vocab, (p_len,), generator=g).tolist()
             length = int(lengths[i])
@@ -305,4 +339,5 @@ class LongTailRollouts:
                 ids[-1] = self.eos  # finished; at max length it is truncated, as a sampler cut off there would be
             prompt_ids.append(prompt), completion_ids.append(ids)
             self.tokens += len(prompt) + length
+            self.prompt_tokens, self.rows = self.prompt_tokens + len(prompt), self.rows + 1
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}

@@ -207,10 +207,14 @@ class MoERouting:
         seam.around_vllm_generate(generation, lambda: seen.update(raw=None), after)
 
     # ------------------------------------------------------------------ sampler routes (R3), the rollout path
+    @property
+    def records_sampler_routes(self) -> bool:
+        """R3 logs the router calls of TRL's `generate` path (every row's, prefill included)."""
+        return self.replay == "R3" and self.run.sampling_path == "generate"
+
     def recording_sampler_routes(self):
         """Context for one generation call of TRL's `generate` path: under R3, a log of the router calls (else None)."""
-        record = self.replay == "R3" and self.run.sampling_path == "generate"
-        return self.hooks.log_calls() if record else contextlib.nullcontext()
+        return self.hooks.log_calls() if self.records_sampler_routes else contextlib.nullcontext()
 
     def keep_sampler_routes(self, prompt_ids, completion_ids, log) -> None:
         """After one generation call: R3's routes of this call's completions, from the router log or from vLLM."""

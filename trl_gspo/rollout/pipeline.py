@@ -24,8 +24,9 @@ feature's step is called by name:
       stamp: the optimizer step whose weights sampled this batch (`sampled_at`)
 
     RolloutPipeline.generate(prompts)               TRL's `_generate`, then sampler.keep, routes.keep_rollout_func_routes
-    RolloutPipeline.generate_single_turn(...)       TRL's `_generate_single_turn` inside sampler.recording and
-                                                    routes.recording_sampler_routes, then routes.keep_sampler_routes
+    RolloutPipeline.generate_single_turn(...)       TRL's `_generate_single_turn` inside prefill.sharing,
+                                                    sampler.recording and routes.recording_sampler_routes, then
+                                                    routes.keep_sampler_routes
 
 A `RolloutSource` decides how `next_batch` obtains a scored batch. `SynchronousRollouts` (the default) is TRL's
 behaviour: generate and score the dataloader's batch now. `DynamicSampling` (rollout/dynamic_sampling.py,
@@ -256,16 +257,17 @@ class RolloutPipeline:
     Collaborators: `trainer`, the `GRPOTrainer` whose rollout code runs (its TRL state, and its dispatching
     `_generate_and_score_completions`); `trl`, TRL's own implementations of the overridden methods, which the
     overrides bypass (common/seam.py `TRLCalls`);
-    `sampler` (rollout/sampler_logprobs.py) and `routes` (moe/routing_replay.py), whose steps run around TRL's.
+    `sampler` (rollout/sampler_logprobs.py), `routes` (moe/routing_replay.py) and `prefill`
+    (rollout/shared_prefill.py), whose steps run around TRL's.
 
     State the steps share, the pipeline's own: `stop_after` ("generate" while `sample` runs, "request" while `request`
     runs, else None: TRL runs to the end), `injected` (the `Generation` that `score` is scoring, or the `Completions`
     answering TRL's generation call, else None: generate now), `given_rewards` (the reward matrix `score` was given)
     and `sampled_at` (the optimizer step whose weights sampled the rollout batch being trained on)."""
 
-    def __init__(self, trainer, run, trl, *, sampler, routes):
+    def __init__(self, trainer, run, trl, *, sampler, routes, prefill):
         self.trainer, self.run, self.trl = trainer, run, trl  # run: trainer.RunView
-        self.sampler, self.routes = sampler, routes
+        self.sampler, self.routes, self.prefill = sampler, routes, prefill
         self.stop_after = None
         self.injected = None
         self.given_rewards = None
@@ -368,7 +370,12 @@ class RolloutPipeline:
                 raise RuntimeError("Completions generated ahead of time were for other prompts than this batch's.")
             self.routes.keep_generated_routes(prompt_ids, injected.completion_ids, injected.routes)
             return injected.completion_ids, injected.logprobs
-        with self.sampler.recording(self.run.model) as recorder, self.routes.recording_sampler_routes() as route_log:
+        # shared prefill first: its hook hands the recorder the whole batch's logits
+        with (
+            self.prefill.sharing(self.run.model),
+            self.sampler.recording(self.run.model) as recorder,
+            self.routes.recording_sampler_routes() as route_log,
+        ):
             completion_ids, logprobs = self.trl._generate_single_turn(prompt_ids, *args, **kwargs)
         if recorder is not None:  # raw log_softmax(logits / T) of each sampled token (rollout/sampler_logprobs.py)
             logprobs = recorder.completion_logprobs(completion_ids)
