@@ -248,7 +248,7 @@ SCENARIOS = {
         Scenario(
             "demo_real_vllm",
             "`trl-gspo demo --use_vllm true --vllm_mode colocate` (SmolLM2-135M-Instruct, addition) end to end on "
-            "vLLM's CPU build, seed 0 (a run costs about half an hour on 2 cores), beside `demo`'s transformers runs",
+            "vLLM's CPU build, seed 0 (a run costs about 18 minutes on 2 cores), beside `demo`'s transformers runs",
             lambda ctx: demo_scenario(False, True, ctx.tiny, ctx.work_dir, ctx.log, seeds=(0,)),
             _needs_vllm,
         ),
