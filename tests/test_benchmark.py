@@ -37,7 +37,7 @@ def test_tiny_run_writes_one_file_per_scenario(tmp_path):
     real = _real_model_scenarios(padding_path)  # SmolLM2 where it is prepared (make test prepares it), else skipped
     expected |= real
     assert {os.path.basename(p) for p in summary["written"]} == {f"{name}.json" for name in expected}
-    assert set(summary["skipped"]) >= {"demo_vllm", "vllm_generation"}  # vLLM's CPU build only, not in --tiny
+    assert set(summary["skipped"]) >= {"demo_vllm", "demo_real_vllm", "vllm_generation"}  # vLLM's CPU build only
     files = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in expected}
     for name, record in files.items():
         assert record["scenario"] == name and record["what"] and record["date"].startswith("20")

@@ -67,9 +67,9 @@ def run_demo(seed: int, copy: bool, use_vllm: bool, tiny: bool, out_dir: str) ->
     }
 
 
-def demo_scenario(copy: bool, use_vllm: bool, tiny: bool, work_dir: str, log) -> dict:
+def demo_scenario(copy: bool, use_vllm: bool, tiny: bool, work_dir: str, log, seeds=SEEDS) -> dict:
     runs, name = [], "demo" + ("-copy" if copy else "") + ("-vllm" if use_vllm else "")
-    for seed in SEEDS[:1] if tiny else SEEDS:
+    for seed in seeds[:1] if tiny else seeds:
         runs.append(run_demo(seed, copy, use_vllm, tiny, os.path.join(work_dir, f"{name}-{seed}")))
         r = runs[-1]
         log(

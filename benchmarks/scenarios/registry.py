@@ -246,6 +246,13 @@ SCENARIOS = {
             _needs_vllm,
         ),
         Scenario(
+            "demo_real_vllm",
+            "`trl-gspo demo --use_vllm true --vllm_mode colocate` (SmolLM2-135M-Instruct, addition) end to end on "
+            "vLLM's CPU build, seed 0 (a run costs about 18 minutes on 2 cores), beside `demo`'s transformers runs",
+            lambda ctx: demo_scenario(False, True, ctx.tiny, ctx.work_dir, ctx.log, seeds=(0,)),
+            _needs_vllm,
+        ),
+        Scenario(
             "vllm_generation",
             "step time generating with transformers, a vLLM server and colocated vLLM (CPU build), two shapes",
             _vllm_generation,
