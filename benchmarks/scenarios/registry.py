@@ -14,7 +14,7 @@ from scenarios.demo import demo_scenario
 from scenarios.loss import memory_scenario
 from scenarios.real_model import REAL_SHAPES
 from scenarios.training import LAYOUT_SHAPES, LAYOUT_VARIANTS, compare, layout_scenario
-from scenarios.workload import ASYNC_SHAPES, STEPS_PER_GENERATION
+from scenarios.workload import ASYNC_SHAPES, rollout_steps
 
 
 @dataclass
@@ -91,7 +91,7 @@ def _layouts(name: str, real: bool = False) -> Callable[[Context], dict]:
             prompts = f"{shape['prompt']} prompts" if real else f"prompts of {shape['prompt_range']} tokens"
             ctx.log(
                 f"  {key}: {prompts}, completions lognormal up to {shape['completion']}; {shape['batch']} rows x "
-                f"{shape['accumulation']} micro-batches per optimizer step, {shape.get('steps_per_generation', STEPS_PER_GENERATION)} optimizer steps "
+                f"{shape['accumulation']} micro-batches per optimizer step, {rollout_steps(shape)} optimizer steps "
                 "per rollout"
             )
             variants = {k: v for k, v in LAYOUT_VARIANTS[name].items() if ctx.variants is None or k in ctx.variants}

@@ -13,7 +13,6 @@ from scenarios.driver import median_of, ratio_of, run_worker
 from scenarios.workload import (
     LOSS_SETTINGS,
     QWEN3_VOCAB,
-    STEPS_PER_GENERATION,
     LongTailRollouts,
     PeakMemory,
     PhaseClock,
@@ -23,6 +22,7 @@ from scenarios.workload import (
     make_model,
     make_tokenizer,
     param_flops_per_token,
+    rollout_steps,
 )
 
 
@@ -64,7 +64,7 @@ def run_training(
 
     tokenizer, model, dataset, counter, encode = build_workload(shape, device)
     n_rollouts = shape["warmup_rollouts"] + shape["measured_rollouts"]
-    steps_per_rollout = shape.get("steps_per_generation", STEPS_PER_GENERATION)
+    steps_per_rollout = rollout_steps(shape)
     accumulation = shape.get("accumulation", 1) if long_tail else 1
     common = dict(
         output_dir=out_dir,
@@ -372,7 +372,7 @@ def layout_scenario(
             "ratio_positions": ratio_of(positions["run"], positions["stock_would_run"]),
             "stock_padding_fraction": 1 - positions["real_tokens"] / positions["stock_would_run"],
             "prompt_tokens_saved_per_step": positions["prompt_tokens_saved"]
-            / (shape["measured_rollouts"] * shape.get("steps_per_generation", STEPS_PER_GENERATION)),
+            / (shape["measured_rollouts"] * rollout_steps(shape)),
             # 0: the rollouts come from a rollout_func, nothing is generated (compare's generation floor)
             "generation_floor": ratio_of(
                 med[kind]["generation_cpu_seconds_per_step"], med["stock"]["cpu_seconds_per_step"]

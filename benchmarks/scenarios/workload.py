@@ -85,6 +85,13 @@ SHAPES = {
     ),
 }
 STEPS_PER_GENERATION = 4
+
+
+def rollout_steps(shape: dict) -> int:
+    """Optimizer steps per rollout of a shape: its `steps_per_generation`, else `STEPS_PER_GENERATION`."""
+    return shape.get("steps_per_generation", STEPS_PER_GENERATION)
+
+
 #: Workload of the `async` scenario per device (`tiny`: the smoke run): short prompts and longer completions so that
 #: generation is >= 1/3 of a synchronous step, no activation checkpointing.
 ASYNC_SHAPES = {
