@@ -11,6 +11,7 @@
 import pytest
 import torch
 from datasets import Dataset
+from helpers.trainers import digit_fraction
 
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo.cli.rounding import rounding_bound
@@ -21,13 +22,9 @@ G = 4
 PROMPTS = [f"copy {a} {b} :" for a in range(2) for b in range(2)]
 
 
-def _reward(completions, **kwargs):  # spread-out rewards, so advantages are non-zero
-    return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
-
-
 #: The trainers of this file (`trainer_factory`): one optimizer step, in training mode.
 TRAINER = dict(
-    reward=_reward,
+    reward=digit_fraction,
     prompts=PROMPTS,
     train=True,
     per_device_train_batch_size=4,
@@ -126,7 +123,7 @@ def test_prompt_stream_is_the_train_dataloaders_order_across_epochs(tokenizer, t
         shuffle_dataset=shuffle,
     )
     trainer = GSPOTrainer(
-        build_tiny_model(tokenizer), _reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        build_tiny_model(tokenizer), digit_fraction, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     stream = PromptStream.for_trainer(trainer)
     assert stream.rollouts_per_epoch == 5

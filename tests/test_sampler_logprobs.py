@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from helpers.trainers import SAMPLING_RUN
 from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
@@ -32,35 +33,8 @@ def _logp_bound(model, seq_len):
     return model_bound(torch.float32, model.config, seq_len)
 
 
-SETTINGS = dict(
-    importance_sampling_level="sequence",
-    loss_type="grpo",
-    epsilon=3e-4,
-    epsilon_high=4e-4,
-    beta=0.0,
-    per_device_train_batch_size=8,
-    num_generations=4,
-    steps_per_generation=4,
-    max_completion_length=8,
-    temperature=0.9,
-    learning_rate=1e-3,
-    seed=0,
-)
-
-
-def _reward(completions, **kwargs):  # spread-out rewards, so advantages (and gradients) are non-zero
-    return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
-
-
 #: The trainers of this file (`trainer_factory`; `cls=GRPOTrainer, config_cls=GRPOConfig` for stock TRL).
-TRAINER = dict(
-    reward=_reward,
-    prompts=[f"copy {a} {b} :" for a in range(8) for b in range(8)],
-    logging_steps=1,
-    max_steps=4,
-    disable_tqdm=True,
-    **SETTINGS,
-)
+TRAINER = SAMPLING_RUN
 
 
 def _first_rollout(trainer):
@@ -150,7 +124,7 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
         m = a["completion_mask"].bool()
         assert relative_gap(b["old_per_token_logps"][m], a["old_per_token_logps"][m], math.inf) <= logp_bound
     # the loss (cli/rounding.loss_bound): its terms are advantage x ratio, each ~1 (advantages scaled to unit std)
-    args, positions = trainer.args, SETTINGS["per_device_train_batch_size"] * seq_len
+    args, positions = trainer.args, TRAINER["per_device_train_batch_size"] * seq_len
     scale = max(b["old_per_token_logps"].abs().max().item() for b in runs["recompute"]["batches"])
     value = loss_bound(torch.float32, trainer.model.config, seq_len, positions, scale)
     for a, b in zip(runs["recompute"]["losses"], runs["sampler"]["losses"]):
@@ -302,7 +276,7 @@ def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path, t
     model.zero_grad()
     assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == 32768  # restored after the call
 
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, -6:-1].double() / SETTINGS["temperature"]
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -6:-1].double() / TRAINER["temperature"]
     ref_all = torch.log_softmax(logits, -1)
     ref_logps = ref_all.gather(-1, ids[:, -5:, None])[..., 0]
     ref_entropy = -(ref_all.exp() * ref_all).sum(-1)

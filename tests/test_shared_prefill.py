@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.trainers import SAMPLING_RUN
 from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
 from trl import GRPOConfig, GRPOTrainer
@@ -158,30 +159,7 @@ def test_distinct_rows_against_a_loop():
 
 
 # ------------------------------------------------------------------------------------------ in the trainer
-SETTINGS = dict(
-    importance_sampling_level="sequence",
-    loss_type="grpo",
-    epsilon=3e-4,
-    epsilon_high=4e-4,
-    beta=0.0,
-    per_device_train_batch_size=8,
-    num_generations=4,
-    steps_per_generation=4,
-    max_completion_length=8,
-    temperature=0.9,
-    learning_rate=1e-3,
-    seed=0,
-    max_steps=4,
-    logging_steps=1,
-    disable_tqdm=True,
-)
-
-
-def _reward(completions, **kwargs):
-    return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
-
-
-TRAINER = dict(reward=_reward, prompts=[f"copy {a} {b} :" for a in range(8) for b in range(8)], **SETTINGS)
+TRAINER = SAMPLING_RUN  # the sampling path's run (tests/helpers/trainers.py)
 
 
 def test_trainer_rollout_equals_stocks_and_logs_the_saving(tmp_path, trainer_factory):

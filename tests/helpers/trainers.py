@@ -13,6 +13,35 @@ from trl_gspo.testing import build_tiny_model, build_tokenizer
 CPU_RUN = dict(use_cpu=True, bf16=False, report_to=[], save_strategy="no")
 
 
+def digit_fraction(completions, **kwargs) -> list[float]:
+    """A reward with spread over the tiny vocabulary's words, so advantages (and gradients) are non-zero."""
+    return [sum(w.isdigit() for w in c.split()) / (1 + len(c.split())) for c in completions]
+
+
+#: The generation path's tests' run (`build_trainer` arguments; `cls=GRPOTrainer, config_cls=GRPOConfig` for stock
+#: TRL): GSPO at the paper's clip, 8 prompts x 4 completions per rollout sampled at temperature 0.9, 4 optimizer
+#: steps of 8 rows, every step logged.
+SAMPLING_RUN = dict(
+    reward=digit_fraction,
+    prompts=[f"copy {a} {b} :" for a in range(8) for b in range(8)],
+    importance_sampling_level="sequence",
+    loss_type="grpo",
+    epsilon=3e-4,
+    epsilon_high=4e-4,
+    beta=0.0,
+    per_device_train_batch_size=8,
+    num_generations=4,
+    steps_per_generation=4,
+    max_completion_length=8,
+    temperature=0.9,
+    learning_rate=1e-3,
+    seed=0,
+    logging_steps=1,
+    max_steps=4,
+    disable_tqdm=True,
+)
+
+
 def build_trainer(
     output_dir,
     reward,
