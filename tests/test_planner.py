@@ -74,7 +74,6 @@ def _plan(name, pack, share, sort=True, alpha=1e-3, **where):
         trim=True,
         pack=pack,
         share=share,
-        one_row=kernel is not None,
         alpha=alpha,
         **where,
     )
@@ -167,7 +166,7 @@ def test_the_margin_keeps_small_savings_trimmed():
     """A chunk whose one-row varlen call would save ~9 % of the trimmed call's cost: chosen by cost alone (the same
     kernel, no margin), trimmed on CUDA, where a saving must clear CUDA_MARGIN; ~37 % clears it."""
     small = torch.tensor([[0, 100, 100], [0, 100, 100], [0, 100, 100], [40, 100, 60]])
-    rest = ([0, 1, 2, 3], 50, {}, True, "auto", False, True, 1e-4)
+    rest = ([0, 1, 2, 3], 50, {}, True, "auto", False, 1e-4)
     assert choose_layout(small, *rest, "cpu", TORCH_VARLEN)[0] == "packed"
     assert choose_layout(small, *rest, "cuda", TORCH_VARLEN)[0] == "trimmed"
     assert choose_layout(small, *rest, "cuda", None)[0] == "trimmed"

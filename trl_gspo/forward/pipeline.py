@@ -331,7 +331,6 @@ class LogprobForward:
             trim=self.args.trim_padding,
             pack=pack,
             share=share,
-            one_row=kernel is not None,  # a varlen kernel takes one row of sequences
             alpha=self.pair_cost,
             multiple_of=self.args.pad_to_multiple_of,
             device=input_ids.device.type,
@@ -356,10 +355,7 @@ class LogprobForward:
         rows = list(range(mask.size(0)))
         trim, device = self.args.trim_padding, self.accelerator.device
         kernel = self.varlen_kernel(support, device)
-        one_row = kernel is not None
-        return choose_layout(
-            spans, rows, prompt_width, group_of, trim, pack, share, one_row, self.pair_cost, device.type, kernel
-        )[1]
+        return choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, self.pair_cost, device.type, kernel)[1]
 
     # ------------------------------------------------------------------------------------- 4. the model call
     def _call_model(self, model, layout: ForwardLayout, **model_inputs):

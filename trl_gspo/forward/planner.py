@@ -3,9 +3,11 @@
 `plan_forward` cuts a batch into TRL's chunks (the same number of model calls on every ZeRO-3 rank) and gives each
 chunk the cheapest exact layout: trimmed (the model's own attention on the columns some row uses), packed (sequences
 end to end, segment attention) or shared (each prompt once for the completions of it in the chunk, segment
-attention). The cost of a layout is its positions run plus `pair_cost` times the (query, key) pairs its attention
-computes, plus a fixed cost per SDPA block of a segment call. Pure functions of the row spans (layouts.row_spans);
-pipeline.py runs the plan.
+attention). A segment call lays its units in rows as long as the longest unit, or all in one row (no filler; the
+SDPA blocks keep each query's keys to its own unit's reach, so a long row costs positions, not its square); with a
+varlen kernel always in one row. The cost of a layout is its positions run plus `pair_cost` times the (query, key)
+pairs its attention computes, plus a fixed cost per SDPA block of a segment call. Pure functions of the row spans
+(layouts.row_spans); pipeline.py runs the plan.
 
 The device and the kernel are arguments (`device`, `kernel`: segment_attention.varlen_kernel's answer), so the CPU
 can ask the CUDA question. On the CPU the SDPA blocks serve segment calls and the model above decides. On CUDA the
@@ -177,7 +179,6 @@ def plan_forward(
     trim,
     pack,
     share,
-    one_row,
     alpha,
     multiple_of=None,
     device="cpu",
@@ -189,7 +190,8 @@ def plan_forward(
     prompt prefix (shared_prefix.prompt_groups); empty when sharing is off for this forward. Rows are taken in
     length order (`sort`) or TRL's; with groups, also in group order, and the cheaper of the two orders wins.
     `device` ("cpu", "cuda", ...) and `kernel` (the varlen kernel serving segment calls, None: the SDPA blocks)
-    decide what "auto" may choose (`choose_layout`); a varlen kernel also lays segment calls in one row."""
+    decide what "auto" may choose (`choose_layout`); a varlen kernel lays segment calls in one row, the SDPA blocks
+    in rows or one row, whichever costs less."""
     if not segments_on_auto(device, kernel):
         pack, share = (p if p is True else False for p in (pack, share))
     b = batch_shape[0]
@@ -203,15 +205,15 @@ def plan_forward(
         choices, total, order = [], 0.0, order.tolist()
         for start in range(0, b, chunk_rows):
             rows = order[start : start + chunk_rows]
-            kind, cost, units = choose_layout(
-                span_list, rows, prompt_width, group_of, trim, pack, share, one_row, alpha, device, kernel
+            kind, cost, units, one_row = choose_layout(
+                span_list, rows, prompt_width, group_of, trim, pack, share, alpha, device, kernel
             )
-            choices.append((kind, rows, units))
+            choices.append((kind, rows, units, one_row))
             total += cost
         if best is None or total < best[0]:
             best = (total, choices)
     layouts = []
-    for kind, rows, units in best[1]:
+    for kind, rows, units, one_row in best[1]:
         rows_t = torch.tensor(rows, dtype=torch.long)
         if kind == "trimmed":
             layouts.append(trimmed_layout(rows_t, spans, batch_shape, prompt_width, trim, multiple_of))
@@ -230,14 +232,16 @@ def segments_on_auto(device, kernel) -> bool:
     return device != "cuda" or kernel is not None
 
 
-def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha, device="cpu", kernel=None):
-    """(kind, cost, units) of the cheapest allowed layout for one chunk. On CUDA a segment layout's cost counts
-    `1 / CUDA_MARGIN` of itself against the trimmed call's (only when chosen by cost; see `segments_on_auto`)."""
+def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, alpha, device="cpu", kernel=None):
+    """(kind, cost, units, one_row) of the cheapest allowed layout for one chunk; `one_row`: a segment layout's units
+    all in one row (always with a varlen `kernel`; with the SDPA blocks when that costs less than rows as long as the
+    longest unit). On CUDA a segment layout's cost counts `1 / CUDA_MARGIN` of itself against the trimmed call's
+    (only when chosen by cost; see `segments_on_auto`)."""
     if not segments_on_auto(device, kernel):
         pack, share = (p if p is True else False for p in (pack, share))
     weight = 1 / CUDA_MARGIN if device == "cuda" else 1.0
     spans = span_rows(spans)
-    candidates = []
+    candidates = []  # (kind, cost, one_row)
     segments_ok = packable(spans, rows) and all(spans[r][0] < prompt_width for r in rows)
     units = []  # rows of one group together (in the order of their first row), other rows alone
     if share is not False and segments_ok:
@@ -252,14 +256,17 @@ def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_ro
                 unit_of[key] = [r]
                 units.append(unit_of[key])
     shared_ok = any(len(u) > 1 for u in units)
+
+    def segment_candidates(kind, widths, packs):
+        for one_row in (True,) if kernel is not None else (False, True) if packs else (False,):
+            candidates.append((kind, weight * segment_cost(widths, packs, one_row, alpha, kernel), one_row))
+
     if shared_ok:
-        widths = unit_widths(spans, units, prompt_width)
-        candidates.append(("shared", weight * segment_cost(widths, pack is not False, one_row, alpha, kernel)))
+        segment_candidates("shared", unit_widths(spans, units, prompt_width), pack is not False)
     if pack is not False and segments_ok and not (share is True and shared_ok):
-        singles = unit_widths(spans, [[r] for r in rows], prompt_width)
-        candidates.append(("packed", weight * segment_cost(singles, True, one_row, alpha, kernel)))
+        segment_candidates("packed", unit_widths(spans, [[r] for r in rows], prompt_width), True)
     if not ((pack is True and segments_ok) or (share is True and shared_ok)):
         cost = trimmed_cost(spans, rows, prompt_width, alpha) if trim else math.inf
-        candidates.append(("trimmed", cost))
-    kind, cost = min(candidates, key=lambda c: c[1])
-    return kind, (0.0 if math.isinf(cost) else cost), units
+        candidates.append(("trimmed", cost, False))
+    kind, cost, one_row = min(candidates, key=lambda c: c[1])
+    return kind, (0.0 if math.isinf(cost) else cost), units, one_row
