@@ -211,7 +211,7 @@ def test_the_block_size_weighs_key_pairs_against_blocks():
     """Seven short units in one row on a SmolLM2-135M-shaped config (its pair and block costs): small blocks reach
     back over fewer keys, and a block costs under a token there, so the smallest size wins. Where a block costs 50
     token-equivalents, fewer, larger blocks win. A block's cost scales with the model: 4 token-equivalents at hidden
-    256, a sixth of that at SmolLM2's width."""
+    256, a sixth of that at SmolLM2's width, and no more than 4 below hidden 256."""
     from transformers import LlamaConfig
 
     from trl_gspo.testing import tiny_config
@@ -221,6 +221,7 @@ def test_the_block_size_weighs_key_pairs_against_blocks():
     )
     alpha, overhead = pair_cost(smol), block_cost(smol)
     assert block_cost(tiny_config(100, hidden_size=256, num_layers=4)) == pytest.approx(4.0)
+    assert block_cost(tiny_config(100, hidden_size=64, num_layers=2)) == 4.0  # narrower: not measured, the cap
     assert overhead == pytest.approx(4.0 / 6)
     short = [(80, 46, [17, 17])] * 7  # (width, prefix, segments): a 46-token prefix and two 17-token segments
     costs = {block: segment_cost(short, True, True, alpha, None, block, overhead) for block in BLOCKS}

@@ -43,6 +43,7 @@ BLOCK_OVERHEAD, GATHER_OVERHEAD = 4.0, 0.02
 #: A block's fixed cost is time, not arithmetic, so in token-equivalents it shrinks as a token's matmuls grow: 4
 #: token-equivalents at hidden 256 (the tiny models, 0.59M multiply-adds per token and layer), about 0.7 on
 #: SmolLM2-135M (3.5M), as measured on the CPU (blocks of 32 against 64 query positions over one row of short units).
+#: Narrower models than hidden 256 are not measured: they keep `BLOCK_OVERHEAD`, the most `block_cost` gives.
 BLOCK_OVERHEAD_MACS = 4.0 * 589_824
 #: On CUDA, a packed or shared layout served by a varlen kernel is chosen under "auto" only when its cost is below this
 #: share of the trimmed call's. The token counts leave out what such a call adds on a GPU and a trimmed call does
@@ -82,9 +83,9 @@ def pair_cost(config) -> float:
 
 def block_cost(config) -> float:
     """Fixed cost of one SDPA block in token-equivalents: `BLOCK_OVERHEAD_MACS / (multiply-adds per token)`, from
-    the model config; `BLOCK_OVERHEAD` if it lacks the fields."""
+    the model config, at most `BLOCK_OVERHEAD` (also the answer when the config lacks the fields)."""
     macs = layer_macs(config)
-    return BLOCK_OVERHEAD if macs is None else BLOCK_OVERHEAD_MACS / macs[0]
+    return BLOCK_OVERHEAD if macs is None else min(BLOCK_OVERHEAD, BLOCK_OVERHEAD_MACS / macs[0])
 
 
 def span_rows(spans) -> list[list[int]]:
