@@ -27,7 +27,7 @@ from trl_gspo.forward.planner import (
     unit_widths,
     varlen_cost,
 )
-from trl_gspo.forward.segment_attention import BLOCKS, TORCH_VARLEN
+from trl_gspo.forward.segment_attention import BLOCK, BLOCKS, TORCH_VARLEN
 
 
 def span_set(name):
@@ -135,9 +135,19 @@ def test_cuda_without_a_varlen_kernel_runs_trimmed_unless_told(name):
     explicit True settings still get their segment layouts (the SDPA blocks serve them, said once in the log)."""
     cuda = dict(device="cuda", kernel=None)
     assert _summary(_plan(name, "auto", "auto", **cuda)) == _summary(_plan(name, False, False))
-    assert all(lay.packed for lay in _plan(name, True, "auto", **cuda))
+    forced = _plan(name, True, "auto", **cuda)
+    assert all(lay.packed for lay in forced)
+    # the CPU's one-row layouts and smaller blocks are not taken there: rows of the longest unit, 256-position blocks
+    assert all(lay.segments.block == BLOCK for lay in forced)
+    spans = span_set(name)[0]
+    assert all(lay.shape[1] == max(int(spans[r, 1] - spans[r, 0]) for r in _rows(lay)) for lay in forced)
     if span_set(name)[4]:  # rows that share a prompt
         assert all(lay.aliases is not None for lay in _plan(name, "auto", True, **cuda))
+
+
+def _rows(layout) -> list[int]:
+    """The batch rows a layout holds."""
+    return sorted({int(r) for r in layout.source.flatten() // layout.batch_shape[1] if r >= 0})
 
 
 def test_cuda_with_a_varlen_kernel_segments_in_one_row_where_it_saves():

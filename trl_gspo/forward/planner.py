@@ -285,8 +285,8 @@ def choose_layout(
     block_overhead=BLOCK_OVERHEAD,
 ) -> Choice:
     """The cheapest allowed layout for one chunk. A segment layout lies in one row (always with a varlen `kernel`;
-    with the SDPA blocks where that costs less than rows as long as the longest unit), its SDPA blocks of the
-    cheapest of `segment_attention.BLOCKS` query positions. On CUDA a segment layout's cost counts `1 / CUDA_MARGIN`
+    with the SDPA blocks on the CPU where that costs less than rows as long as the longest unit), its SDPA blocks of
+    the cheapest of `segment_attention.BLOCKS` query positions on the CPU (elsewhere `BLOCK`). On CUDA a segment layout's cost counts `1 / CUDA_MARGIN`
     of itself against the trimmed call's (only when chosen by cost; see `segments_on_auto`)."""
     if not segments_on_auto(device, kernel):
         pack, share = (p if p is True else False for p in (pack, share))
@@ -308,12 +308,16 @@ def choose_layout(
                 units.append(unit_of[key])
     shared_ok = any(len(u) > 1 for u in units)
 
+    # The SDPA blocks' one-row layouts and smaller blocks were measured on the CPU; elsewhere (CUDA without a varlen
+    # kernel, where every block is a launch-bound math-backend call) they keep rows and 256-position blocks.
+    on_cpu = device == "cpu"
+
     def segment_candidates(kind, widths, packs):
         if kernel is not None:  # one varlen call in one row, no blocks
             candidates.append(Choice(kind, weight * varlen_cost(widths, alpha), units, True))
             return
-        for one_row in (False, True) if packs else (False,):
-            for block in segment_attention.BLOCKS:
+        for one_row in (False, True) if packs and on_cpu else (False,):
+            for block in segment_attention.BLOCKS if on_cpu else (segment_attention.BLOCK,):
                 cost = weight * segment_cost(widths, packs, one_row, alpha, None, block, block_overhead)
                 candidates.append(Choice(kind, cost, units, one_row, block))
 
