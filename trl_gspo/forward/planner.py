@@ -3,12 +3,12 @@
 `plan_forward` cuts a batch into TRL's chunks (the same number of model calls on every ZeRO-3 rank) and gives each
 chunk the cheapest exact layout: trimmed (the model's own attention on the columns some row uses), packed (sequences
 end to end, segment attention) or shared (each prompt once for the completions of it in the chunk, segment
-attention). A segment call lays its units in rows as long as the longest unit, or all in one row (no filler; the
-SDPA blocks keep each query's keys to its own unit's reach, so a long row costs positions, not its square), its
-SDPA blocks of 64, 128 or 256 query positions (smaller blocks reach back over fewer keys, larger ones make fewer
-calls); with a varlen kernel always in one row. The cost of a layout is its positions run plus `pair_cost` times the (query, key)
-pairs its attention computes, plus a fixed cost per SDPA block of a segment call. Pure functions of the row spans
-(layouts.row_spans); pipeline.py runs the plan.
+attention). The cost of a layout is its positions run plus `pair_cost` times the (query, key) pairs its attention
+computes, plus `block_cost` per SDPA block of a segment call. On the CPU a segment call lays its units in rows as
+long as the longest unit or all in one row (no filler; the SDPA blocks keep each query's keys to its own unit's
+reach, so a long row costs its positions, not its square), in SDPA blocks of 64, 128 or 256 query positions
+(smaller blocks reach back over fewer keys, larger ones make fewer calls), whichever costs least; a varlen kernel
+takes one row. Pure functions of the row spans (layouts.row_spans); pipeline.py runs the plan.
 
 The device and the kernel are arguments (`device`, `kernel`: segment_attention.varlen_kernel's answer), so the CPU
 can ask the CUDA question. On the CPU the SDPA blocks serve segment calls and the model above decides. On CUDA the
@@ -216,8 +216,7 @@ def plan_forward(
     length order (`sort`) or TRL's; with groups, also in group order, and the cheaper of the two orders wins.
     `device` ("cpu", "cuda", ...) and `kernel` (the varlen kernel serving segment calls, None: the SDPA blocks)
     decide what "auto" may choose (`choose_layout`). `alpha` and `block_overhead`: a (query, key) pair's and an SDPA
-    block's cost in token-equivalents (`pair_cost`, `block_cost`); a varlen kernel lays segment calls in one row, the SDPA blocks
-    in rows or one row, whichever costs less."""
+    block's cost in token-equivalents (`pair_cost`, `block_cost`)."""
     if not segments_on_auto(device, kernel):
         pack, share = (p if p is True else False for p in (pack, share))
     b = batch_shape[0]
@@ -286,8 +285,9 @@ def choose_layout(
 ) -> Choice:
     """The cheapest allowed layout for one chunk. A segment layout lies in one row (always with a varlen `kernel`;
     with the SDPA blocks on the CPU where that costs less than rows as long as the longest unit), its SDPA blocks of
-    the cheapest of `segment_attention.BLOCKS` query positions on the CPU (elsewhere `BLOCK`). On CUDA a segment layout's cost counts `1 / CUDA_MARGIN`
-    of itself against the trimmed call's (only when chosen by cost; see `segments_on_auto`)."""
+    the cheapest of `segment_attention.BLOCKS` query positions on the CPU (elsewhere `BLOCK`). On CUDA a segment
+    layout's cost counts `1 / CUDA_MARGIN` of itself against the trimmed call's (only when chosen by cost; see
+    `segments_on_auto`)."""
     if not segments_on_auto(device, kernel):
         pack, share = (p if p is True else False for p in (pack, share))
     weight = 1 / CUDA_MARGIN if device == "cuda" else 1.0
