@@ -282,8 +282,7 @@ def segment_layout(
     source = torch.tensor(source_rows, dtype=torch.long)
     position_ids = torch.where(source >= 0, source % s, 0)
     aliases = torch.tensor([alias_model, alias_batch], dtype=torch.long) if aliased else None
-    plan = SegmentPlan.from_units(plan_rows, capacity)
-    plan.block = block
+    plan = SegmentPlan.from_units(plan_rows, capacity, block)
     return ForwardLayout(source, batch_shape, position_ids, True, tuple(seg_lengths), segments=plan, aliases=aliases)
 
 

@@ -98,9 +98,9 @@ class SegmentPlan:
         return tuple(self.own_start.shape)
 
     @classmethod
-    def from_units(cls, rows: list[list[tuple[int, list[int]]]], width: int) -> SegmentPlan:
+    def from_units(cls, rows: list[list[tuple[int, list[int]]]], width: int, block: int = BLOCK) -> SegmentPlan:
         """`rows[r]` lists the units of model row `r` in order, each `(prefix_len, [segment_len, ...])`; positions
-        after the last unit are filler."""
+        after the last unit are filler. `block`: query positions per SDPA block (`build_blocks`)."""
         # Python lists filled unit by unit and made tensors once (a slice assignment on a tensor per segment costs
         # more); `_fill` keeps slice semantics, so a unit reaching past `width` is cut there as on a tensor.
         own_start, ctx_start, ctx_end = [], [], []
@@ -121,7 +121,7 @@ class SegmentPlan:
         own_start, ctx_start, ctx_end = (
             torch.tensor(x, dtype=torch.long).reshape(len(rows), width) for x in (own_start, ctx_start, ctx_end)
         )
-        return cls(own_start, ctx_start, ctx_end)
+        return cls(own_start, ctx_start, ctx_end, block=block)
 
     def visible(self, queries: torch.Tensor, keys: torch.Tensor, rows=slice(None)) -> torch.Tensor:
         """`[rows, len(queries), len(keys)]` bool: which key columns each query column attends to."""
