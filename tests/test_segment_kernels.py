@@ -212,3 +212,30 @@ def test_a_torch_signature_without_a_causal_option_is_refused(monkeypatch):
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(RuntimeError, match="neither window_size nor is_causal"):
         segment_attention.segment_attention(type("A", (), {"config": None})(), q, q, q, None, segment_plan=plan)
+
+
+@pytest.mark.parametrize("block", [3, 4, 8, segment_attention.BLOCK])
+def test_sdpa_blocks_of_a_one_row_call_match_a_dense_reference(block):
+    """The CPU's SDPA blocks on one row of several units (what the planner lays when one row costs less than rows of
+    the longest unit): blocks that cut through units, prefixes gathered from far back, GQA and filler; output and
+    query/key/value gradients equal the dense masked attention written out from the units, in float64."""
+    rng = random.Random(block)
+    units = [(rng.randint(2, 9), [rng.randint(1, 7) for _ in range(rng.randint(1, 4))]) for _ in range(5)]
+    units.insert(2, (0, [6]))  # a plain packed sequence between groups
+    rows = [units]
+    width = sum(p + sum(seg) for p, seg in units) + 2
+    plan = SegmentPlan.from_units(rows, width).build_blocks(block=block)
+    assert (len(plan.blocks) > 1) == (block < width)
+    g = torch.Generator().manual_seed(block)
+    q, k, v = (torch.randn(1, h, width, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (6, 2, 2))
+    weights = torch.randn(1, width, 6, 8, generator=g, dtype=torch.float64)
+    module = type("Attention", (), {"config": None})()
+
+    out, _ = segment_attention.segment_attention(module, q, k, v, None, scaling=0.3, segment_plan=plan)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    reference = _dense_attention(q, k, v, _dense_mask(rows, width), 0.3).transpose(1, 2)
+    expected = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+
+    torch.testing.assert_close(out, reference, atol=1e-10, rtol=0)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)

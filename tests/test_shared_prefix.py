@@ -171,7 +171,6 @@ def test_auto_shares_long_prompts_and_not_short_ones():
             trim=True,
             pack="auto",
             share="auto",
-            one_row=False,
             alpha=1e-3,
         )
         assert (layouts[0].shared_positions > 0) is expected

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .segment_attention import SegmentPlan, to_device
+from .segment_attention import BLOCK, SegmentPlan, to_device
 
 
 # ------------------------------------------------------------------------------------------------ layouts
@@ -208,24 +208,29 @@ def trimmed_layout(rows: torch.Tensor, spans, batch_shape, prompt_width: int, tr
     return ForwardLayout(source, batch_shape, position_ids, rows=rows, columns=(lead, end))
 
 
-def packed_layout(rows: torch.Tensor, spans, batch_shape, one_row: bool, multiple_of=None) -> ForwardLayout:
+def packed_layout(
+    rows: torch.Tensor, spans, batch_shape, one_row: bool, multiple_of=None, block=BLOCK
+) -> ForwardLayout:
     """Layout of one call with the real tokens of `rows` laid end to end (`segment_layout` with one sequence per
     unit), each token at its position in the padded batch, sequences kept apart by the segment attention."""
     return segment_layout(
-        [[int(r)] for r in rows], spans, batch_shape, None, one_row, pack=True, multiple_of=multiple_of
+        [[int(r)] for r in rows], spans, batch_shape, None, one_row, pack=True, multiple_of=multiple_of, block=block
     )
 
 
-def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack: bool = True, multiple_of=None):
+def segment_layout(
+    units, spans, batch_shape, prompt_width, one_row: bool, pack: bool = True, multiple_of=None, block=BLOCK
+):
     """Layout of one call whose rows hold units laid end to end (forward/segment_attention.py): `units` lists batch rows,
     each unit's rows sharing one prompt. A unit of one row is the row's real tokens, one sequence. A unit of several
     rows (`prompt_width` given) is their common prefix (prompt but its last token, taken from the unit's first row)
     followed by one segment per row (its last prompt token and its completion): the prompt runs once.
 
-    `pack`: units placed first-fit decreasing into rows as long as the longest unit (`one_row`: all in one row, for
-    flash-attention varlen); otherwise one unit per row. Filler ends a row (source -1, attends to itself). Each token
-    keeps its column in the padded batch as position id, as TRL's padded forward gives it. `aliases` lists, for the
-    prefix positions, the other rows' batch positions they stand for (their routes and counts)."""
+    `pack`: units placed first-fit decreasing into rows as long as the longest unit (`one_row`: all in one row, for a
+    varlen kernel or where the planner finds it cheaper); otherwise one unit per row. Filler ends a row (source -1,
+    attends to itself). Each token keeps its column in the padded batch as position id, as TRL's padded forward gives
+    it. `aliases` lists, for the prefix positions, the other rows' batch positions they stand for (their routes and
+    counts). `block`: query positions per SDPA block of the call's plan (the planner's choice)."""
     b, s = batch_shape
     spans = spans.tolist() if isinstance(spans, torch.Tensor) else spans  # read element by element below
     pieces = []  # per unit: (width, prefix (row, start, length) or None, segments [(row, start, length)])
@@ -277,7 +282,7 @@ def segment_layout(units, spans, batch_shape, prompt_width, one_row: bool, pack:
     source = torch.tensor(source_rows, dtype=torch.long)
     position_ids = torch.where(source >= 0, source % s, 0)
     aliases = torch.tensor([alias_model, alias_batch], dtype=torch.long) if aliased else None
-    plan = SegmentPlan.from_units(plan_rows, capacity)
+    plan = SegmentPlan.from_units(plan_rows, capacity, block)
     return ForwardLayout(source, batch_shape, position_ids, True, tuple(seg_lengths), segments=plan, aliases=aliases)
 
 

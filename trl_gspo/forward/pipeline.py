@@ -33,7 +33,7 @@ from ..common import trl_compat
 from ..common.model_config import text_config
 from . import fused_head, segment_attention, shared_prefix
 from .layouts import ForwardLayout, row_spans, scatter, scatter_plan
-from .planner import choose_layout, pair_cost, plan_forward
+from .planner import block_cost, choose_layout, pair_cost, plan_forward
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class LogprobForward:
         self.pad_token_id = pad_token_id or 0
         self.aux_loss = aux_loss  # the loss forward adds the MoE load-balancing loss
         self.pair_cost = pair_cost(run.model.config)
+        self.block_cost = block_cost(run.model.config)
         self.segment_models: dict[int, SegmentSupport] = {}
         self.armed: dict[int, object] = {}  # configs switched to the segment attention during this step
         self._said: set = set()  # kernels named in the log for explicit True settings
@@ -331,11 +332,11 @@ class LogprobForward:
             trim=self.args.trim_padding,
             pack=pack,
             share=share,
-            one_row=kernel is not None,  # a varlen kernel takes one row of sequences
             alpha=self.pair_cost,
             multiple_of=self.args.pad_to_multiple_of,
             device=input_ids.device.type,
             kernel=kernel,
+            block_overhead=self.block_cost,
         )
 
     def loss_cost_estimator(self):
@@ -356,10 +357,9 @@ class LogprobForward:
         rows = list(range(mask.size(0)))
         trim, device = self.args.trim_padding, self.accelerator.device
         kernel = self.varlen_kernel(support, device)
-        one_row = kernel is not None
         return choose_layout(
-            spans, rows, prompt_width, group_of, trim, pack, share, one_row, self.pair_cost, device.type, kernel
-        )[1]
+            spans, rows, prompt_width, group_of, trim, pack, share, self.pair_cost, device.type, kernel, self.block_cost
+        ).cost
 
     # ------------------------------------------------------------------------------------- 4. the model call
     def _call_model(self, model, layout: ForwardLayout, **model_inputs):

@@ -4,8 +4,11 @@
 chunk the cheapest exact layout: trimmed (the model's own attention on the columns some row uses), packed (sequences
 end to end, segment attention) or shared (each prompt once for the completions of it in the chunk, segment
 attention). The cost of a layout is its positions run plus `pair_cost` times the (query, key) pairs its attention
-computes, plus a fixed cost per SDPA block of a segment call. Pure functions of the row spans (layouts.row_spans);
-pipeline.py runs the plan.
+computes, plus `block_cost` per SDPA block of a segment call. On the CPU a segment call lays its units in rows as
+long as the longest unit or all in one row (no filler; the SDPA blocks keep each query's keys to its own unit's
+reach, so a long row costs its positions, not its square), in SDPA blocks of 64, 128 or 256 query positions
+(smaller blocks reach back over fewer keys, larger ones make fewer calls), whichever costs least; a varlen kernel
+takes one row. Pure functions of the row spans (layouts.row_spans); pipeline.py runs the plan.
 
 The device and the kernel are arguments (`device`, `kernel`: segment_attention.varlen_kernel's answer), so the CPU
 can ask the CUDA question. On the CPU the SDPA blocks serve segment calls and the model above decides. On CUDA the
@@ -18,6 +21,7 @@ runs stock's own attention on fewer columns. Explicit `True` settings are obeyed
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -32,9 +36,15 @@ from .layouts import (
     trimmed_layout,
 )
 
-#: Token-equivalents one SDPA block of a segment call costs beyond its arithmetic (kernel launch, gathers), and
-#: the extra per-position cost of gathering a packed call's input and scattering its output (a trimmed call slices).
+#: Token-equivalents one SDPA block of a segment call costs beyond its arithmetic (kernel launch, gathers, its mask)
+#: where the model config does not say more (`block_cost`), and the extra per-position cost of gathering a packed
+#: call's input and scattering its output (a trimmed call slices).
 BLOCK_OVERHEAD, GATHER_OVERHEAD = 4.0, 0.02
+#: A block's fixed cost is time, not arithmetic, so in token-equivalents it shrinks as a token's matmuls grow: 4
+#: token-equivalents at hidden 256 (the tiny models, 0.59M multiply-adds per token and layer), about 0.7 on
+#: SmolLM2-135M (3.5M), as measured on the CPU (blocks of 32 against 64 query positions over one row of short units).
+#: Narrower models than hidden 256 are not measured: they keep `BLOCK_OVERHEAD`, the most `block_cost` gives.
+BLOCK_OVERHEAD_MACS = 4.0 * 589_824
 #: On CUDA, a packed or shared layout served by a varlen kernel is chosen under "auto" only when its cost is below this
 #: share of the trimmed call's. The token counts leave out what such a call adds on a GPU and a trimmed call does
 #: not: gathering each segment's prefix keys and values in every layer, a gather of the input and a scatter of the
@@ -44,9 +54,9 @@ CUDA_MARGIN = 0.8
 
 
 # ------------------------------------------------------------------------------------------------ cost model
-def pair_cost(config) -> float:
-    """Cost of one attention (query, key) pair relative to one token through a decoder layer's matmuls:
-    `2 * heads * head_dim / (multiply-adds per token)`. From the model config; 1e-3 if it lacks the fields."""
+def layer_macs(config) -> tuple[int, int] | None:
+    """(multiply-adds of one token through a decoder layer's matmuls, query heads x head size), from the model
+    config; None if it lacks the fields."""
     config = text_config(config)
     try:
         hidden, heads = config.hidden_size, config.num_attention_heads
@@ -59,9 +69,23 @@ def pair_cost(config) -> float:
             else config.intermediate_size
         )
         macs = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inner
-        return 2.0 * heads * head_dim / macs
+        return (macs, heads * head_dim) if macs > 0 else None
     except (AttributeError, TypeError, ZeroDivisionError):
-        return 1e-3
+        return None
+
+
+def pair_cost(config) -> float:
+    """Cost of one attention (query, key) pair relative to one token through a decoder layer's matmuls:
+    `2 * heads * head_dim / (multiply-adds per token)`. From the model config; 1e-3 if it lacks the fields."""
+    macs = layer_macs(config)
+    return 1e-3 if macs is None else 2.0 * macs[1] / macs[0]
+
+
+def block_cost(config) -> float:
+    """Fixed cost of one SDPA block in token-equivalents: `BLOCK_OVERHEAD_MACS / (multiply-adds per token)`, from
+    the model config, at most `BLOCK_OVERHEAD` (also the answer when the config lacks the fields)."""
+    macs = layer_macs(config)
+    return BLOCK_OVERHEAD if macs is None else min(BLOCK_OVERHEAD, BLOCK_OVERHEAD_MACS / macs[0])
 
 
 def span_rows(spans) -> list[list[int]]:
@@ -106,11 +130,13 @@ def varlen_cost(widths, alpha) -> float:
     return positions * (1 + GATHER_OVERHEAD) + alpha * pairs
 
 
-def segment_cost(widths, pack, one_row, alpha, kernel=None) -> float:
+def segment_cost(
+    widths, pack, one_row, alpha, kernel=None, block=segment_attention.BLOCK, block_overhead=BLOCK_OVERHEAD
+) -> float:
     """Cost of a segment layout: positions run (rows x capacity, from first-fit decreasing as `segment_layout`
-    places the units), the (query, key) pairs its SDPA blocks compute (`block_pairs`, the rule
-    `SegmentPlan.build_blocks` follows), the blocks' fixed cost and the gather; with a varlen `kernel`,
-    `varlen_cost`."""
+    places the units), the (query, key) pairs its SDPA blocks of `block` query positions compute (`block_pairs`, the
+    rule `SegmentPlan.build_blocks` follows), the blocks' fixed cost and the gather; with a varlen `kernel`,
+    `varlen_cost`. `block_overhead`: one block's fixed cost (`block_cost`)."""
     if kernel is not None:
         return varlen_cost(widths, alpha)
     order = sorted(range(len(widths)), key=lambda i: -widths[i][0]) if pack else range(len(widths))
@@ -124,9 +150,9 @@ def segment_cost(widths, pack, one_row, alpha, kernel=None) -> float:
             j = len(rows) - 1
         rows[j].append(i), room.__setitem__(j, room[j] - widths[i][0])
     layout_rows = [[widths[i][1:] for i in members] for members in rows]
-    blocks = len(rows) * math.ceil(capacity / segment_attention.BLOCK)
-    pairs = block_pairs(layout_rows, capacity, segment_attention.BLOCK)
-    return len(rows) * capacity * (1 + GATHER_OVERHEAD) + alpha * pairs + BLOCK_OVERHEAD * blocks
+    blocks = len(rows) * math.ceil(capacity / block)
+    pairs = block_pairs(layout_rows, capacity, block)
+    return len(rows) * capacity * (1 + GATHER_OVERHEAD) + alpha * pairs + block_overhead * blocks
 
 
 def block_pairs(rows, width, block) -> int:
@@ -177,11 +203,11 @@ def plan_forward(
     trim,
     pack,
     share,
-    one_row,
     alpha,
     multiple_of=None,
     device="cpu",
     kernel=None,
+    block_overhead=BLOCK_OVERHEAD,
 ) -> list[ForwardLayout]:
     """One layout per chunk of `chunk_rows` rows, each the cheapest allowed (see the module docstring).
 
@@ -189,7 +215,8 @@ def plan_forward(
     prompt prefix (shared_prefix.prompt_groups); empty when sharing is off for this forward. Rows are taken in
     length order (`sort`) or TRL's; with groups, also in group order, and the cheaper of the two orders wins.
     `device` ("cpu", "cuda", ...) and `kernel` (the varlen kernel serving segment calls, None: the SDPA blocks)
-    decide what "auto" may choose (`choose_layout`); a varlen kernel also lays segment calls in one row."""
+    decide what "auto" may choose (`choose_layout`). `alpha` and `block_overhead`: a (query, key) pair's and an SDPA
+    block's cost in token-equivalents (`pair_cost`, `block_cost`)."""
     if not segments_on_auto(device, kernel):
         pack, share = (p if p is True else False for p in (pack, share))
     b = batch_shape[0]
@@ -203,23 +230,25 @@ def plan_forward(
         choices, total, order = [], 0.0, order.tolist()
         for start in range(0, b, chunk_rows):
             rows = order[start : start + chunk_rows]
-            kind, cost, units = choose_layout(
-                span_list, rows, prompt_width, group_of, trim, pack, share, one_row, alpha, device, kernel
+            choice = choose_layout(
+                span_list, rows, prompt_width, group_of, trim, pack, share, alpha, device, kernel, block_overhead
             )
-            choices.append((kind, rows, units))
-            total += cost
+            choices.append((rows, choice))
+            total += choice.cost
         if best is None or total < best[0]:
             best = (total, choices)
     layouts = []
-    for kind, rows, units in best[1]:
+    for rows, c in best[1]:
         rows_t = torch.tensor(rows, dtype=torch.long)
-        if kind == "trimmed":
+        if c.kind == "trimmed":
             layouts.append(trimmed_layout(rows_t, spans, batch_shape, prompt_width, trim, multiple_of))
-        elif kind == "packed":
-            layouts.append(packed_layout(rows_t, spans, batch_shape, one_row, multiple_of))
+        elif c.kind == "packed":
+            layouts.append(packed_layout(rows_t, spans, batch_shape, c.one_row, multiple_of, c.block))
         else:
             layouts.append(
-                segment_layout(units, spans, batch_shape, prompt_width, one_row, pack is not False, multiple_of)
+                segment_layout(
+                    c.units, spans, batch_shape, prompt_width, c.one_row, pack is not False, multiple_of, c.block
+                )
             )
     return layouts
 
@@ -230,9 +259,35 @@ def segments_on_auto(device, kernel) -> bool:
     return device != "cuda" or kernel is not None
 
 
-def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_row, alpha, device="cpu", kernel=None):
-    """(kind, cost, units) of the cheapest allowed layout for one chunk. On CUDA a segment layout's cost counts
-    `1 / CUDA_MARGIN` of itself against the trimmed call's (only when chosen by cost; see `segments_on_auto`)."""
+class Choice(NamedTuple):
+    """One chunk's layout as `choose_layout` picks it: `kind` ("trimmed", "packed", "shared"), its `cost`, the
+    `units` of a shared layout, whether a segment layout lies in one row, and its SDPA blocks' query positions."""
+
+    kind: str
+    cost: float
+    units: list
+    one_row: bool = False
+    block: int = segment_attention.BLOCK
+
+
+def choose_layout(
+    spans,
+    rows,
+    prompt_width,
+    group_of,
+    trim,
+    pack,
+    share,
+    alpha,
+    device="cpu",
+    kernel=None,
+    block_overhead=BLOCK_OVERHEAD,
+) -> Choice:
+    """The cheapest allowed layout for one chunk. A segment layout lies in one row (always with a varlen `kernel`;
+    with the SDPA blocks on the CPU where that costs less than rows as long as the longest unit), its SDPA blocks of
+    the cheapest of `segment_attention.BLOCKS` query positions on the CPU (elsewhere `BLOCK`). On CUDA a segment
+    layout's cost counts `1 / CUDA_MARGIN` of itself against the trimmed call's (only when chosen by cost; see
+    `segments_on_auto`)."""
     if not segments_on_auto(device, kernel):
         pack, share = (p if p is True else False for p in (pack, share))
     weight = 1 / CUDA_MARGIN if device == "cuda" else 1.0
@@ -252,14 +307,26 @@ def choose_layout(spans, rows, prompt_width, group_of, trim, pack, share, one_ro
                 unit_of[key] = [r]
                 units.append(unit_of[key])
     shared_ok = any(len(u) > 1 for u in units)
+
+    # The SDPA blocks' one-row layouts and smaller blocks were measured on the CPU; elsewhere (CUDA without a varlen
+    # kernel, where every block is a launch-bound math-backend call) they keep rows and 256-position blocks.
+    on_cpu = device == "cpu"
+
+    def segment_candidates(kind, widths, packs):
+        if kernel is not None:  # one varlen call in one row, no blocks
+            candidates.append(Choice(kind, weight * varlen_cost(widths, alpha), units, True))
+            return
+        for one_row in (False, True) if packs and on_cpu else (False,):
+            for block in segment_attention.BLOCKS if on_cpu else (segment_attention.BLOCK,):
+                cost = weight * segment_cost(widths, packs, one_row, alpha, None, block, block_overhead)
+                candidates.append(Choice(kind, cost, units, one_row, block))
+
     if shared_ok:
-        widths = unit_widths(spans, units, prompt_width)
-        candidates.append(("shared", weight * segment_cost(widths, pack is not False, one_row, alpha, kernel)))
+        segment_candidates("shared", unit_widths(spans, units, prompt_width), pack is not False)
     if pack is not False and segments_ok and not (share is True and shared_ok):
-        singles = unit_widths(spans, [[r] for r in rows], prompt_width)
-        candidates.append(("packed", weight * segment_cost(singles, True, one_row, alpha, kernel)))
+        segment_candidates("packed", unit_widths(spans, [[r] for r in rows], prompt_width), True)
     if not ((pack is True and segments_ok) or (share is True and shared_ok)):
         cost = trimmed_cost(spans, rows, prompt_width, alpha) if trim else math.inf
-        candidates.append(("trimmed", cost))
-    kind, cost = min(candidates, key=lambda c: c[1])
-    return kind, (0.0 if math.isinf(cost) else cost), units
+        candidates.append(Choice("trimmed", cost, units))
+    best = min(candidates, key=lambda c: c.cost)
+    return best._replace(cost=0.0) if math.isinf(best.cost) else best

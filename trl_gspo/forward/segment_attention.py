@@ -12,7 +12,8 @@ so a completion sees its prompt exactly as in its own padded row and never a sib
 end attends to itself only. `SegmentPlan` holds that structure per position (`own_start`, `ctx_start`, `ctx_end`)
 and, built once per model call, the blocks every layer runs:
 
-- **SDPA blocks** (CPU, and CUDA without a fused varlen kernel): query columns in blocks of `BLOCK` positions; each block
+- **SDPA blocks** (CPU, and CUDA without a fused varlen kernel): query columns in blocks of `block` positions (one of
+  `BLOCKS`, the planner's choice for the call); each block
   attends to the key columns its queries can reach (the prefix range and the local range, gathered when far
   apart) through `scaled_dot_product_attention` with a boolean mask. Causality and the block ranges skip most
   of the masked pairs, which a dense `[W, W]` mask would compute.
@@ -58,8 +59,10 @@ from ..common.model_config import text_config
 PREFIX = "trl_gspo_segments:"
 #: Name the configs hold during a segment call: registered for the attention only, so transformers builds no mask.
 CALL_PREFIX = "trl_gspo_segment_call:"
-#: Query positions per SDPA block.
+#: Query positions per SDPA block: the default, and the sizes the planner chooses from per call (forward/planner.py).
+#: Smaller blocks reach back over fewer keys (short units), larger ones make fewer calls (long units).
 BLOCK = 256
+BLOCKS = (64, 128, 256)
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -88,15 +91,16 @@ class SegmentPlan:
     blocks: list[SdpaBlock] | None = None
     varlen: dict | None = None
     calls: int = field(default=0)
+    block: int = BLOCK  # query positions per SDPA block, as the planner chose
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.own_start.shape)
 
     @classmethod
-    def from_units(cls, rows: list[list[tuple[int, list[int]]]], width: int) -> SegmentPlan:
+    def from_units(cls, rows: list[list[tuple[int, list[int]]]], width: int, block: int = BLOCK) -> SegmentPlan:
         """`rows[r]` lists the units of model row `r` in order, each `(prefix_len, [segment_len, ...])`; positions
-        after the last unit are filler."""
+        after the last unit are filler. `block`: query positions per SDPA block (`build_blocks`)."""
         # Python lists filled unit by unit and made tensors once (a slice assignment on a tensor per segment costs
         # more); `_fill` keeps slice semantics, so a unit reaching past `width` is cut there as on a tensor.
         own_start, ctx_start, ctx_end = [], [], []
@@ -117,7 +121,7 @@ class SegmentPlan:
         own_start, ctx_start, ctx_end = (
             torch.tensor(x, dtype=torch.long).reshape(len(rows), width) for x in (own_start, ctx_start, ctx_end)
         )
-        return cls(own_start, ctx_start, ctx_end)
+        return cls(own_start, ctx_start, ctx_end, block=block)
 
     def visible(self, queries: torch.Tensor, keys: torch.Tensor, rows=slice(None)) -> torch.Tensor:
         """`[rows, len(queries), len(keys)]` bool: which key columns each query column attends to."""
@@ -132,8 +136,10 @@ class SegmentPlan:
         w = self.shape[1]
         return self.visible(torch.arange(w), torch.arange(w))
 
-    def build_blocks(self, block: int = BLOCK) -> SegmentPlan:
-        """Query blocks and the key columns each reaches (see the module docstring)."""
+    def build_blocks(self, block: int | None = None) -> SegmentPlan:
+        """Query blocks of `block` positions (default: the plan's `block`) and the key columns each reaches (see the
+        module docstring)."""
+        block = block or self.block
         w = self.shape[1]
         self.blocks = []
         for q0 in range(0, w, block):
@@ -186,7 +192,7 @@ class SegmentPlan:
             None if self.blocks is None else [SdpaBlock(b.q0, b.q1, move(b.keys), move(b.mask)) for b in self.blocks]
         )
         varlen = None if self.varlen is None else {k: move(v) for k, v in self.varlen.items()}
-        return SegmentPlan(self.own_start, self.ctx_start, self.ctx_end, blocks, varlen)
+        return SegmentPlan(self.own_start, self.ctx_start, self.ctx_end, blocks, varlen, block=self.block)
 
     def pairs(self) -> int:
         """(query, key) pairs the SDPA blocks compute, for the layout cost model."""
