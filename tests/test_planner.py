@@ -234,9 +234,9 @@ def test_the_block_size_weighs_key_pairs_against_blocks():
     assert block_cost(tiny_config(100, hidden_size=64, num_layers=2)) == 4.0  # narrower: not measured, the cap
     assert overhead == pytest.approx(4.0 / 6)
     short = [(80, 46, [17, 17])] * 7  # (width, prefix, segments): a 46-token prefix and two 17-token segments
-    costs = {block: segment_cost(short, True, True, alpha, None, block, overhead) for block in BLOCKS}
+    costs = {block: segment_cost(short, True, True, alpha, block, overhead) for block in BLOCKS}
     assert min(costs, key=costs.get) == min(BLOCKS)
-    costs = {block: segment_cost(short, True, True, alpha, None, block, 50.0) for block in BLOCKS}
+    costs = {block: segment_cost(short, True, True, alpha, block, 50.0) for block in BLOCKS}
     assert min(costs, key=costs.get) == max(BLOCKS)
     # a mini-batch as the real demo's: 16 rows, 47-token prompts, 16-token completions, six prompts with two rows and
     # one with four (units of 80 and 114 positions: rows of the longest would pad six units by 34)

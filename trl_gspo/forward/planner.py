@@ -130,15 +130,11 @@ def varlen_cost(widths, alpha) -> float:
     return positions * (1 + GATHER_OVERHEAD) + alpha * pairs
 
 
-def segment_cost(
-    widths, pack, one_row, alpha, kernel=None, block=segment_attention.BLOCK, block_overhead=BLOCK_OVERHEAD
-) -> float:
-    """Cost of a segment layout: positions run (rows x capacity, from first-fit decreasing as `segment_layout`
-    places the units), the (query, key) pairs its SDPA blocks of `block` query positions compute (`block_pairs`, the
-    rule `SegmentPlan.build_blocks` follows), the blocks' fixed cost and the gather; with a varlen `kernel`,
-    `varlen_cost`. `block_overhead`: one block's fixed cost (`block_cost`)."""
-    if kernel is not None:
-        return varlen_cost(widths, alpha)
+def segment_cost(widths, pack, one_row, alpha, block=segment_attention.BLOCK, block_overhead=BLOCK_OVERHEAD) -> float:
+    """Cost of a segment layout run by the SDPA blocks: positions run (rows x capacity, from first-fit decreasing as
+    `segment_layout` places the units), the (query, key) pairs its blocks of `block` query positions compute
+    (`block_pairs`, the rule `SegmentPlan.build_blocks` follows), the blocks' fixed cost (`block_overhead`:
+    `block_cost`) and the gather. A varlen kernel's call is priced by `varlen_cost`."""
     order = sorted(range(len(widths)), key=lambda i: -widths[i][0]) if pack else range(len(widths))
     capacity = sum(w for w, _, _ in widths) if one_row else max(w for w, _, _ in widths)
     rows: list[list[int]] = []
@@ -318,7 +314,7 @@ def choose_layout(
             return
         for one_row in (False, True) if packs and on_cpu else (False,):
             for block in segment_attention.BLOCKS if on_cpu else (segment_attention.BLOCK,):
-                cost = weight * segment_cost(widths, packs, one_row, alpha, None, block, block_overhead)
+                cost = weight * segment_cost(widths, packs, one_row, alpha, block, block_overhead)
                 candidates.append(Choice(kind, cost, units, one_row, block))
 
     if shared_ok:
