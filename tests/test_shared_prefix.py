@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from test_padding import LOSS_CASES, FixedRollouts, _varied_reward, assert_same_sgd_weights
+from test_padding import LOSS_CASES, TRAINER, FixedRollouts, _varied_reward, assert_same_sgd_weights
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
@@ -30,26 +30,6 @@ pytestmark = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: 
 
 OFF = dict(shared_prefix=False, padding_free=False)
 ON = dict(shared_prefix=True)
-
-
-def _no_reward(completions, **kwargs):
-    return [0.0] * len(completions)
-
-
-#: The trainers of this file (`trainer_factory`), in training mode, two micro-batches per optimizer step.
-TRAINER = dict(
-    reward=_no_reward,
-    prompts=["add 1 2 ="] * 8,
-    train=True,
-    accumulation=2,
-    per_device_train_batch_size=4,
-    num_generations=2,
-    max_completion_length=9,
-    logging_steps=1,
-    epsilon=3e-3,
-    epsilon_high=4e-3,
-    seed=0,
-)
 
 
 def _grouped_batch(vocab, seed=0):
