@@ -259,7 +259,7 @@ class _BlockKeys(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, blocks):
-        ctx.blocks, ctx.shape = blocks, x.shape
+        ctx.layout = blocks, x.shape  # what the backward needs: no tensor of the graph, so not save_for_backward
         ctx.set_materialize_grads(False)  # a block whose output is unused sends None: nothing to add
         return tuple(
             x[:, :, b.keys[0] : b.keys[1]] if isinstance(b.keys, tuple) else x.index_select(2, b.keys) for b in blocks
@@ -267,12 +267,13 @@ class _BlockKeys(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        blocks, shape = ctx.layout
         out = None
-        for b, g in zip(ctx.blocks, grads):
+        for b, g in zip(blocks, grads):
             if g is None:
                 continue
             if out is None:
-                out = g.new_zeros(ctx.shape)
+                out = g.new_zeros(shape)
             if isinstance(b.keys, tuple):
                 out[:, :, b.keys[0] : b.keys[1]] += g
             else:
