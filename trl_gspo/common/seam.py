@@ -117,8 +117,9 @@ def colocated_engine_with_routes(enabled: bool):
 @runtime_patch(
     "trl.trainer.utils._use_triton",
     "forward/fused_head.py (every forward of the pipeline on the CPU)",
-    "TRL's fused log-prob head scores only the labelled positions where Triton runs and every position elsewhere (fixed "
-    "tile shapes for graph compilers); the name is read once per forward to choose, so the CPU answer is swapped there",
+    "TRL's fused log-prob head scores only the labelled positions where Triton runs and every position elsewhere "
+    "(fixed tile shapes for graph compilers); the name is read once per forward to choose, so the CPU answer is "
+    "swapped there",
     "TRL 1.16.0 (TRL 1.10 to 1.14 have no fused head: their own padded loop runs)",
 )
 @contextlib.contextmanager

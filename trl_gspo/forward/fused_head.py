@@ -11,9 +11,9 @@ batch. A narrower tile bounds that, at the price of more, smaller matmuls. TRL 1
 Which positions the head scores: TRL scores only the positions with a label where Triton runs, and every position
 elsewhere, so that tile shapes stay fixed for graph compilers. On the CPU nothing is compiled, and most positions of
 a call are prompt tokens (their label is -100): at SmolLM2's 49,152-token vocabulary the head is about a sixth of a
-token's forward and backward (with gradient checkpointing), spent there on values that are thrown away. The pipeline's forwards therefore score
-only labelled positions on the CPU too (`labelled_only`); each scored value is the same computation on the same
-row, so only the matmuls' shapes change (fp32 rounding).
+token's forward and backward with gradient checkpointing, spent there on values that are thrown away. The
+pipeline's forwards therefore score only labelled positions on the CPU too (`labelled_only`); each scored value is
+the same computation on the same row, so only the matmuls' shapes change (fp32 rounding).
 """
 
 from __future__ import annotations
