@@ -260,7 +260,6 @@ class _BlockKeys(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, blocks):
         ctx.layout = blocks, x.shape  # what the backward needs: no tensor of the graph, so not save_for_backward
-        ctx.set_materialize_grads(False)  # a block whose output is unused sends None: nothing to add
         return tuple(
             x[:, :, b.keys[0] : b.keys[1]] if isinstance(b.keys, tuple) else x.index_select(2, b.keys) for b in blocks
         )
@@ -268,12 +267,8 @@ class _BlockKeys(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         blocks, shape = ctx.layout
-        out = None
+        out = grads[0].new_zeros(shape)
         for b, g in zip(blocks, grads):
-            if g is None:
-                continue
-            if out is None:
-                out = g.new_zeros(shape)
             if isinstance(b.keys, tuple):
                 out[:, :, b.keys[0] : b.keys[1]] += g
             else:
@@ -286,12 +281,8 @@ def _sdpa_blocks(query, key, value, blocks, dropout, scaling):
     # The blocks tile the query columns in order, so one split (whose backward is one concatenation) serves them.
     queries = query.split([b.q1 - b.q0 for b in blocks], 2)
     keys, values = _BlockKeys.apply(key, blocks), _BlockKeys.apply(value, blocks)
-    outs = [
-        torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=b.mask, dropout_p=dropout, scale=scaling, **gqa
-        )
-        for q, k, v, b in zip(queries, keys, values, blocks)
-    ]
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, dropout_p=dropout, scale=scaling, **gqa)
+    outs = [sdpa(q, k, v, attn_mask=b.mask) for q, k, v, b in zip(queries, keys, values, blocks)]
     return torch.cat(outs, 2) if len(outs) > 1 else outs[0]
 
 
