@@ -13,6 +13,7 @@ call (`padding_mask.all()`, as in stock TRL's calls): allowed here only from tra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import traceback
@@ -129,6 +130,9 @@ def test_no_sync_between_the_model_calls(settings, kernel, trainer_factory, tmp_
         **settings,
     )
     forward = trainer.logprob_forward
+    # The CPU stands for CUDA, where the pipeline leaves TRL's head as it is (its labelled-only choice on the CPU is a
+    # boolean index: forward/fused_head.py `labelled_only`).
+    monkeypatch.setattr(fused_head, "labelled_only", lambda device_type: contextlib.nullcontext())
     if kernel is not None:  # the CPU standing for CUDA with torch's kernel (the stand-in reads its offsets: skipped)
         monkeypatch.setattr(forward, "varlen_kernel", lambda support, device: kernel)
         monkeypatch.setattr(segment_attention, "varlen_attn", _stand_in)

@@ -290,6 +290,54 @@ def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path, t
         assert relative_gap(grads[name], param.grad) <= grad_bound, name
 
 
+@pytest.mark.skipif(not fused_head.available(), reason=NO_FUSED_HEAD)
+def test_fused_head_scores_only_completion_tokens_on_the_cpu(tokenizer, tmp_path, trainer_factory, monkeypatch):
+    """On the CPU the pipeline's head projects only the positions that score a completion token (TRL's own choice
+    there: every position), with the log-probs and gradients of a plain full-logits pass, and TRL's switch restored."""
+    from trl.trainer import utils as trl_utils
+
+    rows_scored = []
+    apply = trl_utils._ChunkedLogProbFunction.apply
+
+    def counting_apply(hidden, *args):
+        rows_scored.append(hidden.reshape(-1, hidden.size(-1)).size(0))
+        return apply(hidden, *args)
+
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counting_apply)
+    use_triton = trl_utils._use_triton
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path)
+    model = trainer.model.train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, model.config.vocab_size, (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded prompt
+    mask[1, -3:] = 0  # a completion shorter than the batch's
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, 5)
+    logps.sum().backward()
+    assert trl_utils._use_triton is use_triton
+    assert sum(rows_scored) == int(mask[:, -5:].sum())  # 12 completion tokens, not the 3 x 10 positions
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    # Reference: each row alone, its own tokens only, full logits in float64.
+    ref_rows = []
+    for r in range(3):
+        keep = mask[r].bool()
+        logits = model(input_ids=ids[r : r + 1, keep]).logits[0].double() / TRAINER["temperature"]
+        row_ids = ids[r, keep]
+        n = int(mask[r, -5:].sum())
+        first = row_ids.numel() - n
+        ref = torch.log_softmax(logits[first - 1 : -1], -1).gather(-1, row_ids[first:, None])[:, 0]
+        ref_rows.append(torch.nn.functional.pad(ref, (0, 5 - n)))
+    ref_logps = torch.stack(ref_rows)
+    (ref_logps * mask[:, -5:]).sum().backward()
+    bound = model_bound(torch.float32, model.config, ids.size(1))
+    assert relative_gap(logps * mask[:, -5:], ref_logps * mask[:, -5:], math.inf) <= bound
+    grad_bound = model_bound(torch.float32, model.config, ids.size(1), ids.numel())
+    for name, param in model.named_parameters():
+        assert relative_gap(grads[name], param.grad) <= grad_bound, name
+
+
 def test_vocab_chunk_validation(tmp_path):
     for bad in (0, -4, 2.5, True):
         with pytest.raises(ValueError, match=f"logprob_vocab_chunk_size={bad!r} must be a positive int"):

@@ -98,6 +98,7 @@ ASSIGNMENTS_ALLOWED = {
     ("rollout/async_rollouts.py", "completions.sampled_at"): "the source's own Completions",
     ("rollout/async_rollouts.py", "job.result"): "the source's own job record",
     ("rollout/async_rollouts.py", "filler.cursor"): "the source's own DynamicSampling (its prompt cursor)",
+    ("forward/segment_attention.py", "ctx.layout"): "torch's context of the part's own autograd Function (_BlockKeys)",
     ("rollout/colocate_cpu_sync.py", "module.quant_method.moe_kernel"): "vLLM's expert kernel, dropped inside the "
     "layer-wise reload the registered `sync_weights_inside` patch runs, so the reload repacks the experts",
 }

@@ -115,6 +115,30 @@ def colocated_engine_with_routes(enabled: bool):
 
 
 @runtime_patch(
+    "trl.trainer.utils._use_triton",
+    "forward/fused_head.py (every forward of the pipeline on the CPU)",
+    "TRL's fused log-prob head scores only the labelled positions where Triton runs and every position elsewhere "
+    "(fixed tile shapes for graph compilers); the name is read once per forward to choose, so the CPU answer is "
+    "swapped there",
+    "TRL 1.16.0 (TRL 1.10 to 1.14 have no fused head: their own padded loop runs)",
+)
+@contextlib.contextmanager
+def fused_head_labelled_only(module, device_type: str):
+    """In the block, TRL's fused head scores only the positions whose label is not -100 on `device_type` too (besides
+    the devices where TRL already does). The name only chooses that in `module` (trl.trainer.utils); the Triton
+    kernels are chosen by TRL's kernel module, which keeps its own answer, so the CPU still runs TRL's torch tiles."""
+    original = getattr(module, "_use_triton", None)
+    if original is None:
+        yield
+        return
+    module._use_triton = lambda device: device.type == device_type or original(device)
+    try:
+        yield
+    finally:
+        module._use_triton = original
+
+
+@runtime_patch(
     "trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE",
     "forward/fused_head.py (logprob_vocab_chunk_size)",
     "the tile width of TRL's fused log-prob head is a module constant, read when the forward runs",

@@ -1,4 +1,5 @@
-"""Memory knob for TRL's fused log-prob head (`GSPOConfig.logprob_vocab_chunk_size`).
+"""TRL's fused log-prob head as the forward pipeline runs it: labelled positions only, and its memory knob
+(`GSPOConfig.logprob_vocab_chunk_size`).
 
 TRL (from 1.15) never materialises `(tokens, vocab)` logits: its fused LM head projects hidden states through the LM
 head in `[<=4096 tokens, 32768 vocab]` tiles and folds each into an online log-sum-exp. With Triton (CUDA) the
@@ -6,6 +7,13 @@ fold runs in place on the tile. Without it (CPU), the torch fallback keeps sever
 alive (about 8 in the backward), so a 32768-column tile costs more than the full fp32 logits at a 2k-token
 batch. A narrower tile bounds that, at the price of more, smaller matmuls. TRL 1.10 to 1.14 have no fused head
 (they compute the completion logits in full), so there the knob does not exist: `GSPOConfig` refuses it.
+
+Which positions the head scores: TRL scores only the positions with a label where Triton runs, and every position
+elsewhere, so that tile shapes stay fixed for graph compilers. On the CPU nothing is compiled, and most positions of
+a call are prompt tokens (their label is -100): at SmolLM2's 49,152-token vocabulary the head is about a sixth of a
+token's forward and backward with gradient checkpointing, spent there on values that are thrown away. The
+pipeline's forwards therefore score only labelled positions on the CPU too (`labelled_only`); each scored value is
+the same computation on the same row, so only the matmuls' shapes change (fp32 rounding).
 """
 
 from __future__ import annotations
@@ -70,3 +78,13 @@ def vocab_chunk(chunk_size: int | None):
             "computes full logits. Unset it (None)."
         )
     return seam.fused_head_tile(owner, chunk_size)
+
+
+def labelled_only(device_type: str):
+    """Run TRL's fused head on `device_type` scoring only the positions whose label is not -100, as TRL already does
+    where Triton runs (common/seam.py: `fused_head_labelled_only`). CPU only: elsewhere choosing the positions is a
+    boolean index, a host sync, that the pipeline's model calls avoid on CUDA."""
+    owner = trl_compat.fused_logprob_head_module()
+    if owner is None or device_type != "cpu":
+        return contextlib.nullcontext()
+    return seam.fused_head_labelled_only(owner, device_type)

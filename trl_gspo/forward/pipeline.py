@@ -23,6 +23,7 @@ its fused log-prob head (< 1.15), go to TRL's own padded loop (step 3 and 4 repl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ class LogprobForward:
             return old, None, None
         b, s = input_ids.shape
         replay = self.routes.replay_table(role, s, logits_to_keep) if role is not None else None
-        with self.routes.route_pass(role, replay, b, s) as observed, self._vocab_tile():
+        with self.routes.route_pass(role, replay, b, s) as observed, self._fused_head(input_ids.device):
             prompt_width = s - logits_to_keep
             unsupported = any(v is not None for v in multimodal.values()) or logits_to_keep < 1 or prompt_width < 1
             if not self.padding.fused or unsupported:  # TRL < 1.15 was logged at construction
@@ -195,9 +196,12 @@ class LogprobForward:
             self.release()  # no backward follows a no-grad pass
         return out
 
-    def _vocab_tile(self):
-        """`logprob_vocab_chunk_size` set around the model calls (forward/fused_head.py)."""
-        return fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size)
+    @contextlib.contextmanager
+    def _fused_head(self, device):
+        """TRL's fused head around the model calls (forward/fused_head.py): labelled positions only on the CPU, the
+        tile of `logprob_vocab_chunk_size`."""
+        with fused_head.labelled_only(device.type), fused_head.vocab_chunk(self.args.logprob_vocab_chunk_size):
+            yield
 
     def _planned_forward(
         self,

@@ -251,19 +251,38 @@ def segment_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+class _BlockKeys(torch.autograd.Function):
+    """The key (or value) columns of every SDPA block in one autograd node. Sliced or gathered one block at a time,
+    each block's backward would build a zero gradient the size of the whole row and the engine would add those up:
+    work in blocks x row width, which made long one-row calls slower than their arithmetic. Here the backward adds
+    each block's gradient into one buffer, in place: work in the keys the blocks read."""
+
+    @staticmethod
+    def forward(ctx, x, blocks):
+        ctx.layout = blocks, x.shape  # what the backward needs: no tensor of the graph, so not save_for_backward
+        return tuple(
+            x[:, :, b.keys[0] : b.keys[1]] if isinstance(b.keys, tuple) else x.index_select(2, b.keys) for b in blocks
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        blocks, shape = ctx.layout
+        out = grads[0].new_zeros(shape)
+        for b, g in zip(blocks, grads):
+            if isinstance(b.keys, tuple):
+                out[:, :, b.keys[0] : b.keys[1]] += g
+            else:
+                out.index_add_(2, b.keys, g)
+        return out, None
+
+
 def _sdpa_blocks(query, key, value, blocks, dropout, scaling):
     gqa = {"enable_gqa": True} if key.size(1) != query.size(1) else {}
-    outs = []
-    for b in blocks:
-        if isinstance(b.keys, tuple):
-            k, v = key[:, :, b.keys[0] : b.keys[1]], value[:, :, b.keys[0] : b.keys[1]]
-        else:
-            k, v = key.index_select(2, b.keys), value.index_select(2, b.keys)
-        outs.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, b.q0 : b.q1], k, v, attn_mask=b.mask, dropout_p=dropout, scale=scaling, **gqa
-            )
-        )
+    # The blocks tile the query columns in order, so one split (whose backward is one concatenation) serves them.
+    queries = query.split([b.q1 - b.q0 for b in blocks], 2)
+    keys, values = _BlockKeys.apply(key, blocks), _BlockKeys.apply(value, blocks)
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, dropout_p=dropout, scale=scaling, **gqa)
+    outs = [sdpa(q, k, v, attn_mask=b.mask) for q, k, v, b in zip(queries, keys, values, blocks)]
     return torch.cat(outs, 2) if len(outs) > 1 else outs[0]
 
 
