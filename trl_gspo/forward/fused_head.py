@@ -82,8 +82,8 @@ def vocab_chunk(chunk_size: int | None):
 
 def labelled_only(device_type: str):
     """Run TRL's fused head on `device_type` scoring only the positions whose label is not -100, as TRL already does
-    where Triton runs (common/seam.py: `fused_head_labelled_only`). CPU only: elsewhere choosing the positions is a
-    boolean index, a host sync, that the pipeline's model calls avoid on CUDA."""
+    where Triton runs (common/seam.py: `fused_head_labelled_only`). CPU only: on CUDA without Triton the choice
+    would add a boolean index, a host sync, to every model call (with Triton, TRL's own head already makes it)."""
     owner = trl_compat.fused_logprob_head_module()
     if owner is None or device_type != "cpu":
         return contextlib.nullcontext()
