@@ -36,7 +36,7 @@ from pathlib import Path
 from trl_gspo.cli.demo import ADDITION_ARGS
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results" / "smollm2-addition"
+RESULTS = HERE / "results"
 
 GSPO_CLIP = dict(epsilon=3e-4, epsilon_high=4e-4)
 #: name -> (trainer family, config overrides on top of the shared settings).
@@ -45,6 +45,10 @@ ARMS = {
     "stock GSPO": ("stock", dict(importance_sampling_level="sequence", loss_type="grpo", **GSPO_CLIP)),
     "trl-gspo GSPO": ("ours", {}),
     "trl-gspo GSPO-token": ("ours", dict(importance_sampling_level="sequence_token")),
+    # The clip-band study: GSPOConfig's defaults with a wider (epsilon, epsilon_high), same 4:3 shape as the paper's.
+    "trl-gspo GSPO band 1e-3": ("ours", dict(epsilon=1e-3, epsilon_high=1.3e-3)),
+    "trl-gspo GSPO band 3e-3": ("ours", dict(epsilon=3e-3, epsilon_high=4e-3)),
+    "trl-gspo GSPO band 1e-2": ("ours", dict(epsilon=1e-2, epsilon_high=1.3e-2)),
 }
 #: What every arm shares: the addition demo's settings (cli/demo.py ADDITION_ARGS, the one place they are written),
 #: less what each run sets itself (learning rate, steps, seed), logged every step.
@@ -53,9 +57,11 @@ SHARED = {
     "logging_steps": 1,
     "disable_tqdm": True,
 }
+#: name -> arms, learning rates and the folder (under results/) its runs, summary and plots go to.
 STUDIES = {
-    "compare": dict(arms=list(ARMS), learning_rates=[5e-6]),
-    "lr": dict(arms=["trl-gspo GSPO"], learning_rates=[2e-6, 5e-6, 1e-5]),
+    "compare": dict(arms=list(ARMS)[:4], learning_rates=[5e-6], folder="smollm2-addition"),
+    "lr": dict(arms=["trl-gspo GSPO"], learning_rates=[2e-6, 5e-6, 1e-5], folder="smollm2-addition"),
+    "band": dict(arms=[arm for arm in ARMS if " band " in arm], learning_rates=[5e-6], folder="smollm2-band"),
 }
 NUM_TRAIN_PROMPTS = 2000
 
@@ -156,7 +162,7 @@ def launch(arm: str, seed: int, lr: float, steps: int, every: int, prompts: int,
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--study", choices=list(STUDIES), default="compare")
-    parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--output-dir", type=Path, default=None, help="default: results/<the study's folder>")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=None, help="default: the study's")
     parser.add_argument("--max-steps", type=int, default=64)
@@ -172,6 +178,7 @@ def main(argv=None) -> None:
         return
     import real_model_report
 
+    options.output_dir = options.output_dir or RESULTS / STUDIES[options.study]["folder"]
     if not options.replot:
         study = STUDIES[options.study]
         plan = [

@@ -201,7 +201,14 @@ def curve_table(summary: dict) -> str:
 def report(output_dir: Path) -> dict:
     groups = load_runs(output_dir)
     summary = {}
-    for (arm, lr), runs in sorted(groups.items(), key=lambda item: (item[0][1], list(COLORS).index(item[0][0]))):
+    for (arm, lr), runs in sorted(
+        groups.items(),
+        key=lambda item: (
+            item[0][1],
+            list(COLORS).index(item[0][0]) if item[0][0] in COLORS else len(COLORS),
+            item[0][0],
+        ),
+    ):
         summary[f"{arm} lr{lr:g}"] = {"arm": arm, "learning_rate": lr, **over_seeds([run_summary(r) for r in runs])}
     for name, s in summary.items():  # trl-gspo's CPU cost per step against stock TRL's GSPO setting at the same lr
         stock = summary.get(f"stock GSPO lr{s['learning_rate']:g}")
