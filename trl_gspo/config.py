@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from trl import GRPOConfig
 
+from .clip_band import ClipBandOptions
 from .common.optimizers import check_optimizer_package
 from .common.validation import check_choice
 from .forward.fused_head import FusedHeadOptions
@@ -41,6 +42,7 @@ MAX_FINITE_LOG_RATIO = 88.0
 
 #: Each feature's fields and their validation, in the order they are checked.
 FEATURE_OPTIONS = (
+    ClipBandOptions,
     PrecisionOptions,
     NonFiniteOptions,
     RewardGuardOptions,
@@ -61,7 +63,7 @@ FEATURE_OPTIONS = (
 class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     r"""
     Configuration for [`GSPOTrainer`]: every [`trl.GRPOConfig`] field, with the GSPO paper's defaults, plus each
-    feature's fields (documented in its options class: `PrecisionOptions`, `NonFiniteOptions`, `RewardGuardOptions`,
+    feature's fields (documented in its options class: `ClipBandOptions`, `PrecisionOptions`, `NonFiniteOptions`, `RewardGuardOptions`,
     `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `SharedPrefillOptions`, `DiagnosticsOptions`,
     `RoutingReplayOptions`, `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`, `AsyncOptions`).
 

@@ -29,6 +29,7 @@ features are parts the trainer builds in `__init__` with what they need passed i
     rollout_source     rollout/sources.py           how a rollout batch is produced (TRL's, dynamic, asynchronous)
     precision          guards/precision.py          bf16 weights without fp32 master weights: upcast, refused or allowed
     weight_updates     guards/weight_updates.py     `weights_changed`: did the last optimizer step move the weights
+    clip_band          clip_band.py                 the clip range: fixed, or following `clip_target_fraction`
 
 Parts read the trainer's changing state (mode, step, TRL's metric lists) through a `RunView` (common/trl_compat.py).
 """
@@ -45,6 +46,7 @@ from trl.extras.profiling import profiling_decorator
 from trl.trainer.utils import RepeatSampler
 
 from . import losses
+from .clip_band import ClipBand
 from .common import engine, metrics, model_card
 from .common.seam import TRLCalls, colocated_engine_with_routes, override
 from .common.trl_compat import RunView
@@ -105,9 +107,10 @@ class GSPOTrainer(GRPOTrainer):
         if self.accelerator.is_main_process:
             log_differences_from_grpo(args)  # what switching the import changed, said once
         self.loss_fn = losses.POLICY_LOSSES[args.loss_type]
-        self.loss_settings = losses.LossSettings(
+        settings = losses.LossSettings(
             self.epsilon_low, self.epsilon_high, args.delta, args.sapo_temperature_pos, args.sapo_temperature_neg
         )
+        self.clip_band = ClipBand(settings, args.clip_target_fraction, self.accelerator, self.run)  # the loss's knobs
         self._build_parts(args)
         served_model.check_served_model(self)  # vLLM server mode: the server serves this model (before any step)
         colocate_cpu_sync.enable_cpu_colocate_sync(self)  # vLLM colocate on its CPU build: syncs that reach the engine
@@ -116,9 +119,9 @@ class GSPOTrainer(GRPOTrainer):
         self.sampler_epoch = checkpointing.SamplerEpoch()  # each epoch's prompt order, also after a resume
         self.signal_checkpoint = checkpointing.SignalCheckpoint(self.accelerator) if args.checkpoint_on_signal else None
         self.weight_updates = WeightUpdates(self.precision.line)  # weights_changed, sampled around each optimizer step
-        for callback in (self.nonfinite, self.sampler_epoch, self.signal_checkpoint, self.weight_updates):
-            if callback is not None:
-                self.add_callback(callback)
+        for part in (self.nonfinite, self.sampler_epoch, self.signal_checkpoint, self.weight_updates, self.clip_band):
+            if part is not None:
+                self.add_callback(part)
 
     def _build_parts(self, args: GSPOConfig) -> None:
         """The features of the forward and rollout paths, each with what it needs (module docstring)."""
@@ -263,10 +266,10 @@ class GSPOTrainer(GRPOTrainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------------------------ checkpoints, resume
-    @override("guards/checkpointing.py")
+    @override("guards/checkpointing.py, clip_band.py")
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        """Resume only from complete checkpoints of this model, with TRL's rollout buffer and the rollout source put
-        back; the signal handlers and the source are released when training ends or raises."""
+        """Resume only from complete checkpoints of this model, with TRL's rollout buffer, the rollout source and the
+        clip band put back; the signal handlers and the source are released when training ends or raises."""
         resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint is not None:
             model = self.accelerator.unwrap_model(self.model)
@@ -279,6 +282,7 @@ class GSPOTrainer(GRPOTrainer):
             if state is not None and checkpointing.rollout_state_matches(state, spg, resume_from_checkpoint):
                 self._step, self._buffered_inputs = state["step"], state["buffered_inputs"]
                 self.rollout_source.load_state_dict(state.get("source", {}))
+            self.clip_band.load(resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:  # also when training raised: give the process its own signal handlers back, stop the rollout source
@@ -296,16 +300,17 @@ class GSPOTrainer(GRPOTrainer):
             self.sampler_epoch.follow(sampler)
         return sampler
 
-    @override("guards/checkpointing.py")
+    @override("guards/checkpointing.py, clip_band.py")
     def _save_checkpoint(self, model, trial):
         """A checkpoint's completion marker is deleted before HF writes the folder and written last, with TRL's
-        rollout buffer beside it (HF does not save it); `on_save` comes too late for the first."""
+        rollout buffer and the clip band beside it (HF does not save them); `on_save` comes too late for the first."""
         path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         with checkpointing.completion_marked(path, self.args.should_save, self.accelerator):
             super()._save_checkpoint(model, trial)
             state = {"step": self._step, "buffered_inputs": self._buffered_inputs}
             state["source"] = self.rollout_source.state_dict()
             checkpointing.save_rollout_state(path, self.accelerator.process_index, state)
+            self.clip_band.save(path, self.args.should_save)
 
     @override("guards/checkpointing.py")
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -366,7 +371,7 @@ class GSPOTrainer(GRPOTrainer):
     def policy_loss(self, ratio, advantages, logps) -> torch.Tensor:
         """Hook 2: per-token (or per-sequence) policy loss from the ratio: the loss type's surrogate (the two-sided
         clipped surrogate, CISPO or SAPO's soft gate; losses.POLICY_LOSSES)."""
-        return self.loss_fn.surrogate(ratio, advantages, logps, self.loss_settings)
+        return self.loss_fn.surrogate(ratio, advantages, logps, self.clip_band.settings)
 
     def behaviour_weight(self, inputs: dict, proximal_logps, mask) -> torch.Tensor | None:
         """Hook 3: detached weight, `(B, 1)` or `(B, T)`, for the policy that sampled the batch (multiplies the loss),
@@ -405,8 +410,7 @@ class GSPOTrainer(GRPOTrainer):
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in _FORWARD_KEYS},
         )
-        clip_range = self.epsilon_low, self.epsilon_high
-        self.sampler_logprobs.log_mismatch(mode, logps, inputs, mask, *clip_range, at_sampler_weights)
+        self.sampler_logprobs.log_mismatch(mode, logps, inputs, mask, *self.clip_band.band, at_sampler_weights)
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
@@ -445,8 +449,9 @@ class GSPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        low, high = self.loss_fn.clip.indicators(ratio.detach(), advantages, self.loss_settings)
+        low, high = self.loss_fn.clip.indicators(ratio.detach(), advantages, self.clip_band.settings)
         self.diagnostics.record(mode, logps, old_logps, low, high, advantages, mask)
+        self.clip_band.record(mode, low, high, mask, at_sampler_weights)  # clip_target_fraction: the step's counts
         trl_metrics = metrics.loss_metrics(
             self.loss_fn.clip, low, high, mask, entropies, per_token_kl, self.accelerator
         )

@@ -49,6 +49,8 @@ ARMS = {
     "trl-gspo GSPO band 1e-3": ("ours", dict(epsilon=1e-3, epsilon_high=1.3e-3)),
     "trl-gspo GSPO band 3e-3": ("ours", dict(epsilon=3e-3, epsilon_high=4e-3)),
     "trl-gspo GSPO band 1e-2": ("ours", dict(epsilon=1e-2, epsilon_high=1.3e-2)),
+    # A band that follows a target clip fraction (clip_band.py), from the paper's band.
+    "trl-gspo GSPO target 0.15": ("ours", dict(clip_target_fraction=0.15)),
 }
 #: What every arm shares: the addition demo's settings (cli/demo.py ADDITION_ARGS, the one place they are written),
 #: less what each run sets itself (learning rate, steps, seed), logged every step.
@@ -62,6 +64,7 @@ STUDIES = {
     "compare": dict(arms=list(ARMS)[:4], learning_rates=[5e-6], folder="smollm2-addition"),
     "lr": dict(arms=["trl-gspo GSPO"], learning_rates=[2e-6, 5e-6, 1e-5], folder="smollm2-addition"),
     "band": dict(arms=[arm for arm in ARMS if " band " in arm], learning_rates=[5e-6], folder="smollm2-band"),
+    "target": dict(arms=["trl-gspo GSPO target 0.15"], learning_rates=[5e-6, 1e-5], folder="smollm2-target"),
 }
 NUM_TRAIN_PROMPTS = 2000
 
