@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from .losses import POLICY_LOSSES, LossSettings
+from .losses import LossSettings
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +88,6 @@ class ClipBandOptions:
             raise ValueError(
                 f"clip_target_fraction={target!r} is not allowed: it must be a fraction strictly between 0 and 1 "
                 "(e.g. 0.15, the order the GSPO paper reports), or None for the fixed clip band."
-            )
-        if not POLICY_LOSSES[self.loss_type].clip.two_sided:
-            two_sided = [name for name, loss in POLICY_LOSSES.items() if loss.clip.two_sided]
-            raise ValueError(
-                f"clip_target_fraction={target!r} needs a clip band [1 - epsilon, 1 + epsilon_high], which "
-                f"loss_type={self.loss_type!r} does not have; use it with loss_type in {two_sided}."
             )
 
 

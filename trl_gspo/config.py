@@ -207,6 +207,12 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
                         f"{name}={value!r} is out of range: the clip range [1 - epsilon, 1 + epsilon_high] needs "
                         f"0 < {name} < 1 (GSPO paper: epsilon=3e-4, epsilon_high=4e-4; GRPO: 0.2 / 0.28)."
                     )
+        elif self.clip_target_fraction is not None:  # clip_band.py scales a band this loss type does not have
+            two_sided = [name for name, loss in POLICY_LOSSES.items() if loss.clip.two_sided]
+            raise ValueError(
+                f"clip_target_fraction={self.clip_target_fraction!r} needs a clip band [1 - epsilon, 1 + "
+                f"epsilon_high], which loss_type={loss_type!r} does not have; use it with loss_type in {two_sided}."
+            )
         elif loss_type == "cispo" and self.epsilon_high is not None and not self.epsilon_high > 0:
             raise ValueError(f"epsilon_high={self.epsilon_high!r} is CISPO's ratio cap and must be > 0 (e.g. 5.0).")
         if self.delta is not None and self.delta <= 1 + (self.epsilon_high or self.epsilon):

@@ -91,6 +91,7 @@ def main():
     parser.add_argument("--resume_each", type=int, nargs="*", help="steps to save at, then resume from")
     parser.add_argument("--async_generation", action="store_true")
     parser.add_argument("--generation_delay", type=float, default=0.0, help="seconds added to each async generation")
+    parser.add_argument("--clip_target_fraction", type=float, default=None, help="prints each step's clip band")
     cli = parser.parse_args()
     prompts = PROMPTS[: cli.num_prompts]
     if cli.generation_delay:
@@ -118,6 +119,9 @@ def main():
     class Progress(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             print(f"STEP {state.global_step} RANK {trainer.accelerator.process_index} PID {os.getpid()}", flush=True)
+            if trainer.clip_band.enabled:  # the band this rank will use next (exact: repr of the floats)
+                low, high = trainer.clip_band.band
+                print(f"BAND {state.global_step} RANK {trainer.accelerator.process_index} {low!r} {high!r}", flush=True)
             if cli.step_delay:
                 import time
 
@@ -129,6 +133,7 @@ def main():
         save_strategy="no",
         prompts=prompts,
         **({"async_generation": True} if cli.async_generation else {}),
+        **({"clip_target_fraction": cli.clip_target_fraction} if cli.clip_target_fraction else {}),
     )
     trainer.add_callback(Progress())
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
