@@ -48,7 +48,9 @@ def test_prepared_folder_holds_the_gguf_weights_and_gives_its_logits(smollm2):
         assert torch.equal(ours, reference), (ours - reference).abs().max()
 
 
-def test_gspo_trains_the_real_model(smollm2, tmp_path):
+def _short_run(smollm2, tmp_path, **settings):
+    """A 2-step GSPO run of the real model (steps_per_generation=2: the second mini-batch is off-policy, the sequence
+    ratio leaves 1) with a reward that varies within every group, so every advantage is non-zero."""
     from trl_gspo import GSPOConfig, GSPOTrainer
     from trl_gspo.cli.addition import make_addition_dataset
 
@@ -59,20 +61,25 @@ def test_gspo_trains_the_real_model(smollm2, tmp_path):
         learning_rate=1e-5,
         per_device_train_batch_size=4,
         num_generations=4,
-        steps_per_generation=2,  # the second mini-batch is off-policy: the sequence ratio leaves 1
+        steps_per_generation=2,
         max_completion_length=8,
         max_steps=2,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         seed=0,
+        **settings,
     )
 
-    def digits(completions, **kwargs):  # varies within every group, so every advantage is non-zero
+    def digits(completions, **kwargs):
         texts = [c[-1]["content"] for c in completions]
         return [sum(ch.isdigit() for ch in text) / max(1, len(text)) + 0.01 * len(text) for text in texts]
 
-    trainer = GSPOTrainer(str(smollm2), digits, args=args, train_dataset=make_addition_dataset(16))
+    return GSPOTrainer(str(smollm2), digits, args=args, train_dataset=make_addition_dataset(16))
+
+
+def test_gspo_trains_the_real_model(smollm2, tmp_path):
+    trainer = _short_run(smollm2, tmp_path)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     moved = [name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])]
@@ -81,6 +88,26 @@ def test_gspo_trains_the_real_model(smollm2, tmp_path):
     assert len(logs) == 2 and all(math.isfinite(row["loss"]) for row in logs)
     assert all(math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0 for row in logs)
     assert "clip_fraction/sequence/total" in logs[-1]
+
+
+def test_the_clip_band_follows_its_target_on_the_real_model(smollm2, tmp_path):
+    """clip_target_fraction on the model the clip-band study ran (benchmarks/experiments, --study target): a tiny
+    model's ratios spread differently, and the study's premise is that the paper's band does not fit this one. The
+    on-policy first step leaves the band; the second measures a fraction and moves the band toward the target."""
+    from trl_gspo.clip_band import GAIN, MAX_STEP_FACTOR
+
+    trainer = _short_run(smollm2, tmp_path, clip_target_fraction=0.15)
+    trainer.train()
+    logs = [row for row in trainer.state.log_history if "loss" in row]
+    assert [row["clip_band/epsilon_low"] for row in logs] == [3e-4, 3e-4]  # the first step left the band alone
+    assert "clip_band/fraction" not in logs[0]
+    fraction = logs[1]["clip_band/fraction"]
+    assert fraction == logs[1]["clip_ratio/region_mean"]  # what the user sees in TRL's metric
+    factor = (
+        min(max((fraction / 0.15) ** GAIN, 1 / MAX_STEP_FACTOR), MAX_STEP_FACTOR) if fraction else 1 / MAX_STEP_FACTOR
+    )
+    assert trainer.clip_band.band == pytest.approx((3e-4 * factor, 4e-4 * factor), rel=1e-12)
+    assert trainer.clip_band.band != (3e-4, 4e-4)
 
 
 def test_the_demo_runs_on_the_real_model(smollm2, tmp_path, capsys):
