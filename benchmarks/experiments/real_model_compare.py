@@ -2,6 +2,10 @@
 
     python benchmarks/experiments/real_model_compare.py                  # the comparison: 4 arms x 3 seeds
     python benchmarks/experiments/real_model_compare.py --study lr       # GSPO's learning-rate study
+    python benchmarks/experiments/real_model_compare.py --study band     # GSPO with wider clip bands
+    python benchmarks/experiments/real_model_compare.py --study target   # the band following a clip fraction
+    python benchmarks/experiments/real_model_compare.py --study stale    # 16 optimizer steps per rollout batch
+    python benchmarks/experiments/real_model_compare.py --study long     # answers with their working, ~100 tokens
     python benchmarks/experiments/real_model_compare.py --replot         # summary and plots from saved runs
 
 Arms, at equal settings (the addition demo's: 8 prompts x 8 completions per rollout batch, 4 optimizer steps per
@@ -16,8 +20,9 @@ rollout batch, 16-token completions, constant learning rate, fp32, beta 0, the s
 Each run is a fresh process with one torch thread; `--jobs` runs that many at once (2 on a 2-core machine). A run
 scores the 200 held-out problems greedily before training, every `--eval-every` steps and at the end; evaluation
 restores torch's random state, so it does not change what a run samples, and its time is kept out of the step
-times. Every run's logged metrics, curve and times go to `<output-dir>/runs/<arm>-lr<lr>-seed<seed>.json`; an existing
-file is reused (delete it to rerun). The report (`real_model_report.py`) writes `summary.json`, `comparison.md` and
+times. Every run's logged metrics, curve and times go to `<output-dir>/runs/<arm>-lr<lr>-seed<seed>.json` (the
+output folder: the study's under results/); an existing file is reused (delete it to rerun), so an interrupted study
+resumes where it stopped. The report (`real_model_report.py`) writes `summary.json`, `comparison.md` and
 the plots.
 """
 
@@ -59,12 +64,32 @@ SHARED = {
     "logging_steps": 1,
     "disable_tqdm": True,
 }
-#: name -> arms, learning rates and the folder (under results/) its runs, summary and plots go to.
+#: name -> arms, learning rates, the folder (under results/) its runs, summary and plots go to, and what the study
+#: changes in every arm's settings (`settings`: config fields over SHARED; `prompt`: the question's form, `steps`: the
+#: default number of optimizer steps).
 STUDIES = {
     "compare": dict(arms=list(ARMS)[:4], learning_rates=[5e-6], folder="smollm2-addition"),
     "lr": dict(arms=["trl-gspo GSPO"], learning_rates=[2e-6, 5e-6, 1e-5], folder="smollm2-addition"),
     "band": dict(arms=[arm for arm in ARMS if " band " in arm], learning_rates=[5e-6], folder="smollm2-band"),
     "target": dict(arms=["trl-gspo GSPO target 0.15"], learning_rates=[5e-6, 1e-5], folder="smollm2-target"),
+    # Stale rollouts: 16 optimizer steps per rollout batch (the same completions per step; 4x fewer, 4x larger
+    # rollouts), the off-policy regime the paper's argument is about.
+    "stale": dict(
+        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 0.15"],
+        learning_rates=[5e-6],
+        folder="smollm2-stale",
+        settings=dict(steps_per_generation=16),
+    ),
+    # Long answers: the working before the sum, ~100 tokens (128 at most), 32 steps (a 64-step run would cost over
+    # an hour of CPU); token ratios are noisier the longer the answer, which is where the paper puts GSPO's case.
+    "long": dict(
+        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 0.15"],
+        learning_rates=[5e-6],
+        folder="smollm2-long",
+        settings=dict(max_completion_length=128),
+        prompt="WORKING_PROMPT",
+        steps=32,
+    ),
 }
 NUM_TRAIN_PROMPTS = 2000
 
@@ -94,29 +119,35 @@ class StepTimer:
         self.callback = Callback()
 
 
-def train_one(arm: str, seed: int, lr: float, max_steps: int, eval_every: int, eval_prompts: int, path: Path) -> None:
-    """One run in this process; writes its result file."""
+def train_one(
+    study: str, arm: str, seed: int, lr: float, max_steps: int, eval_every: int, eval_prompts: int, path: Path
+) -> None:
+    """One run of `study` in this process; writes its result file."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_gspo import GSPOConfig, GSPOTrainer
+    from trl_gspo.cli import addition
     from trl_gspo.cli.addition import addition_reward, make_addition_dataset
     from trl_gspo.cli.demo import HeldOutCurve, greedy_score
     from trl_gspo.common.model_store import SMOLLM2, resolve_model
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     family, overrides = ARMS[arm]
+    overrides = {**STUDIES[study].get("settings", {}), **overrides}
+    shared = {**SHARED, **overrides}
+    prompt = getattr(addition, STUDIES[study].get("prompt", "PROMPT"))
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if family == "stock" else (GSPOConfig, GSPOTrainer)
     model = resolve_model(SMOLLM2)
     work = path.parent / f".{path.stem}"
-    args = config_cls(output_dir=str(work), learning_rate=lr, max_steps=max_steps, seed=seed, **SHARED, **overrides)
-    train_set = make_addition_dataset(NUM_TRAIN_PROMPTS, seed=seed)
-    eval_set = make_addition_dataset(eval_prompts, split="test")
+    args = config_cls(output_dir=str(work), learning_rate=lr, max_steps=max_steps, seed=seed, **shared)
+    train_set = make_addition_dataset(NUM_TRAIN_PROMPTS, seed=seed, prompt=prompt)
+    eval_set = make_addition_dataset(eval_prompts, split="test", prompt=prompt)
     trainer = trainer_cls(model.path, addition_reward, args=args, train_dataset=train_set)
     tokenizer = trainer.processing_class
 
     def score():
-        return greedy_score(trainer.model, tokenizer, eval_set, addition_reward, SHARED["max_completion_length"])
+        return greedy_score(trainer.model, tokenizer, eval_set, addition_reward, shared["max_completion_length"])
 
     timer = StepTimer()
     trainer.add_callback(timer.callback)
@@ -133,7 +164,9 @@ def train_one(arm: str, seed: int, lr: float, max_steps: int, eval_every: int, e
         "seed": seed,
         "learning_rate": lr,
         "model": re.sub(r" in /\S+", "", model.note),  # where it came from, not the machine's folder
-        "settings": {**SHARED, **overrides, "max_steps": max_steps, "trainer": trainer_cls.__name__},
+        "study": study,
+        "prompt": prompt,
+        "settings": {**shared, "max_steps": max_steps, "trainer": trainer_cls.__name__},
         "curve": curve.points,
         "eval_seconds": curve.seconds,
         "step_seconds": [wall for wall, _ in timer.steps],
@@ -147,11 +180,18 @@ def train_one(arm: str, seed: int, lr: float, max_steps: int, eval_every: int, e
     path.write_text(json.dumps(result))
 
 
-def launch(arm: str, seed: int, lr: float, steps: int, every: int, prompts: int, path: Path, log) -> None:
+def launch(study: str, arm: str, seed: int, lr: float, steps: int, every: int, prompts: int, path: Path, log) -> None:
     """`train_one` in a fresh one-thread process (skipped when its result file exists)."""
     if path.exists():
         return
-    command = [sys.executable, __file__, "--one", arm, *(str(x) for x in (seed, lr, steps, every, prompts, path))]
+    command = [
+        sys.executable,
+        __file__,
+        "--one",
+        study,
+        arm,
+        *(str(x) for x in (seed, lr, steps, every, prompts, path)),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     started, console = time.perf_counter(), path.with_suffix(".log")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,20 +208,21 @@ def main(argv=None) -> None:
     parser.add_argument("--output-dir", type=Path, default=None, help="default: results/<the study's folder>")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=None, help="default: the study's")
-    parser.add_argument("--max-steps", type=int, default=64)
+    parser.add_argument("--max-steps", type=int, default=None, help="default: the study's (64 unless it says)")
     parser.add_argument("--eval-every", type=int, default=16)
     parser.add_argument("--eval-prompts", type=int, default=200, help="held-out problems (at most 200)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     parser.add_argument("--replot", action="store_true", help="only the report, from the saved runs")
-    parser.add_argument("--one", nargs=7, help=argparse.SUPPRESS)  # a single run, in the child process
+    parser.add_argument("--one", nargs=8, help=argparse.SUPPRESS)  # a single run, in the child process
     options = parser.parse_args(argv)
     if options.one:
-        arm, seed, lr, steps, every, prompts, path = options.one
-        train_one(arm, int(seed), float(lr), int(steps), int(every), int(prompts), Path(path))
+        study, arm, seed, lr, steps, every, prompts, path = options.one
+        train_one(study, arm, int(seed), float(lr), int(steps), int(every), int(prompts), Path(path))
         return
     import real_model_report
 
     options.output_dir = options.output_dir or RESULTS / STUDIES[options.study]["folder"]
+    options.max_steps = options.max_steps or STUDIES[options.study].get("steps", 64)
     if not options.replot:
         study = STUDIES[options.study]
         plan = [
@@ -195,7 +236,7 @@ def main(argv=None) -> None:
             jobs = [
                 pool.submit(
                     launch,
-                    *(arm, seed, lr, options.max_steps, options.eval_every, options.eval_prompts),
+                    *(options.study, arm, seed, lr, options.max_steps, options.eval_every, options.eval_prompts),
                     runs / f"{run_name(arm, lr, seed)}.json",
                     print,
                 )

@@ -18,6 +18,9 @@ import re
 from datasets import Dataset
 
 PROMPT = "What is {a} + {b}? Reply with only the number."
+#: The long-answer form (the clip-band experiments' `--study long`): SmolLM2-135M-Instruct writes ~100 tokens of
+#: working before the sum; the reward still reads the reply's last integer.
+WORKING_PROMPT = "What is {a} + {b}? Work it out step by step, then give the answer on the last line."
 #: Problems held out of training, drawn once with a fixed seed.
 NUM_HELD_OUT = 200
 OPERANDS = range(10, 100)
@@ -30,9 +33,10 @@ def _problems(split: str) -> list[tuple[int, int]]:
     return pairs[:NUM_HELD_OUT] if split == "test" else pairs[NUM_HELD_OUT:]
 
 
-def make_addition_dataset(num_prompts: int, seed: int = 0, split: str = "train") -> Dataset:
+def make_addition_dataset(num_prompts: int, seed: int = 0, split: str = "train", prompt: str = PROMPT) -> Dataset:
     """`num_prompts` chat prompts (columns `prompt`, a one-message conversation, and `answer`, the sum). `split="test"`
-    gives the held-out problems in a fixed order (at most `NUM_HELD_OUT`); `"train"` draws from the rest."""
+    gives the held-out problems in a fixed order (at most `NUM_HELD_OUT`); `"train"` draws from the rest. `prompt`:
+    the question's form, with `{a}` and `{b}` (`PROMPT`, or `WORKING_PROMPT` for answers with their working)."""
     if split not in ("train", "test"):
         raise ValueError(f"split={split!r}; allowed: 'train', 'test'.")
     pool = _problems(split)
@@ -43,7 +47,7 @@ def make_addition_dataset(num_prompts: int, seed: int = 0, split: str = "train")
     else:
         rng = random.Random(seed)
         rows = [rng.choice(pool) for _ in range(num_prompts)]
-    prompts = [[{"role": "user", "content": PROMPT.format(a=a, b=b)}] for a, b in rows]
+    prompts = [[{"role": "user", "content": prompt.format(a=a, b=b)}] for a, b in rows]
     return Dataset.from_dict({"prompt": prompts, "answer": [a + b for a, b in rows]})
 
 
