@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers.model_store_fakes import REPO, REVISION, empty_caches, fake_prepared, fill_hub_cache
 
 from trl_gspo.cli import main
 from trl_gspo.cli.addition import NUM_HELD_OUT, addition_reward, last_integer, make_addition_dataset
@@ -17,58 +18,7 @@ from trl_gspo.common.model_store import SMOLLM2, GGUFSource, ModelSourceError
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """An empty cache, an empty Hub cache of its own, and no Hub: HF_HUB_OFFLINE (conftest)."""
-    import huggingface_hub
-
-    monkeypatch.setenv("TRL_GSPO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    return tmp_path / "cache"
-
-
-def fake_prepared(cache: Path) -> Path:
-    folder = model_store.prepared_folder(SMOLLM2, cache)
-    folder.mkdir(parents=True)
-    (folder / model_store.PROVENANCE).write_text(json.dumps({"source": "a test's stand-in", "gguf_sha256": "ab"}))
-    return folder
-
-
-def safetensors_bytes() -> bytes:
-    import torch
-    from safetensors.torch import save
-
-    return save({"weight": torch.ones(4, 4)})
-
-
-#: A model repository as the Hub holds it: what transformers loads, and an export it does not.
-REPO = {
-    "config.json": b"{}",
-    "tokenizer.json": b"{}",
-    "tokenizer_config.json": b"{}",
-    "model.safetensors": safetensors_bytes(),
-    "onnx/model.onnx": b"x" * 5000,
-}
-REVISION = "a" * 40
-
-
-def fill_hub_cache(files: dict[str, bytes], hub_id: str = SMOLLM2) -> Path:
-    """Write `files` into the Hub cache as huggingface_hub lays them out (blobs, a snapshot of links, refs/main)."""
-    import hashlib
-
-    from trl_gspo.common import hub_files
-
-    repo = hub_files.repo_cache(hub_id)
-    snapshot = repo / "snapshots" / REVISION
-    for name, data in files.items():
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
-        (snapshot / name).unlink(missing_ok=True)
-        (snapshot / name).symlink_to(blob)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(REVISION)
-    return snapshot
+    return empty_caches(tmp_path, monkeypatch)
 
 
 PARTIAL_HUB_CACHES = {

@@ -13,9 +13,11 @@ answers (the weights the published demo and comparison numbers were measured wit
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..common import hub_files, model_prepare, model_store
+from .failures import INTERRUPTED
 from .recipe_inputs import RecipeError
 
 
@@ -31,7 +33,7 @@ def prepare(hub_id: str, source: str, wheel: str | None) -> str:
         online, why = model_store.hub_answers(hub_id)
         if online:
             snapshot, fetched = model_store.fetch_from_hub(hub_id)
-            size = model_store.megabytes(fetched)
+            size = model_store.size_text(fetched)
             return f"{hub_id}: from the Hub ({why}; downloaded {size}, the files transformers loads), at {snapshot}"
         if source == "hub":
             raise RecipeError(f"{hub_id}: --source hub, but {why} and the Hub cache does not hold it complete.")
@@ -55,7 +57,12 @@ def main(argv: list[str]) -> int:
     options = parser.parse_args(argv)
     try:
         if options.command == "prepare":
-            print(f"trl-gspo models: {prepare(options.hub_id, options.source, options.wheel)}")
+            try:
+                print(f"trl-gspo models: {prepare(options.hub_id, options.source, options.wheel)}")
+            except KeyboardInterrupt:  # training's Ctrl-C line speaks of checkpoints: say what preparing left
+                left = model_prepare.left_after_interrupt(options.hub_id)
+                print(f"trl-gspo models: interrupted (Ctrl-C) while preparing; {left}.", file=sys.stderr, flush=True)
+                return INTERRUPTED
             return 0
         print(f"cache: {model_store.cache_root()} (TRL_GSPO_CACHE overrides)")
         for hub_id in model_store.OFFLINE_SOURCES:

@@ -131,8 +131,11 @@ def hub_dropped(hub_id: str, err: Exception) -> str:
     )
 
 
-def megabytes(size: int) -> str:
-    return f"{size / 1e6:.0f} MB"
+def size_text(size: int) -> str:
+    """Bytes as a person reads them: 270 MB, 1.2 GB, 512 bytes."""
+    if size >= 1e9:
+        return f"{size / 1e9:.1f} GB"
+    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size} bytes"
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ def resolve_model(name: str, cache: Path | None = None, fetch: bool = True) -> R
         return Resolved(name, f"model {name} from the Hub ({why}; a run downloads it first)", "hub")
     if online:
         snapshot, fetched = fetch_from_hub(name)
-        note = f"model {name} from the Hub ({why}; downloaded {megabytes(fetched)}, revision {snapshot.name})"
+        note = f"model {name} from the Hub ({why}; downloaded {size_text(fetched)}, revision {snapshot.name})"
         return Resolved(name, note, "hub", snapshot.name)
     raise ModelSourceError(
         f"model {name}: {why}, the Hub cache does not hold it complete and no prepared copy is in {folder}; run "
