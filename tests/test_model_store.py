@@ -4,6 +4,8 @@ extracted only with the pinned hash; `trl-gspo models`; the task's split, reward
 
 import dataclasses
 import json
+import os
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from helpers.model_store_fakes import REPO, REVISION, empty_caches, fake_prepare
 
 from trl_gspo.cli import main
 from trl_gspo.cli.addition import NUM_HELD_OUT, addition_reward, last_integer, make_addition_dataset
+from trl_gspo.cli.recipe_inputs import RecipeError
 from trl_gspo.common import model_prepare, model_store
 from trl_gspo.common.model_store import SMOLLM2, GGUFSource, ModelSourceError
 
@@ -102,6 +105,102 @@ def test_an_unreachable_hub_is_asked_once_briefly_and_only_without_a_prepared_co
     assert calls == [model_store.HUB_TIMEOUT_S]
     fake_prepared(cache)  # with a prepared copy the network is not asked at all: the answer does not depend on it
     assert model_store.resolve_model(SMOLLM2).source == "gguf" and calls == [model_store.HUB_TIMEOUT_S]
+
+
+# ------------------------------------------------------------------------------------------ one source per run
+def test_one_variable_forces_either_source(cache, monkeypatch):
+    fill_hub_cache(REPO)
+    folder = fake_prepared(cache)
+    monkeypatch.setenv(model_store.SOURCE_VARIABLE, "hub")
+    assert model_store.resolve_model(SMOLLM2).record() == {"model": SMOLLM2, "source": "hub", "revision": REVISION}
+    monkeypatch.setenv(model_store.SOURCE_VARIABLE, "gguf")
+    assert model_store.resolve_model(SMOLLM2).record() == {"model": SMOLLM2, "source": "gguf", "sha256": "ab"}
+    shutil.rmtree(folder)  # forced, the other source is never taken instead
+    with pytest.raises(ModelSourceError, match="prepare --source gguf") as err:
+        model_store.resolve_model(SMOLLM2)
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv(model_store.SOURCE_VARIABLE, "prepared")
+    with pytest.raises(ModelSourceError, match="allowed: auto, gguf, hub"):
+        model_store.resolve_model(SMOLLM2)
+
+
+class RunArgs:
+    def __init__(self, rank: int, world_size: int = 2):
+        self.process_index, self.world_size = rank, world_size
+
+
+def test_rank_zero_decides_and_the_other_ranks_are_told(cache, monkeypatch):
+    from trl_gspo.cli import run_model
+
+    folder = fake_prepared(cache)
+    sent = []
+
+    def rank_zero_broadcast(objects, from_process=0):
+        sent.append(objects[0])
+
+    monkeypatch.setattr(run_model, "broadcast_object_list", rank_zero_broadcast)
+    decided = run_model.resolve_for_run(SMOLLM2, RunArgs(0))
+    assert decided.path == str(folder) and sent == [decided]
+
+    def told(objects, from_process=0):
+        objects[0] = decided
+
+    def asks(*args, **kwargs):
+        raise AssertionError("a rank other than 0 resolved the model itself")
+
+    monkeypatch.setattr(run_model, "broadcast_object_list", told)
+    monkeypatch.setattr(model_store, "resolve_model", asks)
+    assert run_model.resolve_for_run(SMOLLM2, RunArgs(1)) == decided
+
+    def told_error(objects, from_process=0):
+        objects[0] = "model x: no copy"
+
+    monkeypatch.setattr(run_model, "broadcast_object_list", told_error)
+    with pytest.raises(RecipeError, match="model x: no copy"):  # every rank stops with rank 0's one line
+        run_model.resolve_for_run(SMOLLM2, RunArgs(1))
+
+
+def test_the_run_record_names_the_copy(cache, tmp_path):
+    from trl_gspo.cli import run_model
+
+    fake_prepared(cache)
+    run_model.write_record(model_store.resolve_model(SMOLLM2), str(tmp_path))
+    assert json.loads((tmp_path / run_model.RECORD).read_text()) == {"model": SMOLLM2, "source": "gguf", "sha256": "ab"}
+
+
+def experiment(name: str, monkeypatch):
+    """A module of benchmarks/experiments/, imported as its scripts import each other."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    return importlib.import_module(name)
+
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "benchmarks" / "experiments"
+
+
+def test_the_comparison_decides_the_source_once_for_every_run(cache, monkeypatch):
+    compare = experiment("real_model_compare", monkeypatch)
+    report = experiment("real_model_report", monkeypatch)
+    fake_prepared(cache)
+    seen = []
+    monkeypatch.setattr(compare, "launch", lambda *args: seen.append(os.environ[model_store.SOURCE_VARIABLE]))
+    monkeypatch.setattr(report, "report", lambda output_dir: None)
+    compare.main(["--seeds", "0", "--output-dir", str(cache / "out")])
+    assert seen == ["gguf"] * len(compare.ARMS)
+
+
+def test_the_report_refuses_arms_trained_on_different_copies(tmp_path, monkeypatch):
+    report = experiment("real_model_report", monkeypatch)
+    (tmp_path / "runs").mkdir()
+    sources = {"stock GRPO": {"source": "gguf", "sha256": "ab"}, "trl-gspo GSPO": {"source": "hub", "revision": "c"}}
+    for arm, source in sources.items():
+        run = {"arm": arm, "learning_rate": 5e-6, "seed": 0, "model_source": {"model": SMOLLM2, **source}}
+        (tmp_path / "runs" / f"{arm.replace(' ', '_')}.json").write_text(json.dumps(run))
+    with pytest.raises(SystemExit) as err:
+        report.report(tmp_path)
+    assert "different copies" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "summary.json").exists()
 
 
 def make_wheel(path: Path, member: str, payload: bytes) -> Path:

