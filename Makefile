@@ -30,7 +30,7 @@ lint: $(VENV)/.installed
 
 # `make test` ends with a line naming torch's CPU capability and the thread count the numbers came from
 # (tests/conftest.py; TRL_GSPO_TEST_THREADS sets the thread count, 1 by default). `make test-numeric`: the tests that
-# compare numbers with a rounding bound (trl_gspo/cli/rounding.py), under each torch CPU capability this CPU has, at 1
+# compare numbers with a rounding bound (trl_gspo/rounding.py), under each torch CPU capability this CPU has, at 1
 # and 2 threads (.ci/numeric_matrix.sh; part of .ci/run).
 test: lint model-gguf
 	$(BIN)/python -m pytest -q

@@ -30,12 +30,12 @@ from datasets import Dataset
 from trl import GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import loss_bound, model_bound, relative_gap, rounding_bound
 from trl_gspo.common import trl_compat
 from trl_gspo.common.trl_compat import fused_logprob_head_module
 from trl_gspo.guards import checkpointing
 from trl_gspo.rollout.dynamic_sampling import DynamicSampling, prefilter_reward_metrics
 from trl_gspo.rollout.group_filling import GroupFilling, batch_unit, deal, keep_groups
+from trl_gspo.rounding import loss_bound, model_bound, relative_gap, rounding_bound
 from trl_gspo.testing import build_tiny_model
 
 G = 4
@@ -377,7 +377,7 @@ def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(
         kept_tokens = sum(len(ids) for ids in trainer.rollout_source.last.generation.outputs[1])
         hand = (per_sequence * lengths).sum() / (kept_tokens / (spg // ga))
     hand.backward()
-    # fp32 rounding of the policy loss over the step's rows (cli/rounding.loss_bound), and of its backward
+    # fp32 rounding of the policy loss over the step's rows (rounding.loss_bound), and of its backward
     seq_len, size = ids.size(1), step["old_per_token_logps"].abs().max().item()
     config = trainer.model.config
     assert relative_gap(trained, hand) <= loss_bound(torch.float32, config, seq_len, ids.numel(), size)

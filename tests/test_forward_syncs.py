@@ -22,8 +22,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_gspo.cli.rounding import model_bound, relative_gap
 from trl_gspo.forward import fused_head, pipeline, segment_attention
+from trl_gspo.rounding import model_bound, relative_gap
 
 pytestmark = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: no fused log-prob head")
 

@@ -20,10 +20,10 @@ from test_padding import LOSS_CASES, TRAINER, FixedRollouts, _varied_reward, ass
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import loss_bound, model_bound, relative_gap, rounding_bound
 from trl_gspo.forward import fused_head, layouts, padding, segment_attention, shared_prefix
 from trl_gspo.forward.layouts import row_spans
 from trl_gspo.forward.planner import plan_forward
+from trl_gspo.rounding import loss_bound, model_bound, relative_gap, rounding_bound
 from trl_gspo.testing import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: no fused log-prob head")
@@ -310,7 +310,7 @@ def test_sharing_leaves_loss_gradients_and_metrics_unchanged(
     name, tokenizer, tiny_model_dir, tmp_path, trainer_factory
 ):
     """In fp64: the loss, every parameter gradient and every logged metric with shared_prefix on equal the unshared
-    run's within rounding (cli/rounding.model_bound: fp64's, plus fp32's for the sums transformers' norms and TRL's
+    run's within rounding (rounding.model_bound: fp64's, plus fp32's for the sums transformers' norms and TRL's
     log-prob head run in fp32 regardless; a shared prompt's key gradient, summed over its completions before the
     k-norm's fp32 backward, does move the k-projection's gradient at that scale); only the throughput counts differ,
     and they show that prompts were shared. A wrong token, position, mask or label would differ by orders of
@@ -325,7 +325,7 @@ def test_sharing_leaves_loss_gradients_and_metrics_unchanged(
     on = _loss_grads_metrics(model, tokenizer, tmp_path / "on", inputs, {**settings, **ON}, trainer_factory)
     assert off[0].abs() > 1e-3
     b, s = inputs["prompt_ids"].size(0), inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
-    size = inputs["old_per_token_logps"].abs().max().item()  # the log-probs' size (cli/rounding.loss_bound)
+    size = inputs["old_per_token_logps"].abs().max().item()  # the log-probs' size (rounding.loss_bound)
     value_bound = loss_bound(torch.float64, model.config, s, b * s, size)
     grad_bound = loss_bound(torch.float64, model.config, s, b * s, size, b * s)
     assert relative_gap(on[0], off[0]) <= value_bound

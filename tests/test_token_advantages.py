@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import loss_bound, relative_gap
+from trl_gspo.rounding import loss_bound, relative_gap
 from trl_gspo.testing import build_tiny_model
 from trl_gspo.token_advantages import discounted_turn_advantages, model_turn_index
 
@@ -120,7 +120,7 @@ def test_trainer_loss_and_gradient_match_reference_on_multi_turn_batch(tokenizer
     loss = trainer._compute_loss(trainer.model, batch)
     loss.backward()
 
-    # fp32 rounding of the policy loss over the batch (cli/rounding.loss_bound), and of its backward
+    # fp32 rounding of the policy loss over the batch (rounding.loss_bound), and of its backward
     s, size = P + T, batch["old_per_token_logps"].abs().max().item()
     assert relative_gap(loss, ref_loss) <= loss_bound(torch.float32, model.config, s, G * T, size)
     ref_params = dict(reference_model.named_parameters())
