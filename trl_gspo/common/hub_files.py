@@ -22,7 +22,7 @@ from pathlib import Path
 LOADED = [
     "config.json",
     "generation_config.json",
-    "*.safetensors",
+    "model*.safetensors",  # the weights, one file or shards; not a subfolder's (a pattern matches from the root)
     "model.safetensors.index.json",
     "tokenizer.json",
     "tokenizer_config.json",

@@ -108,7 +108,11 @@ def fetch_from_hub(hub_id: str) -> tuple[Path, int]:
         snapshot, fetched = hub_files.download(hub_id)
     except OSError as err:
         if getattr(err, "errno", None) in DISK_ERRNOS:
-            raise ModelSourceError(f"{hub_id}: {disk_fault(err)} in the Hub cache ({hub_files.repo_cache(hub_id)})")
+            raise ModelSourceError(
+                f"{hub_id}: cannot write in the Hub cache {hub_files.repo_cache(hub_id)} ({os.strerror(err.errno)}); "
+                "free space there or set HF_HUB_CACHE to a folder you can write, or prepare the GGUF copy instead: "
+                "trl-gspo models prepare --source gguf."
+            ) from err
         raise ModelSourceError(hub_dropped(hub_id, err)) from err
     except Exception as err:  # the connection dropped, a 5xx, a proxy: huggingface_hub's HTTP errors
         raise ModelSourceError(hub_dropped(hub_id, err)) from err
@@ -119,10 +123,6 @@ def fetch_from_hub(hub_id: str) -> tuple[Path, int]:
 
 #: errno values that mean the disk, not the network: no space, over quota, read-only, no permission.
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
-
-
-def disk_fault(err: OSError) -> str:
-    return f"cannot write ({os.strerror(err.errno)})"
 
 
 def hub_dropped(hub_id: str, err: Exception) -> str:
