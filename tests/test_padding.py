@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from helpers.smallest_bug import dropped_token_gap, one_token_gaps, weighted_logp_loss
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
@@ -302,6 +303,8 @@ def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer,
     # fp32 rounding of one forward (trl_gspo/rounding.py), relative to the largest log-prob (entropy): every token holds.
     bound = model_bound(torch.float32, model.config, ids.size(1))
     assert relative_gap(full[0][completion], naive[completion], math.inf) <= bound
+    # companion: one completion token mis-masked in this batch lands outside the bound (helpers/smallest_bug.py)
+    assert min(dropped_token_gap(full[0], completion), dropped_token_gap(full[1], completion)) > bound
     for name, outs in results.items():
         for logps, entropies, _ in outs:
             assert relative_gap(logps, full[0], math.inf) <= bound, name
@@ -331,6 +334,8 @@ def test_packed_and_trimmed_gradients_match_the_padded_ones(moe, tokenizer, tmp_
     reference = grads.pop("full (TRL)")
     positions = batch["prompt_ids"].size(1) + batch["completion_ids"].size(1)
     bound = model_bound(torch.float32, model.config, positions, 6 * positions)  # forward + backward
+    # companion: one completion token mis-masked in the loss moves some parameter's gradient past the bound
+    assert one_token_gaps(weighted_logp_loss(model, batch, weights), batch["completion_mask"])[1] > bound
     for name, got in grads.items():
         assert got.keys() == reference.keys()
         for n, g in reference.items():
