@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from helpers.smallest_bug import dropped_token_gap
 from trl import GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
@@ -555,6 +556,7 @@ def test_sampler_logprobs_of_kept_rows_are_pi_old(tokenizer, tmp_path, trainer_f
     # the sampler's forward (generate, with its cache) and this one: one forward's fp32 rounding, every token
     bound = model_bound(torch.float32, trainer.model.config, ids.size(1))
     assert relative_gap(batch["old_per_token_logps"][m] + 0.25, recomputed[m], math.inf) <= bound
+    assert dropped_token_gap(recomputed, m) > bound  # companion: one token mis-masked lands outside it
 
 
 class EnvRollouts:

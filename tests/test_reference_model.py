@@ -23,6 +23,7 @@ from unittest.mock import MagicMock
 import pytest
 import torch
 from datasets import Dataset
+from helpers.smallest_bug import dropped_token_gap
 from test_padding import FixedRollouts, _varied_reward, needs_fused_head
 from transformers import AutoModelForCausalLM, BloomConfig, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -318,6 +319,7 @@ def test_a_model_whose_attention_bypasses_the_registry_at_run_time_falls_back(
     expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 4:, None])[..., 0] * mask[:, 4:]
     bound = model_bound(torch.float32, trainer.model.config, ids.size(1))  # one forward's fp32 rounding, every token
     assert relative_gap(logps * mask[:, 4:], expected, math.inf) <= bound
+    assert dropped_token_gap(expected, mask[:, 4:]) > bound  # companion: one token mis-masked lands outside it
 
 
 # ---------------------------------------------------------------------- a trainer built without __init__

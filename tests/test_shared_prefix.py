@@ -275,7 +275,9 @@ def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path, trainer_
             for x in (ids, ids_changed)
         ]
     last = layout.source[0] // ids.size(1) == 5  # row 5's segment comes after row 0's in the shared row
-    assert (plain[0][0, last] - plain[1][0, last]).abs().max() > 1e-3
+    # the lost plan's leak lands past one forward's rounding, the bound the MoE siblings are held to above
+    leak = relative_gap(plain[1][0, last], plain[0][0, last], math.inf)
+    assert leak > model_bound(torch.float32, model.config, before.size(1))
 
 
 # ------------------------------------------------------------------------------ loss, gradients and metrics
