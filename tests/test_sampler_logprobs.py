@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from helpers.smallest_bug import dropped_token_gap, one_token_gaps, weighted_logp_loss
 from helpers.trainers import SAMPLING_RUN
 from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
@@ -288,6 +289,11 @@ def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path, t
     grad_bound = model_bound(torch.float32, model.config, ids.size(1), ids.numel())
     for name, param in model.named_parameters():
         assert relative_gap(grads[name], param.grad) <= grad_bound, name
+    # companions (helpers/smallest_bug.py): one token mis-masked lands outside both bounds
+    batch = _split_batch(ids, mask, 5)
+    assert min(dropped_token_gap(ref_logps, mask[:, -5:]), dropped_token_gap(ref_entropy, mask[:, -5:])) > bound
+    compute = weighted_logp_loss(model, batch, 1.0, 0.5, TRAINER["temperature"])
+    assert one_token_gaps(compute, batch["completion_mask"])[1] > grad_bound
 
 
 @pytest.mark.skipif(not fused_head.available(), reason=NO_FUSED_HEAD)
@@ -336,6 +342,22 @@ def test_fused_head_scores_only_completion_tokens_on_the_cpu(tokenizer, tmp_path
     grad_bound = model_bound(torch.float32, model.config, ids.size(1), ids.numel())
     for name, param in model.named_parameters():
         assert relative_gap(grads[name], param.grad) <= grad_bound, name
+    # companions (helpers/smallest_bug.py): one completion token mis-masked lands outside both bounds
+    batch = _split_batch(ids, mask, 5)
+    assert dropped_token_gap(ref_logps, mask[:, -5:]) > bound
+    compute = weighted_logp_loss(model, batch, 1.0, 0.0, TRAINER["temperature"])
+    assert one_token_gaps(compute, batch["completion_mask"])[1] > grad_bound
+
+
+def _split_batch(ids, mask, completion_length):
+    """`ids` and their attention mask as the prompt / completion batch `helpers.smallest_bug` takes."""
+    cut = ids.size(1) - completion_length
+    return {
+        "prompt_ids": ids[:, :cut],
+        "prompt_mask": mask[:, :cut],
+        "completion_ids": ids[:, cut:],
+        "completion_mask": mask[:, cut:],
+    }
 
 
 def test_vocab_chunk_validation(tmp_path):

@@ -44,24 +44,24 @@ def one_token_gaps(compute, mask: torch.Tensor) -> tuple[float, float]:
     return min(loss_gaps), min(grad_gaps)
 
 
-def weighted_logp_loss(model, batch: dict, weights: torch.Tensor, entropy_coef: float = 0.1):
+def weighted_logp_loss(model, batch: dict, weights, entropy_coef: float = 0.1, temperature: float = 1.0):
     """`compute` for `one_token_gaps` over the loss the layout tests take gradients of, sum(log-prob x weight) +
-    entropy_coef x sum(entropy) over the completion tokens: a plain padded forward of a fresh copy of `model`."""
-    import copy
-
+    entropy_coef x sum(entropy) over the completion tokens: a plain padded forward of `model`, its logits divided by
+    `temperature` as the trainer does. Uses `model` itself (a trainer's model may be patched to read its own weights,
+    which a copy would not train), so its gradients are overwritten: call it after the test's own checks."""
     prompt, completion = batch["prompt_ids"], batch["completion_ids"]
     ids = torch.cat([prompt, completion], 1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
 
     def compute(keep):
-        fresh = copy.deepcopy(model)
-        logits = fresh(input_ids=ids, attention_mask=attention).logits[:, prompt.size(1) - 1 : -1].float()
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, prompt.size(1) - 1 : -1].float() / temperature
         logp_all = torch.log_softmax(logits, -1)
         logps = logp_all.gather(-1, completion[..., None])[..., 0]
         entropies = -(logp_all.exp() * logp_all).sum(-1)
         mask = batch["completion_mask"] * keep
         loss = (logps * weights * mask).sum() + entropy_coef * (entropies * mask).sum()
         loss.backward()
-        return loss.detach(), {n: p.grad for n, p in fresh.named_parameters() if p.grad is not None}
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     return compute
