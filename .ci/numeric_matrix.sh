@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The numeric tests under every torch CPU capability this CPU has (ATEN_CPU_CAPABILITY: default, avx2, avx512) and at
 # 1 and 2 threads. Each kernel set and thread count adds the same terms in another order, and every bound these tests
-# compare with must hold for any order (trl_gspo/cli/rounding.py). `make test-numeric` runs it; `.ci/run` runs it after
+# compare with must hold for any order (trl_gspo/rounding.py). `make test-numeric` runs it; `.ci/run` runs it after
 # `make test`, which ran the whole suite under the CPU's own capability at one thread, so that pass is left out there
 # (NUMERIC_SKIP_NATIVE_ONE_THREAD=1).
 set -euo pipefail

@@ -32,9 +32,9 @@ from datasets import Dataset
 from helpers.fault_utils import PROMPTS, length_reward, make_trainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer, losses
-from trl_gspo.cli.rounding import loss_bound, model_bound, relative_gap, rounding_bound, sgd_weights_bound
 from trl_gspo.guards import checkpointing
 from trl_gspo.rollout.async_backends import GeneratorThreadError, TransformersGenerator
+from trl_gspo.rounding import loss_bound, model_bound, relative_gap, rounding_bound, sgd_weights_bound
 from trl_gspo.testing import build_tiny_model
 
 U = 2  # fault_utils: steps_per_generation=2, one micro-batch per optimizer step -> 2 optimizer steps per rollout
@@ -228,7 +228,7 @@ def test_decoupled_loss_and_gradients_match_naive_reference(tokenizer, tmp_path,
         model, batch, level, bound, lo, hi, trainer.epsilon_low, trainer.epsilon_high, trainer.temperature
     )
     ref.backward()
-    # fp32 rounding of the policy loss (cli/rounding.loss_bound; the behaviour weight is a ratio of log-probs too)
+    # fp32 rounding of the policy loss (rounding.loss_bound; the behaviour weight is a ratio of log-probs too)
     b, s = batch["prompt_ids"].size(0), batch["prompt_ids"].size(1) + batch["completion_ids"].size(1)
     size = max(batch[k].abs().max().item() for k in ("old_per_token_logps", "sampling_per_token_logps"))
     assert relative_gap(loss, ref) <= loss_bound(torch.float32, model.config, s, b * s, size)
@@ -270,7 +270,7 @@ def test_staleness_zero_ends_at_the_synchronous_weights(sync_run, tmp_path):
     global RNG draws, same weights), so without the behaviour weight the run is the synchronous one bit for bit; with
     it, the weight is pi_prox / mu at equal weights, 1 up to the two forwards' float rounding. That run is compared
     under plain SGD: Adam would turn a rounding-sized gradient difference on a ~0 gradient into a step of up to the
-    learning rate (cli/rounding.sgd_weights_bound bounds SGD's runs)."""
+    learning rate (rounding.sgd_weights_bound bounds SGD's runs)."""
     exact = make_trainer(
         tmp_path / "exact",
         max_steps=N,

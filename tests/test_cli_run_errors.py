@@ -95,6 +95,35 @@ def test_the_trainer_refuses_another_models_checkpoint_before_loading_its_weight
         trainer.train(resume_from_checkpoint=checkpoint)
 
 
+def _adapter_checkpoint(folder: Path, hidden_size: int = 64) -> str:
+    """A complete checkpoint holding only a LoRA adapter (as a `use_peft` run saves it) of a tiny model."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_tiny_model(build_tokenizer(), hidden_size=hidden_size), LoraConfig(r=4))
+    model.save_pretrained(folder)
+    checkpointing.mark_complete(str(folder))
+    return str(folder)
+
+
+def test_an_adapter_over_another_base_model_is_refused_before_anything_loads(
+    tmp_path, tiny_model_dir, copy_jsonl, capsys, monkeypatch
+):
+    """An adapter checkpoint holds no config.json: its LoRA matrices are compared with the layers they adapt (torch's
+    size mismatch list otherwise, once the weights load); the adapter over its own base passes."""
+    checkpoint = _adapter_checkpoint(tmp_path / "out" / "checkpoint-2")  # trained on hidden size 64
+    assert checkpointing.checkpoint_model_mismatch(checkpoint, build_tiny_model(build_tokenizer()).config, "m") is None
+    monkeypatch.chdir(tmp_path)
+    wide = tmp_path / "wide"
+    tiny_config(len(build_tokenizer()), hidden_size=128).save_pretrained(wide)
+    recipe = train_recipe(tmp_path, str(wide), copy_jsonl, save_strategy="steps", use_peft=True)
+    before = sorted(p.name for p in (tmp_path / "out").rglob("*"))
+    assert main(["train", "--config", recipe, "--resume_from_checkpoint", "true"]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert f"{checkpoint} holds a LoRA adapter trained on another base model than model_name_or_path=" in line, line
+    assert "in the checkpoint, in_features 128 in the model" in line and "Traceback" not in line, line
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == before
+
+
 def test_the_demo_resuming_another_models_checkpoint_is_one_line(tmp_path, capsys):
     """The demo builds its model in code, so the trainer's own check answers; `main` prints its one line."""
     checkpoint = tmp_path / "demo" / "checkpoint-2"
@@ -220,6 +249,32 @@ def test_a_launch_option_without_accelerate_config_says_where_it_goes(tmp_path, 
         "CPU)"
     ), line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("launched", ["by --accelerate_config zero2", "by accelerate launch itself"])
+def test_deepspeed_on_a_machine_without_cuda_needs_use_cpu(
+    tmp_path, tiny_model_dir, copy_jsonl, capsys, monkeypatch, launched
+):
+    """Without `use_cpu: true` each DeepSpeed process would train alone on a CPU-only machine: one line before any
+    process starts (our relaunch) or any config is built (each rank of a plain `accelerate launch`)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("subprocess.call", lambda *a, **k: pytest.fail("a process was launched"))
+    recipe = train_recipe(tmp_path, str(tiny_model_dir), copy_jsonl, use_cpu=False)
+    argv = ["train", "--config", recipe]
+    if launched == "by --accelerate_config zero2":
+        argv += ["--accelerate_config", "zero2", "--num_processes", "2"]
+    else:
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert main(argv) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "DeepSpeed without a CUDA device needs use_cpu: true" in line and "--use_cpu true" in line, line
+    assert not (tmp_path / "out").exists()
+    if launched == "by --accelerate_config zero2":  # with use_cpu the same launch goes ahead
+        launches = []
+        monkeypatch.setattr("subprocess.call", lambda command, **k: launches.append(command) or 0)
+        assert main([*argv, "--use_cpu", "true"]) == 0 and len(launches) == 1
 
 
 @pytest.mark.parametrize(

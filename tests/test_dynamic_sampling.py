@@ -27,15 +27,16 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from helpers.smallest_bug import dropped_token_gap
 from trl import GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import loss_bound, model_bound, relative_gap, rounding_bound
 from trl_gspo.common import trl_compat
 from trl_gspo.common.trl_compat import fused_logprob_head_module
 from trl_gspo.guards import checkpointing
 from trl_gspo.rollout.dynamic_sampling import DynamicSampling, prefilter_reward_metrics
 from trl_gspo.rollout.group_filling import GroupFilling, batch_unit, deal, keep_groups
+from trl_gspo.rounding import loss_bound, model_bound, relative_gap, rounding_bound
 from trl_gspo.testing import build_tiny_model
 
 G = 4
@@ -378,7 +379,7 @@ def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(
 
     hand = aggregate(per_sequence)
     hand.backward()
-    # fp32 rounding of the policy loss over the step's rows (cli/rounding.loss_bound), and of its backward. A sum's
+    # fp32 rounding of the policy loss over the step's rows (rounding.loss_bound), and of its backward. A sum's
     # rounding is relative to its terms' sizes, not to the result: with each group's advantages summing to 0 the loss
     # itself is ~0 (1e-8 on some CPUs, exactly 0 on others), so the gap is measured against the sum of |terms|.
     seq_len, size = ids.size(1), step["old_per_token_logps"].abs().max().item()
@@ -560,6 +561,7 @@ def test_sampler_logprobs_of_kept_rows_are_pi_old(tokenizer, tmp_path, trainer_f
     # the sampler's forward (generate, with its cache) and this one: one forward's fp32 rounding, every token
     bound = model_bound(torch.float32, trainer.model.config, ids.size(1))
     assert relative_gap(batch["old_per_token_logps"][m] + 0.25, recomputed[m], math.inf) <= bound
+    assert dropped_token_gap(recomputed, m) > bound  # companion: one token mis-masked lands outside it
 
 
 class EnvRollouts:

@@ -10,7 +10,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import loss_bound, sgd_weights_bound
+from trl_gspo.rounding import loss_bound, sgd_weights_bound
 from trl_gspo.testing import build_tiny_model
 from trl_gspo.token_advantages import discounted_turn_advantages
 
@@ -105,14 +105,14 @@ def test_gspo_token_equals_gspo_end_to_end_and_differs_with_token_advantages(tok
     def final_weights(**overrides):
         # Plain SGD: Adam divides by sqrt(v), so on weights whose gradient is ~0 it turns float rounding (the two
         # paths sum the same terms in a different order) into a full-size step, and the comparison stops being about
-        # the algorithm (cli/rounding.sgd_weights_bound bounds SGD's runs; seen: 1.5e-6 apart after 4 Adam steps).
+        # the algorithm (rounding.sgd_weights_bound bounds SGD's runs; seen: 1.5e-6 apart after 4 Adam steps).
         trainer, _, _ = train(build_tiny_model(tokenizer, seed=0), tokenizer, tmp_path, optim="sgd", **overrides)
         return trainer, {n: p.detach() for n, p in trainer.model.named_parameters()}
 
     trainer, gspo = final_weights(importance_sampling_level="sequence")
     gspo_token = final_weights(importance_sampling_level="sequence_token", trainer_cls=TurnCreditTrainer)[1]
     ramped = final_weights(importance_sampling_level="sequence_token", trainer_cls=LaterTokensCountMore)[1]
-    # Each step's gradient: fp32 rounding of the policy loss over its rows (cli/rounding.loss_bound).
+    # Each step's gradient: fp32 rounding of the policy loss over its rows (rounding.loss_bound).
     args = trainer.args
     seq_len = max(len(tokenizer(p).input_ids) for p in PROMPTS) + args.max_completion_length
     positions = args.per_device_train_batch_size * seq_len

@@ -20,10 +20,11 @@ import traceback
 
 import pytest
 import torch
+from helpers.smallest_bug import dropped_token_gap
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_gspo.cli.rounding import model_bound, relative_gap
 from trl_gspo.forward import fused_head, pipeline, segment_attention
+from trl_gspo.rounding import model_bound, relative_gap
 
 pytestmark = pytest.mark.skipif(not fused_head.available(), reason="TRL < 1.15: no fused log-prob head")
 
@@ -182,3 +183,4 @@ def test_no_sync_between_the_model_calls(settings, kernel, trainer_factory, tmp_
     bound = model_bound(torch.float32, trainer.model.config, ids.size(1))  # one forward's fp32 rounding, every token
     assert relative_gap(old, expected, math.inf) <= bound
     assert relative_gap(logps.detach(), expected, math.inf) <= bound
+    assert dropped_token_gap(expected, mask[:, -t:]) > bound  # companion: one token mis-masked lands outside it

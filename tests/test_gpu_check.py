@@ -205,7 +205,7 @@ def test_bf16_parity_passes_on_cpu_and_fails_when_our_loss_drifts(monkeypatch):
 def test_colocate_smoke_on_cpu_and_it_notices_when_pi_old_is_recomputed(monkeypatch):
     import torch
 
-    from trl_gspo.cli.rounding import model_bound
+    from trl_gspo.rounding import model_bound
     from trl_gspo.testing import build_tokenizer, tiny_config
 
     result = parts.vllm_colocate(use_vllm=False, device="cpu", max_steps=4)

@@ -9,9 +9,9 @@ import torch
 from datasets import Dataset
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import model_bound, rounding_bound
 from trl_gspo.common import metrics
 from trl_gspo.moe.routing import RouterHooks, find_routers
+from trl_gspo.rounding import model_bound, rounding_bound
 from trl_gspo.testing import build_tiny_model
 
 # Three sequences of lengths 3, 1, 0 (empty), with known token log-ratios.
@@ -25,7 +25,7 @@ def _logps():
 
 
 # fp32: a log-ratio is a difference of two log-probs, so it carries their rounding (relative to the largest of them),
-# not its own; then sums over the tokens and a subtraction, square, division and square root (cli/rounding.py)
+# not its own; then sums over the tokens and a subtraction, square, division and square root (trl_gspo/rounding.py)
 LOGP_SIZE = max(x[MASK.bool()].abs().max().item() for x in _logps())
 LOG_RATIO_TOL = rounding_bound(torch.float32, MASK.numel() + 4) * LOGP_SIZE
 

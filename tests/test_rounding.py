@@ -1,4 +1,4 @@
-"""The rounding bound every numeric comparison uses (trl_gspo/cli/rounding.py), checked against sums computed here.
+"""The rounding bound every numeric comparison uses (trl_gspo/rounding.py), checked against sums computed here.
 
 The bound must hold for any order a CPU may add the same terms in (sequential, reversed, pairwise, cut into 4, 8 or
 16 vector lanes as the DEFAULT, AVX2 and AVX-512 kernels cut them, shuffled), and a difference well above it (what a
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from trl_gspo.cli.rounding import (
+from trl_gspo.rounding import (
     LAMBDA,
     fp32_terms,
     model_bound,

@@ -16,10 +16,10 @@ import torch
 from helpers import vllm_stand_in
 from transformers import AutoModelForCausalLM
 
-from trl_gspo.cli.rounding import model_bound, relative_gap, rounding_bound
 from trl_gspo.common import trl_compat
 from trl_gspo.moe.route_sources import place_routes, routes_from_engine
 from trl_gspo.moe.routing import RouterHooks, RouteTable, route_dtype
+from trl_gspo.rounding import model_bound, relative_gap, rounding_bound
 from trl_gspo.testing import build_tiny_model, tiny_moe_config
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
@@ -157,7 +157,7 @@ def test_replay_after_an_update_matches_a_naive_forced_forward(arch):
     finally:
         for handle in handles:
             handle.remove()
-    # fp32 rounding of a forward (cli/rounding.py), every token; and of its backward for the router gradients
+    # fp32 rounding of a forward (trl_gspo/rounding.py), every token; and of its backward for the router gradients
     assert relative_gap(replayed, naive, math.inf) <= model_bound(torch.float32, model.config, S)
     grad_bound = model_bound(torch.float32, model.config, S, B * S)
     for router in hooks.routers:

@@ -14,21 +14,22 @@ import math
 
 import pytest
 import torch
+from helpers.smallest_bug import dropped_token_gap, one_token_gaps, weighted_logp_loss
 from helpers.trainers import SAMPLING_RUN
 from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import loss_bound, model_bound, relative_gap, rounding_bound, sgd_weights_bound
 from trl_gspo.forward import fused_head
 from trl_gspo.forward.pipeline import LogprobForward
 from trl_gspo.rollout import sampler_logprobs as sl
+from trl_gspo.rounding import loss_bound, model_bound, relative_gap, rounding_bound, sgd_weights_bound
 from trl_gspo.testing import build_tiny_model
 
 
 def _logp_bound(model, seq_len):
     """fp32 on CPU: generate's KV-cached logits differ from a full forward only in accumulation order, so log-probs
-    agree to one forward's rounding (cli/rounding.model_bound), relative to the largest log-prob; any real bug (a
+    agree to one forward's rounding (rounding.model_bound), relative to the largest log-prob; any real bug (a
     wrong temperature, an off-by-one step or top-p renormalisation) moves log-probs by >1e-2."""
     return model_bound(torch.float32, model.config, seq_len)
 
@@ -100,7 +101,7 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
     runs = {}
     for source in ("recompute", "sampler"):
         calls.clear()
-        # plain SGD: its runs stay within rounding of each other (cli/rounding.sgd_weights_bound); Adam would turn a
+        # plain SGD: its runs stay within rounding of each other (rounding.sgd_weights_bound); Adam would turn a
         # rounding-sized gradient difference on a ~0 gradient into a step of up to the learning rate
         trainer = trainer_factory(
             TRAINER, output_dir=tmp_path / source, max_steps=8, old_logprobs_source=source, optim="sgd"
@@ -123,7 +124,7 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
         assert torch.equal(a["completion_ids"], b["completion_ids"])  # same samples (sampling is RNG-identical)
         m = a["completion_mask"].bool()
         assert relative_gap(b["old_per_token_logps"][m], a["old_per_token_logps"][m], math.inf) <= logp_bound
-    # the loss (cli/rounding.loss_bound): its terms are advantage x ratio, each ~1 (advantages scaled to unit std)
+    # the loss (rounding.loss_bound): its terms are advantage x ratio, each ~1 (advantages scaled to unit std)
     args, positions = trainer.args, TRAINER["per_device_train_batch_size"] * seq_len
     scale = max(b["old_per_token_logps"].abs().max().item() for b in runs["recompute"]["batches"])
     value = loss_bound(torch.float32, trainer.model.config, seq_len, positions, scale)
@@ -281,13 +282,18 @@ def test_vocab_chunk_matches_full_logits_values_and_grads(tokenizer, tmp_path, t
     ref_logps = ref_all.gather(-1, ids[:, -5:, None])[..., 0]
     ref_entropy = -(ref_all.exp() * ref_all).sum(-1)
     (ref_logps.sum() + 0.5 * ref_entropy.sum()).backward()
-    # fp32 rounding of a forward (cli/rounding.py), every token; and of its backward for the gradients
+    # fp32 rounding of a forward (trl_gspo/rounding.py), every token; and of its backward for the gradients
     bound = model_bound(torch.float32, model.config, ids.size(1))
     assert relative_gap(logps, ref_logps, math.inf) <= bound
     assert relative_gap(entropy, ref_entropy, math.inf) <= bound
     grad_bound = model_bound(torch.float32, model.config, ids.size(1), ids.numel())
     for name, param in model.named_parameters():
         assert relative_gap(grads[name], param.grad) <= grad_bound, name
+    # companions (helpers/smallest_bug.py): one token mis-masked lands outside both bounds
+    batch = _split_batch(ids, mask, 5)
+    assert min(dropped_token_gap(ref_logps, mask[:, -5:]), dropped_token_gap(ref_entropy, mask[:, -5:])) > bound
+    compute = weighted_logp_loss(model, batch, 1.0, 0.5, TRAINER["temperature"])
+    assert one_token_gaps(compute, batch["completion_mask"])[1] > grad_bound
 
 
 @pytest.mark.skipif(not fused_head.available(), reason=NO_FUSED_HEAD)
@@ -336,6 +342,22 @@ def test_fused_head_scores_only_completion_tokens_on_the_cpu(tokenizer, tmp_path
     grad_bound = model_bound(torch.float32, model.config, ids.size(1), ids.numel())
     for name, param in model.named_parameters():
         assert relative_gap(grads[name], param.grad) <= grad_bound, name
+    # companions (helpers/smallest_bug.py): one completion token mis-masked lands outside both bounds
+    batch = _split_batch(ids, mask, 5)
+    assert dropped_token_gap(ref_logps, mask[:, -5:]) > bound
+    compute = weighted_logp_loss(model, batch, 1.0, 0.0, TRAINER["temperature"])
+    assert one_token_gaps(compute, batch["completion_mask"])[1] > grad_bound
+
+
+def _split_batch(ids, mask, completion_length):
+    """`ids` and their attention mask as the prompt / completion batch `helpers.smallest_bug` takes."""
+    cut = ids.size(1) - completion_length
+    return {
+        "prompt_ids": ids[:, :cut],
+        "prompt_mask": mask[:, :cut],
+        "completion_ids": ids[:, cut:],
+        "completion_mask": mask[:, cut:],
+    }
 
 
 def test_vocab_chunk_validation(tmp_path):
@@ -373,7 +395,7 @@ class _FakeVLLMTrainer(GSPOTrainer):
 
 def _gap_tolerance(trainer, batches):
     """How far the stand-in's gap may read from SAMPLER_GAP: the engine's and the trainer's log-probs of one token
-    differ by one forward's fp32 rounding (cli/rounding.model_bound), relative to the largest log-prob."""
+    differ by one forward's fp32 rounding (rounding.model_bound), relative to the largest log-prob."""
     seq_len = batches[0]["prompt_ids"].size(1) + batches[0]["completion_ids"].size(1)
     scale = max(b["old_per_token_logps"].abs().max().item() for b in batches)
     return model_bound(torch.float32, trainer.model.config, seq_len) * scale

@@ -41,9 +41,9 @@ TABLE_START, TABLE_END = "<!-- seam table: built from the code by tests/test_sea
 ASSIGNMENTS_ALLOWED = {
     ("cli/commands.py", "args.model_init_kwargs"): "the CLI's own parsed arguments",
     ("cli/commands.py", "model_args.model_name_or_path"): "the CLI's own parsed arguments (a known Hub id resolved)",
-    ("common/model_store.py", "config._name_or_path"): "the converted model's own config, named by its Hub id",
-    ("common/model_store.py", "model.config._name_or_path"): "the converted model's own config, named by its Hub id",
-    ("common/model_store.py", "model.generation_config"): "the converted model's own, the GGUF-loaded model's settings",
+    ("common/model_prepare.py", "config._name_or_path"): "the converted model's own config, named by its Hub id",
+    ("common/model_prepare.py", "model.config._name_or_path"): "the converted model's own config, named by its Hub id",
+    ("common/model_prepare.py", "model.generation_config"): "the converted model's own: the GGUF model's settings",
     ("cli/demo.py", "tokenizer.padding_side"): "the demo's own tokenizer",
     ("cli/demo.py", "model.config._name_or_path"): "the demo's own model, named after the folder it is saved in",
     ("cli/demo.py", "model.name_or_path"): "the demo's own model, named after the folder it is saved in (for vLLM)",

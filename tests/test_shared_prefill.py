@@ -20,16 +20,16 @@ from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_gspo.cli.rounding import model_bound
 from trl_gspo.rollout import sampler_logprobs as sl
 from trl_gspo.rollout.shared_prefill import PrefillSharing, SharedPrefill, distinct_rows
+from trl_gspo.rounding import model_bound
 from trl_gspo.testing import build_tiny_model
 
 G = 4
 
 
 def assert_rounding_close(got, want, config, seq_len):
-    """Equal up to fp32 rounding of a decoder's value over `seq_len` positions (cli/rounding.py), relative to the
+    """Equal up to fp32 rounding of a decoder's value over `seq_len` positions (trl_gspo/rounding.py), relative to the
     values' size: a smaller prefill batch sums in another order, a wrong cache row or position moves them by far
     more."""
     atol = model_bound(torch.float32, config, seq_len) * float(want.abs().max())

@@ -9,9 +9,10 @@ import copy
 
 import torch
 from datasets import Dataset
+from helpers.smallest_bug import one_token_gaps
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.cli.rounding import loss_bound, relative_gap
+from trl_gspo.rounding import loss_bound, relative_gap
 from trl_gspo.testing import build_tiny_model
 from trl_gspo.token_advantages import discounted_turn_advantages, model_turn_index
 
@@ -95,7 +96,7 @@ def test_trainer_loss_and_gradient_match_reference_on_multi_turn_batch(tokenizer
         last = max(turns[t] for t in range(T) if batch["completion_mask"][i, t])
         token_adv.append([batch["advantages"][i].item() * GAMMA ** max(last - k, 0) for k in turns])
 
-    reference_model = copy.deepcopy(model)
+    reference_model, model_at_start = copy.deepcopy(model), copy.deepcopy(model)
     ref_loss = _naive_reference_loss(reference_model, batch, token_adv)
     ref_loss.backward()
 
@@ -120,13 +121,30 @@ def test_trainer_loss_and_gradient_match_reference_on_multi_turn_batch(tokenizer
     loss = trainer._compute_loss(trainer.model, batch)
     loss.backward()
 
-    # fp32 rounding of the policy loss over the batch (cli/rounding.loss_bound), and of its backward
+    # fp32 rounding of the policy loss over the batch (rounding.loss_bound), and of its backward
     s, size = P + T, batch["old_per_token_logps"].abs().max().item()
     assert relative_gap(loss, ref_loss) <= loss_bound(torch.float32, model.config, s, G * T, size)
     ref_params = dict(reference_model.named_parameters())
     grad_bound = loss_bound(torch.float32, model.config, s, G * T, size, G * s)
     for name, p in trainer.model.named_parameters():
         assert relative_gap(p.grad, ref_params[name].grad) <= grad_bound, name
+
+    def reference(keep):  # the same reference with one more token left out of the loss (tool_mask x keep)
+        fresh = copy.deepcopy(model_at_start)
+        loss = _naive_reference_loss(fresh, {**batch, "tool_mask": batch["tool_mask"] * keep}, token_adv)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in fresh.named_parameters()}
+
+    # companion (helpers/smallest_bug.py): one token mis-masked, in any sequence the loss does not clip, moves some
+    # parameter's gradient past its bound. A clipped sequence gives no gradient, so a mask bug in it cannot show there,
+    # and the loss's value, a mean of ratios within ~1e-3 of 1 times advantages, moves by less than its own bound.
+    mask = batch["completion_mask"] * batch["tool_mask"]
+    ratio = torch.exp(((current - batch["old_per_token_logps"]) * mask).sum(1) / mask.sum(1))
+    advantages = batch["advantages"]
+    clipped = ((advantages > 0) & (ratio > 1 + EPS_HIGH)) | ((advantages < 0) & (ratio < 1 - EPS_LOW))
+    assert clipped.any() and not clipped.all()
+    _, grad_gap = one_token_gaps(reference, mask * ~clipped[:, None])
+    assert grad_gap > grad_bound
     clipped = trainer._metrics["train"]["clip_ratio/region_mean"][-1]
     assert 0.0 < clipped < 1.0  # the batch exercises both sides of the min
 

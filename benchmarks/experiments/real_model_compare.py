@@ -20,9 +20,11 @@ rollout batch, 16-token completions, constant learning rate, fp32, beta 0, the s
 Each run is a fresh process with one torch thread; `--jobs` runs that many at once (2 on a 2-core machine). A run
 scores the 200 held-out problems greedily before training, every `--eval-every` steps and at the end; evaluation
 restores torch's random state, so it does not change what a run samples, and its time is kept out of the step
-times. Every run's logged metrics, curve and times go to `<output-dir>/runs/<arm>-lr<lr>-seed<seed>.json` (the
-output folder: the study's under results/); an existing file is reused (delete it to rerun), so an interrupted study
-resumes where it stopped. The report (`real_model_report.py`) writes `summary.json`, `comparison.md` and
+times. The model's source (the prepared GGUF copy or the Hub's) is decided once, before any run starts, and every
+run is given it (`TRL_GSPO_MODEL_SOURCE`). Every run's logged metrics, curve, times and model source go to
+`<output-dir>/runs/<arm>-lr<lr>-seed<seed>.json` (the output folder: the study's under results/); an existing file is
+reused (delete it to rerun), so an interrupted study resumes where it stopped. The report (`real_model_report.py`)
+writes `summary.json`, `comparison.md` and
 the plots.
 """
 
@@ -164,6 +166,7 @@ def train_one(
         "seed": seed,
         "learning_rate": lr,
         "model": re.sub(r" in /\S+", "", model.note),  # where it came from, not the machine's folder
+        "model_source": model.record(),  # which copy: the report checks that every run of a comparison had one
         "study": study,
         "prompt": prompt,
         "settings": {**shared, "max_steps": max_steps, "trainer": trainer_cls.__name__},
@@ -224,6 +227,10 @@ def main(argv=None) -> None:
     options.output_dir = options.output_dir or RESULTS / STUDIES[options.study]["folder"]
     options.max_steps = options.max_steps or STUDIES[options.study].get("steps", 64)
     if not options.replot:
+        from trl_gspo.common.model_store import SMOLLM2, SOURCE_VARIABLE, resolve_model
+
+        # one source for every run, decided here: each child would otherwise ask the network on its own
+        os.environ[SOURCE_VARIABLE] = resolve_model(SMOLLM2).source
         study = STUDIES[options.study]
         plan = [
             (arm, seed, lr)

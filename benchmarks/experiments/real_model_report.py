@@ -6,6 +6,8 @@ a rollout batch's 64 sampled completions) of the first rollout and averaged over
 the token clip fraction (TRL's `clip_ratio/region_mean`, logged by every arm), trl-gspo's sequence-ratio spread
 (`seq_ratio/std`, trl-gspo's arms only: stock TRL has no such metric), the completion length, and the median
 seconds and CPU seconds of an optimizer step (generation included, evaluation not). Over seeds: mean, min and max.
+Runs that trained different copies of the model (`model_source`: the prepared GGUF copy or the Hub's, with its SHA-256
+or revision) are refused: arms compared must start from the same weights.
 """
 
 from __future__ import annotations
@@ -65,6 +67,19 @@ def over_seeds(summaries: list[dict]) -> dict:
         if xs:
             out[key] = {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
     return out
+
+
+def check_one_source(groups: dict) -> None:
+    """Every run of the report trained one copy of the model (the same source and revision or SHA-256); a run
+    without the record (written before it was kept) counts as its own copy."""
+    sources = defaultdict(list)
+    for runs in groups.values():
+        for run in runs:
+            key = json.dumps(run.get("model_source", "not recorded"), sort_keys=True)
+            sources[key].append(f"{run['arm']} lr{run['learning_rate']:g} seed {run['seed']}")
+    if len(sources) > 1:
+        listed = "; ".join(f"{key}: {', '.join(names)}" for key, names in sources.items())
+        raise SystemExit(f"real_model_report: the runs trained different copies of the model ({listed}); rerun them")
 
 
 def load_runs(output_dir: Path) -> dict:
@@ -200,6 +215,7 @@ def curve_table(summary: dict) -> str:
 
 def report(output_dir: Path) -> dict:
     groups = load_runs(output_dir)
+    check_one_source(groups)
     summary = {}
     for (arm, lr), runs in sorted(
         groups.items(),

@@ -238,10 +238,10 @@ BF16_LOGP_TOLERANCE = 0.5
 
 def _logp_tolerance(dtype, config, seq_len: int, reference) -> float:
     """Largest |ours - stock| on one log-prob: bf16, `BF16_LOGP_TOLERANCE`; fp32, one forward's rounding
-    (trl_gspo/cli/rounding.model_bound) relative to the largest log-prob."""
+    (trl_gspo/rounding.model_bound) relative to the largest log-prob."""
     import torch
 
-    from trl_gspo.cli.rounding import model_bound
+    from trl_gspo.rounding import model_bound
 
     if dtype == torch.bfloat16:
         return BF16_LOGP_TOLERANCE

@@ -43,10 +43,10 @@ BF16_ATTENTION_TOLERANCE = 2e-2
 def attention_bound(dtype, dim: int, keys: int) -> float:
     """Relative bound of a fused attention's output and gradients against the dense fp32 reference on the same
     inputs: bf16, `BF16_ATTENTION_TOLERANCE`; fp32, the rounding of scores over the head size `dim`, and of the softmax
-    and the value sum over `keys` keys, forward and backward (trl_gspo/cli/rounding.py)."""
+    and the value sum over `keys` keys, forward and backward (trl_gspo/rounding.py)."""
     import torch
 
-    from trl_gspo.cli.rounding import rounding_bound
+    from trl_gspo.rounding import rounding_bound
 
     if dtype == torch.bfloat16:
         return BF16_ATTENTION_TOLERANCE

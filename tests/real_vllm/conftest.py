@@ -210,11 +210,11 @@ def no_weight_transfer(monkeypatch):
 
 def logprob_tolerance(trainer, seq_len: int, logps) -> float:
     """How far vLLM's fp32 log-prob of a token may lie from the trainer's for the same weights: the same forward over
-    `seq_len` positions in other kernels, so one forward's fp32 rounding (trl_gspo/cli/rounding.model_bound),
+    `seq_len` positions in other kernels, so one forward's fp32 rounding (trl_gspo/rounding.model_bound),
     relative to the largest log-prob compared (`logps`). A token read one position off differs by ~1 nat."""
     import torch
 
-    from trl_gspo.cli.rounding import model_bound
+    from trl_gspo.rounding import model_bound
 
     config = trainer.accelerator.unwrap_model(trainer.model).config
     return model_bound(torch.float32, config, seq_len) * logps.abs().max().item()

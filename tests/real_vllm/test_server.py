@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from trl_gspo.cli.rounding import rounding_bound
+from trl_gspo.rounding import rounding_bound
 
 from .conftest import free_port, logprob_tolerance, make_trainer, running_server, stop, two_processes
 

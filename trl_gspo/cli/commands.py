@@ -1,6 +1,6 @@
 """`trl-gspo` command line, on TRL's `TrlParser` like `trl grpo`.
 
-    trl-gspo demo    [--config demo] [--flag value ...]                   # offline demo: tiny model, no downloads
+    trl-gspo demo    [--config demo] [--flag value ...]                   # SmolLM2 on addition; --config demo: tiny
     trl-gspo train   --config RECIPE [--accelerate_config zero2] [--flag value ...]   # any model / dataset / reward
     trl-gspo check                                                        # versions + parity with stock GRPOTrainer
     trl-gspo recipes [DEST] [--list] [--force]                            # copy the shipped recipes out for editing
@@ -33,14 +33,14 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..common import model_store, trl_compat
+from ..common import engine, model_store, trl_compat
 from ..common.engine import quiet_deepspeed_collectives
 from ..common.imports import import_object
 from ..common.validation import check_int
 from ..guards.checkpointing import ResumeError
 from ..rollout.vllm_setup import check_vllm_setup
 from ..trainer import GSPOTrainer
-from . import failures, recipe_inputs
+from . import failures, recipe_inputs, run_model
 from .check import main as check_main
 from .console import (
     final_eval_line,
@@ -64,7 +64,14 @@ from .parser import (
     reconcile_mixed_precision,
 )
 from .recipe_inputs import RecipeError
-from .resources import oversubscription, pick_threads, resources_line, single_process_note, threads_source
+from .resources import (
+    deepspeed_cpu_problem,
+    oversubscription,
+    pick_threads,
+    resources_line,
+    single_process_note,
+    threads_source,
+)
 from .rewards import missing_columns, needed_columns, resolve_reward
 from .run_notes import precision_line, precision_refusal_as_recipe_error, say_deepspeed_builds
 from .shipped import SHIPPED, is_shipped, resolve_config_argument, resolve_shipped, shipped_names, take_option
@@ -94,16 +101,27 @@ def launch_with_accelerate(command: str, argv: list[str]) -> int | None:
         if value is not None:
             launch += [option, value]
             given[option] = value
-    if "--mixed_precision" not in given:  # a precision conflict on GPUs fails here, once, before any process starts
-        import yaml
+    import yaml
 
-        with open(config_file) as f:
-            given["--mixed_precision"] = (yaml.safe_load(f) or {}).get("mixed_precision")
-    precision_note(command, resolve_config_argument(argv)[0], given["--mixed_precision"])
+    with open(config_file) as f:
+        accelerate = yaml.safe_load(f) or {}
+    given.setdefault("--mixed_precision", accelerate.get("mixed_precision"))
+    recipe_argv = resolve_config_argument(argv)[0]
+    check_deepspeed_device(command, recipe_argv, accelerate.get("distributed_type") == "DEEPSPEED")  # once, here
+    precision_note(command, recipe_argv, given["--mixed_precision"])  # a precision conflict on GPUs fails here too
     import subprocess
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "trl_gspo", command, *argv]
     return subprocess.call(cmd)
+
+
+def check_deepspeed_device(command: str, argv: list[str], deepspeed: bool) -> None:
+    """DeepSpeed on a machine without CUDA and a recipe without `use_cpu: true`: a RecipeError (resources.py)."""
+    import torch
+
+    use_cpu = recipe_values(command, argv, ("use_cpu",))["use_cpu"] if deepspeed else None
+    if problem := deepspeed_cpu_problem(deepspeed, use_cpu, torch.cuda.is_available()):
+        raise RecipeError(problem)
 
 
 def refuse_launch_options(argv: list[str]) -> None:
@@ -154,6 +172,7 @@ def demo(argv: list[str]) -> int:
     if recipe is None:  # plain `trl-gspo demo` runs the shipped recipe (not a copy that happens to be here)
         argv, recipe = resolve_config_argument(["--config", str(SHIPPED["recipe"] / DEFAULT_DEMO_RECIPE), *argv])
     say_recipe("demo", recipe)
+    check_deepspeed_device("demo", argv, engine.uses_deepspeed(os.environ))  # launched without our relaunch
     argv = reconcile_mixed_precision("demo", argv)
     say_deepspeed_builds("demo")
     task = recipe_values("demo", argv, ("task",))["task"]
@@ -280,6 +299,7 @@ def train(argv: list[str]) -> int:
     say_recipe("train", recipe)
     recipe_dir = recipe.parent if recipe is not None else None
     search_dirs = (str(recipe_dir),) if recipe is not None else ()  # a recipe's own modules sit next to it
+    check_deepspeed_device("train", argv, engine.uses_deepspeed(os.environ))  # launched without our relaunch
     argv = reconcile_mixed_precision("train", argv)
     say_deepspeed_builds("train")
     script_args, args, model_args, mixture = parse("train", argv, defaults=progress_bar_default())
@@ -288,11 +308,9 @@ def train(argv: list[str]) -> int:
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is required (a Hub id or a local folder).")
     recipe_inputs.resolve_recipe_paths(script_args, model_args, mixture, recipe_dir)
+    resolved = None
     if model_args.model_name_or_path in model_store.OFFLINE_SOURCES:  # the Hub, or the copy prepared for offline use
-        try:
-            resolved = model_store.resolve_model(model_args.model_name_or_path)
-        except model_store.ModelSourceError as err:
-            raise RecipeError(str(err)) from err
+        resolved = run_model.resolve_for_run(model_args.model_name_or_path, args)  # once, the same on every rank
         if args.process_index == 0:
             print(f"trl-gspo train: {resolved.note}", flush=True)
         model_args.model_name_or_path = resolved.path
@@ -354,6 +372,8 @@ def train(argv: list[str]) -> int:
         trainer.accelerator.print(final_eval_line(trainer, eval_set))
     with quiet_saving(script_args.console):
         trainer.save_model(args.output_dir)
+    if resolved is not None and trainer.accelerator.is_main_process:
+        run_model.write_record(resolved, args.output_dir)
     trainer.accelerator.print(f"Model saved to {args.output_dir}")
     trl_compat.end_training(trainer)
     return 0

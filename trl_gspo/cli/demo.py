@@ -35,7 +35,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from ..common.model_store import SMOLLM2, ModelSourceError, resolve_model
+from ..common.model_store import SMOLLM2
 from ..config import GSPOConfig
 from ..rollout.vllm_setup import check_vllm_setup
 from ..testing import build_tiny_model, build_tokenizer
@@ -44,6 +44,7 @@ from .addition import NUM_HELD_OUT as ADDITION_HELD_OUT
 from .addition import addition_reward, make_addition_dataset
 from .console import StartStep, generation_line, quiet_saving, tied_weights_restored, use_console
 from .recipe_inputs import RecipeError
+from .run_model import resolve_for_run, write_record
 from .run_notes import precision_line, precision_refusal_as_recipe_error
 
 NUM_DIGITS = 3
@@ -312,11 +313,11 @@ def load_task_model(task: DemoTask, args: GSPOConfig, model_name_or_path: str | 
         return build_demo_model(seed=args.seed, moe=moe, head_dim=head_dim)
     if moe:
         raise RecipeError(f"moe=true applies to the copy task's tiny model; the {task.name} task loads a real model.")
-    try:
-        resolved = resolve_model(model_name_or_path or task.default_model)
-    except ModelSourceError as err:
-        raise RecipeError(str(err)) from err
+    resolved = resolve_for_run(model_name_or_path or task.default_model, args)  # once, the same on every rank
     printer(f"trl-gspo demo: {resolved.note}")
+    if resolved.source != "as named" and args.process_index == 0:  # which copy this run trains, in its output
+        os.makedirs(args.output_dir, exist_ok=True)
+        write_record(resolved, args.output_dir)
     return resolved.path, None
 
 

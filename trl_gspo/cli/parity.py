@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ..config import GSPOConfig
+from ..rounding import loss_bound, model_bound, relative_gap
 from ..trainer import GSPOTrainer
-from .rounding import loss_bound, model_bound, relative_gap
 
 B, P, T = 6, 5, 7  # sequences, prompt length, completion length of the hand-made batch
 
@@ -70,7 +70,7 @@ GSPO_TOKEN_BASES = ("sequence-grpo (GSPO)", "sequence-sapo")
 
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
-    """How far ours may lie from stock on the hand-made batch: rounding alone (cli/rounding.py), since both run the
+    """How far ours may lie from stock on the hand-made batch: rounding alone (trl_gspo/rounding.py), since both run the
     same math with the sums in another order (ours trims, sorts and packs the forward). `loss` and `metric` are
     relative to the value, plus an absolute floor: `loss_floor` because the loss averages advantage x ratio terms of
     either sign, as large as the advantages, `metric_floor` because the metrics are functions of the log-probs

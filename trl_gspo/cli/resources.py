@@ -104,3 +104,14 @@ def single_process_note(num_processes: int, command: str) -> str | None:
         "with --multi_gpu (or a config whose distributed_type is MULTI_CPU). Pass --multi_gpu, or run `trl-gspo "
         f"{command} --accelerate_config multi_gpu --num_processes N`."
     )
+
+
+def deepspeed_cpu_problem(deepspeed: bool, use_cpu, cuda: bool) -> str | None:
+    """DeepSpeed on a machine without a CUDA device, in a run that does not set `use_cpu: true`: transformers then
+    sizes DeepSpeed's batch for one process and each process trains alone, silently. Say so before anything starts."""
+    if not deepspeed or cuda or str(use_cpu).lower() == "true":
+        return None
+    return (
+        "DeepSpeed without a CUDA device needs use_cpu: true, or each process trains alone (transformers sizes "
+        "DeepSpeed's batch for one process): add --use_cpu true (or use_cpu: true in the recipe), or run on GPUs."
+    )

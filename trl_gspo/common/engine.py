@@ -85,10 +85,15 @@ DEEPSPEED_COLLECTIVE_DEPRECATIONS = (
 )
 
 
+def uses_deepspeed(env) -> bool:
+    """Whether `accelerate launch` started this process for DeepSpeed (`env`: what it exported)."""
+    return str(env.get("ACCELERATE_USE_DEEPSPEED", "false")).lower() == "true"
+
+
 def quiet_deepspeed_collectives(env) -> None:
     """In a DeepSpeed run (`env`: what `accelerate launch` exported), hide torch's FutureWarnings about the deprecated
     `torch.distributed` collectives DeepSpeed calls, 20-30 per run; every other warning still shows."""
-    if str(env.get("ACCELERATE_USE_DEEPSPEED", "false")).lower() != "true":
+    if not uses_deepspeed(env):
         return
     warnings.filterwarnings(
         "ignore",

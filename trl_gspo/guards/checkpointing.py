@@ -5,8 +5,9 @@
   `resolve_resume_checkpoint` only accepts a folder whose marker exists and whose files still match it, so a crash
   mid-save (or a truncated copy) is never resumed from: `resume_from_checkpoint=True` takes the newest complete one.
 - Another model's checkpoint: `checkpoint_model_mismatch` compares the config.json a checkpoint holds with the model's
-  config (the fields that fix the weights' shapes), so resuming with another model fails naming what differs instead of
-  a page of torch `size mismatch` lines once the weights load.
+  config (the fields that fix the weights' shapes), and a LoRA adapter checkpoint's matrices with the layers they
+  adapt, so resuming with another model fails naming what differs instead of a page of torch `size mismatch` lines
+  once the weights load.
 - Rollout state: TRL generates one rollout batch every `steps_per_generation` micro-steps and keeps it in memory, so
   a checkpoint taken mid-rollout would resume with a freshly generated (different) batch. Each process also saves its
   micro-step counter, the buffered rollout and the rollout source's state (`gspo_rollout_state_rank{i}.pt`, tensors
@@ -173,12 +174,12 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
 def checkpoint_model_mismatch(checkpoint: str, model_config, model: str) -> str | None:
     """Why `checkpoint` cannot be loaded into `model` (named so in the message; `model_config` its config): the
     fields fixing the weights' shapes that differ between the checkpoint's config.json and `model_config`, with both
-    values, and what to do. None when they agree, or when the checkpoint has no readable config.json (a PEFT adapter
-    checkpoint holds none)."""
+    values, and what to do; a PEFT adapter checkpoint (no config.json) by its weights' shapes instead
+    (`adapter_model_mismatch`). None when they agree, or when neither can be read."""
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(checkpoint, "config.json")):
-        return None
+        return adapter_model_mismatch(checkpoint, model_config, model)
     try:
         saved = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
     except (OSError, ValueError) as error:  # e.g. a model type only its own remote code defines
@@ -193,6 +194,54 @@ def checkpoint_model_mismatch(checkpoint: str, model_config, model: str) -> str 
     return (
         f"resume_from_checkpoint: {checkpoint} holds weights of another model than {model} ({fields}). Resume with "
         f"the model the checkpoint was trained from, or train {model} from the start in another output_dir."
+    )
+
+
+#: PEFT's names for a LoRA pair's matrices and which side of the base layer each matches: (r, in) and (out, r).
+LORA_SIDES = {"lora_A.weight": (1, "in_features"), "lora_B.weight": (0, "out_features")}
+
+
+def adapter_model_mismatch(checkpoint: str, model_config, model: str) -> str | None:
+    """Why the LoRA adapter in `checkpoint` (adapter_model.safetensors) does not fit a model built from
+    `model_config`: a layer it adapts that the model lacks, or a LoRA matrix whose side does not match the layer's
+    (a base model of another size). Read from the file's header and a model on the meta device: no weights load.
+    None when every matrix fits, or without an adapter file."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(checkpoint, "adapter_model.safetensors")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(model_config)
+    except (OSError, ValueError) as error:  # a model type only remote code defines, an unreadable file
+        logger.debug("Checking adapter %s against the model failed: %s", checkpoint, error)
+        return None
+    misfits = []
+    for key, shape in shapes.items():
+        side = next((suffix for suffix in LORA_SIDES if key.endswith("." + suffix)), None)
+        if side is None:
+            continue
+        name = key.removeprefix("base_model.model.").removesuffix("." + side)
+        try:
+            layer = base.get_submodule(name)
+        except AttributeError:
+            misfits.append(f"{name} adapted in the checkpoint, absent from the model")
+            continue
+        axis, attribute = LORA_SIDES[side]
+        expected = getattr(layer, attribute, None)
+        if expected is not None and shape[axis] != expected:
+            misfits.append(f"{name}.{side} {list(shape)} in the checkpoint, {attribute} {expected} in the model")
+    if not misfits:
+        return None
+    more = f" and {len(misfits) - 1} more" if len(misfits) > 1 else ""
+    return (
+        f"resume_from_checkpoint: {checkpoint} holds a LoRA adapter trained on another base model than {model} "
+        f"({misfits[0]}{more}). Resume with the base model the adapter was trained on (its adapter_config.json names "
+        f"it), or train {model} from the start in another output_dir."
     )
 
 

