@@ -187,7 +187,7 @@ def test_the_comparison_decides_the_source_once_for_every_run(cache, monkeypatch
     monkeypatch.setattr(compare, "launch", lambda *args: seen.append(os.environ[model_store.SOURCE_VARIABLE]))
     monkeypatch.setattr(report, "report", lambda output_dir: None)
     compare.main(["--seeds", "0", "--output-dir", str(cache / "out")])
-    assert seen == ["gguf"] * len(compare.ARMS)
+    assert seen == ["gguf"] * len(compare.STUDIES["compare"]["arms"])
 
 
 def test_the_report_refuses_arms_trained_on_different_copies(tmp_path, monkeypatch):

@@ -251,7 +251,9 @@ def main(argv=None) -> None:
             ]
             for job in jobs:
                 job.result()
-    real_model_report.report(options.output_dir)
+    study = STUDIES[options.study]
+    band_only = options.study != "compare" and not study.get("settings") and "prompt" not in study
+    real_model_report.report(options.output_dir, with_references=band_only)
 
 
 if __name__ == "__main__":

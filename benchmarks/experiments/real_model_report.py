@@ -18,6 +18,11 @@ from collections import defaultdict
 from pathlib import Path
 
 CLIP = "clip_ratio/region_mean"
+BAND = "clip_band/epsilon_low"
+#: The comparison study's folder: a study at its settings that changes only the clip band quotes its arms
+#: (`REFERENCE_ARMS`, at the study's learning rates) beside its own.
+COMPARISON = "smollm2-addition"
+REFERENCE_ARMS = ("stock GRPO", "trl-gspo GSPO")
 SPREAD = "seq_ratio/std"
 LENGTH = "completions/mean_length"
 COLORS = {
@@ -51,6 +56,13 @@ def run_summary(run: dict) -> dict:
         "clip_fraction_tokens": mean(values(rows, CLIP)),
         "seq_ratio_std": mean(values(rows, SPREAD)),
         "completion_length": mean(values(rows, LENGTH)),
+        # clip_target_fraction's band (clip_band.py) over the last quarter of the steps; None with a fixed band
+        "epsilon_low_last_quarter": mean(values(rows, BAND)[-max(1, len(rows) // 4) :]),
+        # the |log-ratio| spreads trl-gspo's diagnostics log by completion length (token std and sequence mean)
+        **{
+            key: mean(values(rows, key))
+            for key in sorted({k for row in rows for k in row if k.startswith("logratio_by_len/")})
+        },
         "seconds_per_step": statistics.median(run["step_seconds"]),
         "cpu_seconds_per_step": statistics.median(run["step_cpu_seconds"]),
         "load_average_end": run["load_average"][0],
@@ -213,7 +225,36 @@ def curve_table(summary: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def report(output_dir: Path) -> dict:
+def references(output_dir: Path, lrs) -> dict:
+    """The comparison study's summaries of `REFERENCE_ARMS` at `lrs`, each arm named with where it comes from."""
+    path = output_dir.parent / COMPARISON / "summary.json"
+    if output_dir.name == COMPARISON or not path.exists():
+        return {}
+    saved = json.loads(path.read_text())
+    return {
+        f"{name} (comparison study)": {**s, "arm": f"{s['arm']} (comparison study)"}
+        for name, s in saved.items()
+        if s["arm"] in REFERENCE_ARMS and s["learning_rate"] in lrs
+    }
+
+
+def band_table(summary: dict) -> str:
+    """Where clip_target_fraction's band ended (epsilon, the last quarter of the steps) and what it clipped."""
+    lines = [
+        f"| {s['arm']} | {s['learning_rate']:g} | {fmt(s['epsilon_low_last_quarter'], 4)} | "
+        f"{fmt(s.get('clip_fraction_tokens'), 3)} |"
+        for s in summary.values()
+        if s.get("epsilon_low_last_quarter")
+    ]
+    if not lines:
+        return ""
+    head = "| arm | lr | epsilon (low), last quarter | clip fraction |\n| --- | --- | --- | --- |\n"
+    return "\nThe band clip_target_fraction moved to (paper's: 0.0003):\n\n" + head + "\n".join(lines) + "\n"
+
+
+def report(output_dir: Path, with_references: bool = False) -> dict:
+    """Summary, tables and plots of the runs in `output_dir/runs`; `with_references`: the study ran at the comparison
+    study's settings but for the clip band, so its stock GRPO and GSPO rows are quoted beside (marked as such)."""
     groups = load_runs(output_dir)
     check_one_source(groups)
     summary = {}
@@ -233,11 +274,15 @@ def report(output_dir: Path) -> dict:
                 s["cpu_seconds_per_step"]["mean"] / stock["cpu_seconds_per_step"]["mean"]
             )
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    quoted = references(output_dir, {lr for _, lr in groups}) if with_references else {}
     (output_dir / "comparison.md").write_text(
-        "Mean over seeds [min, max]; every run in summary.json.\n\n"
-        + table(summary)
+        "Mean over seeds [min, max]; every run in summary.json"
+        + (f" (rows marked 'comparison study': ../{COMPARISON}/summary.json)" if quoted else "")
+        + ".\n\n"
+        + table({**summary, **quoted})
         + "\nHeld-out accuracy (greedy, 200 problems) by optimizer step:\n\n"
-        + curve_table(summary)
+        + curve_table({**summary, **quoted})
+        + band_table(summary)
     )
     at = defaultdict(dict)
     for (arm, lr), runs in groups.items():
