@@ -185,7 +185,7 @@ def test_the_comparison_decides_the_source_once_for_every_run(cache, monkeypatch
     fake_prepared(cache)
     seen = []
     monkeypatch.setattr(compare, "launch", lambda *args: seen.append(os.environ[model_store.SOURCE_VARIABLE]))
-    monkeypatch.setattr(report, "report", lambda output_dir: None)
+    monkeypatch.setattr(report, "report", lambda output_dir, **kwargs: None)
     compare.main(["--seeds", "0", "--output-dir", str(cache / "out")])
     assert seen == ["gguf"] * len(compare.STUDIES["compare"]["arms"])
 
