@@ -49,6 +49,10 @@ def test_prepared_folder_holds_the_gguf_weights_and_gives_its_logits(smollm2):
 
 
 def test_gspo_trains_the_real_model(smollm2, tmp_path):
+    """Why the real model: the tiny models are built in code, so only this run shows GSPO training a checkpoint as
+    users load it, the prepared folder by path, with its tied embeddings (every weight, the shared one included, must
+    move), its 49,152-token vocabulary through the log-prob head and its chat template on the prompts. Two steps of
+    one rollout, the second off-policy, are the least that moves the sequence ratio off 1."""
     from trl_gspo import GSPOConfig, GSPOTrainer
     from trl_gspo.cli.addition import make_addition_dataset
 
@@ -84,6 +88,9 @@ def test_gspo_trains_the_real_model(smollm2, tmp_path):
 
 
 def test_the_demo_runs_on_the_real_model(smollm2, tmp_path, capsys):
+    """Why the real model: it is the demo's model, and what `make demo` does with it can only be seen with it: finding
+    the prepared copy offline (and saying so), the greedy held-out evaluation of the chat-templated questions, the
+    curves and the saved model. Two steps with an evaluation after each, the least that shows one between steps."""
     import csv
 
     from trl_gspo.cli import main
