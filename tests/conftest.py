@@ -1,7 +1,6 @@
 import fcntl
 import os
 import resource
-import tempfile
 
 # Tiny models on 2 CPU cores: one thread per process keeps timings stable and avoids oversubscription, with `make test`
 # running one worker process per core (pytest-xdist) and the tests that launch 2 processes.
@@ -32,17 +31,17 @@ def pytest_xdist_auto_num_workers(config):
 
 # Tests that start several processes (accelerate launch, torch.distributed.run) carry `@pytest.mark.launch`. Two of
 # them at once would put 4 training processes on a 2-core machine, so under `make test`'s pytest-xdist workers they
-# take a lock first (one per run: pytest-xdist's run id): one launch at a time, while the other workers run the
-# rest. Each launch also binds its own free rendezvous port (helpers/ports.py), so no launch collides with another
+# take a lock first (one per run, in the folder that holds the workers' temporary folders): one launch at a time,
+# while the other workers run the rest. Each launch also binds its own free rendezvous port (helpers/ports.py), so no launch collides with another
 # job's. (pytest-xdist's own `xdist_group` marks a test by rewriting its node id, which pytest 9's structured node ids
 # no longer take: such groups are silently ignored.)
 @pytest.fixture(autouse=True)
 def _one_launch_at_a_time(request):
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None or request.node.get_closest_marker("launch") is None:
+    if "PYTEST_XDIST_WORKER" not in os.environ or request.node.get_closest_marker("launch") is None:
         yield
         return
-    with open(os.path.join(tempfile.gettempdir(), f"trl-gspo-tests-{run}.lock"), "w") as lock:
+    run_folder = request.getfixturevalue("tmp_path_factory").getbasetemp().parent  # .../pytest-N/popen-gwX
+    with open(run_folder / "launch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the worker dies
         yield
 
