@@ -131,7 +131,7 @@ def pytest_terminal_summary(terminalreporter, config):
     if not lines:  # no workers: this process ran the tests
         terminalreporter.write_line(_kernels_and_threads())
     elif len(lines) == 1:
-        terminalreporter.write_line(f"{lines[0]} in each of {len(WORKER_LINES)} worker processes")
+        terminalreporter.write_line(f"{lines[0]} in each of {len(WORKER_LINES)} worker process(es)")
     else:
         terminalreporter.write_line("; ".join(f"{worker}: {line}" for worker, line in sorted(WORKER_LINES.items())))
 
