@@ -28,12 +28,18 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-# `make test` ends with a line naming torch's CPU capability and the thread count the numbers came from
-# (tests/conftest.py; TRL_GSPO_TEST_THREADS sets the thread count, 1 by default). `make test-numeric`: the tests that
-# compare numbers with a rounding bound (trl_gspo/rounding.py), under each torch CPU capability this CPU has, at 1
-# and 2 threads (.ci/numeric_matrix.sh; part of .ci/run).
+# `make test` runs the tests in TEST_WORKERS processes (pytest-xdist; `auto`: one per core this process may run on,
+# over the threads each runs), each on one torch thread as before, so no result depends on how many run at once; the
+# tests that start several processes run one at a time (marked `launch`, tests/conftest.py).
+# TEST_WORKERS=0 runs them all in pytest's own process. It lists the DURATIONS slowest tests by wall-clock time and by
+# CPU seconds (DURATIONS=0: every test), and ends with a line naming torch's CPU capability and the thread count the
+# numbers came from (TRL_GSPO_TEST_THREADS sets it, 1 by default). `make test-numeric`: the tests that compare numbers
+# with a rounding bound (trl_gspo/rounding.py), under each torch CPU capability this CPU has, at 1 and 2 threads
+# (.ci/numeric_matrix.sh; part of .ci/run).
+TEST_WORKERS ?= auto
+DURATIONS ?= 15
 test: lint model-gguf
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=$(DURATIONS)
 
 test-numeric: $(VENV)/.installed
 	PYTHON=$(BIN)/python bash .ci/numeric_matrix.sh

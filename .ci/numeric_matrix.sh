@@ -61,8 +61,9 @@ for request in "${requests[@]}"; do
         start=$SECONDS
         # OMP_WAIT_POLICY=passive: idle OpenMP threads sleep instead of spinning, which changes no arithmetic; on a
         # 2-core machine shared with other jobs, spinning made the 2-thread pass 8x slower than the 1-thread one.
+        # -n auto: one worker per core over the thread count (tests/conftest.py), so 2 threads on 2 cores is one
         ATEN_CPU_CAPABILITY=$request OMP_NUM_THREADS=$threads TRL_GSPO_TEST_THREADS=$threads OMP_WAIT_POLICY=passive \
-            "$PYTHON" -m pytest -q -p no:cacheprovider -m "not slow" "${TESTS[@]}"
+            "$PYTHON" -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m "not slow" "${TESTS[@]}"
         echo "   ($((SECONDS - start)) s; $SECONDS s in all)"
     done
 done

@@ -4,15 +4,28 @@
 # a shipped recipe (GSPO-token, whose trainer_class lives next to it; the wheel installs the top-level recipes/ inside the package) for one step on the tiny
 # model; and that every module of every subpackage of trl_gspo/ is in the wheel. Any failing command, missing output
 # or module, or a model card that does not name the variant fails the test.
+#
+# `bash .ci/wheel_test.sh` installs and runs in a temporary folder. `.ci/run` installs early, in the background while
+# the tests run (`.ci/wheel_test.sh install DIR`), and runs the checks at its end (`.ci/wheel_test.sh run DIR`).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
+phase=${1:-all}
+if [ "$phase" = all ]; then
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+else
+    work="$(cd "${2:?usage: wheel_test.sh [install|run] DIR}" && pwd)"
+fi
 cd "$work"
-python3 -m venv venv
-venv/bin/python -m pip install -q --upgrade pip
-venv/bin/python -m pip install -q torch==2.13.0
-venv/bin/python -m pip install -q "$repo"
+if [ "$phase" != run ]; then
+    python3 -m venv venv
+    venv/bin/python -m pip install -q --upgrade pip
+    venv/bin/python -m pip install -q torch==2.13.0
+    venv/bin/python -m pip install -q "$repo"
+fi
+if [ "$phase" = install ]; then
+    exit 0
+fi
 export PATH="$work/venv/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 REPO="$repo" python - <<'PY'  # installed as a wheel: the package and its data come from site-packages, not the repository

@@ -26,6 +26,9 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_tiny_run_writes_one_file_per_scenario(tmp_path):
+    """Every scenario end to end. `demo` trains the real model (SmolLM2-135M-Instruct, prepared by make test) for two
+    steps because that scenario is `make demo` as typed: that model, torch's own thread count, every core, which its
+    record must say; the `real_*` scenarios run SmolLM2's tokenizer, template and vocabulary on a shrunk random model."""
     from trl_gspo.forward import fused_head
 
     proc = _run("--reps", "2", "--results-dir", str(tmp_path))

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from helpers.ports import free_port
 from helpers.smallest_bug import dropped_token_gap
 from trl import GRPOTrainer
 
@@ -666,6 +667,7 @@ WORKER = Path(__file__).parent / "helpers" / "dynamic_sampling_worker.py"
 
 
 @pytest.mark.slow
+@pytest.mark.launch  # several processes: one launch at a time (conftest.py)
 def test_two_processes_agree_on_kept_groups_with_a_rank_dependent_reward(tmp_path):
     """Rank 0's reward is constant, rank 1's varies: decided on local rewards, rank 0 would keep nothing and rank 1
     its own groups. On the gathered rewards both keep exactly the groups rank 1 generated, and each trains an equal
@@ -678,7 +680,7 @@ def test_two_processes_agree_on_kept_groups_with_a_rank_dependent_reward(tmp_pat
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(WORKER),
         "--output_dir",
         str(tmp_path),
@@ -700,11 +702,3 @@ def test_two_processes_agree_on_kept_groups_with_a_rank_dependent_reward(tmp_pat
         assert len(rows0) == len(rows1) == 4  # equal shares of whole groups: rank 0 trains rows rank 1 generated
         assert sorted(rows0 + rows1) == sorted(k for k in kept for _ in range(2))
     assert a["finished"] == b["finished"] == [1]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -313,6 +313,7 @@ if acc.is_main_process:
 """
 
 
+@pytest.mark.launch  # several processes: one launch at a time (conftest.py)
 def test_window_reduces_across_two_processes(tmp_path):
     """Two gloo ranks with uneven names and value counts: pooled means, sums, counts and quantiles are global."""
     import json

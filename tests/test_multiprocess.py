@@ -14,13 +14,13 @@ has every weight at full shape (ZeRO-3 must gather its shards on save), and diff
 import csv
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.ports import free_port
 
 from trl_gspo.cli.shipped import SHIPPED
 
@@ -29,13 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # exit with this message. That is a teardown crash, not a training failure: tolerated only when every rank printed
 # its finish marker and the saved model checks out.
 EXIT_ABORT = "terminate called without an active exception"
-
-
-def _free_port() -> int:
-    """A free TCP port for the rendezvous: other jobs on a shared machine may hold accelerate's default 29500."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Every test here launches 2 processes: one launch at a time, in one worker (conftest.py).
+pytestmark = pytest.mark.launch
 
 
 def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -72,7 +67,7 @@ def _launch_command(config: str, *command: str, timeout: int = 300) -> subproces
         "--num_processes",
         "2",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         str(ROOT / "tests" / "helpers" / "cpu_launch.py"),
         *command,
         "--disable_tqdm",

@@ -80,6 +80,10 @@ def _short_run(smollm2, tmp_path, **settings):
 
 
 def test_gspo_trains_the_real_model(smollm2, tmp_path):
+    """Why the real model: the tiny models are built in code, so only this run shows GSPO training a checkpoint as
+    users load it, the prepared folder by path, with its tied embeddings (every weight, the shared one included, must
+    move), its 49,152-token vocabulary through the log-prob head and its chat template on the prompts. Two steps of
+    one rollout, the second off-policy, are the least that moves the sequence ratio off 1."""
     trainer = _short_run(smollm2, tmp_path)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
@@ -92,9 +96,9 @@ def test_gspo_trains_the_real_model(smollm2, tmp_path):
 
 
 def test_the_clip_band_follows_its_target_on_the_real_model(smollm2, tmp_path):
-    """clip_target_fraction on the model the clip-band study ran (benchmarks/experiments, --study target): a tiny
-    model's ratios spread differently, and the study's premise is that the paper's band does not fit this one. The
-    on-policy first step leaves the band; the second measures a fraction and moves the band toward the target."""
+    """Why the real model: the clip band is set by how far this model's sequence ratios spread after an update (the
+    clip-band studies ran on it; a tiny model's spread is another). The on-policy first step leaves the band; the
+    second measures a fraction and moves the band toward the target by the stated factor."""
     from trl_gspo.clip_band import GAIN, MAX_STEP_FACTOR
 
     trainer = _short_run(smollm2, tmp_path, clip_target_fraction=0.15)
@@ -112,6 +116,9 @@ def test_the_clip_band_follows_its_target_on_the_real_model(smollm2, tmp_path):
 
 
 def test_the_demo_runs_on_the_real_model(smollm2, tmp_path, capsys):
+    """Why the real model: it is the demo's model, and what `make demo` does with it can only be seen with it: finding
+    the prepared copy offline (and saying so), the greedy held-out evaluation of the chat-templated questions, the
+    curves and the saved model. Two steps with an evaluation after each, the least that shows one between steps."""
     import csv
 
     from trl_gspo.cli import main

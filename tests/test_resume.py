@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from helpers.fault_utils import PROMPTS, make_trainer, straight_then_resumed
+from helpers.ports import free_port
 
 from trl_gspo.guards import checkpointing
 
@@ -269,6 +270,7 @@ def test_checkpoint_on_signal_false_leaves_signals_to_the_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch  # several processes: one launch at a time (conftest.py)
 def test_two_process_resume_in_epochs_2_and_3_is_exact(tmp_path):
     """2 processes (gloo): 16 prompts, a rollout is 8 prompts over 2 steps, an epoch 4 steps. A straight 12-step run
     saves after steps 5 (epoch 2) and 9 (epoch 3), both mid-rollout with a rollout still to draw in that epoch; a new
@@ -283,6 +285,8 @@ def test_two_process_resume_in_epochs_2_and_3_is_exact(tmp_path):
             "torch.distributed.run",
             "--nproc_per_node",
             "2",
+            "--master_port",
+            str(free_port()),
             script,
             "--output_dir",
             str(tmp_path / "run"),
@@ -307,26 +311,21 @@ def test_two_process_resume_in_epochs_2_and_3_is_exact(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch  # several processes: one launch at a time (conftest.py)
 def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     """2 processes (gloo): SIGTERM to rank 1 only. Both ranks must stop after the same step and save one complete
     checkpoint together (no deadlock, both rollout states), and a 2-process resume must finish the run."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        script,
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        str(N),
-    ]
+
+    def launch(*extra: str) -> list[str]:  # each launch with its own free rendezvous port
+        port = ["--master_port", str(free_port())]
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *port, script, *extra]
+
+    run = ("--output_dir", str(out), "--max_steps", str(N))
     proc = subprocess.Popen(
-        [*launch, "--step_delay", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        launch(*run, "--step_delay", "0.5"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     lines, signalled = [], False
     for line in proc.stdout:
@@ -346,7 +345,7 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     assert 2 <= step < N and checkpoints == [f"checkpoint-{step}"], (checkpoints, log[-3000:])
     assert {f"gspo_rollout_state_rank{r}.pt" for r in (0, 1)} <= set(os.listdir(saved))
 
-    resume = subprocess.run([*launch, "--resume"], capture_output=True, text=True, env=env, timeout=180)
+    resume = subprocess.run(launch(*run, "--resume"), capture_output=True, text=True, env=env, timeout=180)
     resumed_log = resume.stdout + resume.stderr
     # Ranks sometimes abort at interpreter exit after finishing (see FINDINGS.md): judge by what they printed.
     assert resumed_log.count("DONE") == 2, resumed_log

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import vllm_stand_in
+from helpers.ports import free_port
 from transformers import AutoModelForCausalLM
 
 from trl_gspo.common import trl_compat
@@ -729,6 +730,7 @@ def test_vllm_server_per_prompt_requests_are_put_back_in_prompt_order(tokenizer,
 
 
 @pytest.mark.slow
+@pytest.mark.launch  # several processes: one launch at a time (conftest.py)
 @pytest.mark.skipif(not SERVER_ROUTES, reason=OLD_CLIENT)
 def test_vllm_server_mode_with_two_processes_client_on_the_main_process_only(tmp_path):
     """2 processes (gloo), R3 through the stand-in server for 2 steps: only rank 0 has a client (TRL's layout), both
@@ -747,6 +749,8 @@ def test_vllm_server_mode_with_two_processes_client_on_the_main_process_only(tmp
             "torch.distributed.run",
             "--nproc_per_node",
             "2",
+            "--master_port",
+            str(free_port()),
             script,
             "--output_dir",
             str(tmp_path / "run"),
