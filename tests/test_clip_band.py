@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from helpers.fault_utils import make_trainer, weights
+from helpers.ports import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -200,12 +201,22 @@ def test_resume_restores_the_band_exactly(tmp_path):
     assert control.clip_band.band != straight.clip_band.band
 
 
+@pytest.mark.launch
 def test_two_processes_hold_the_same_band_every_step(tmp_path):
     """2 processes (gloo), each training on its own micro-batches: the pooled fraction gives both one band after
     every optimizer step, and the band moves."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    command.append(script)
     command += ["--output_dir", str(tmp_path / "run"), "--max_steps", "8", "--clip_target_fraction", "0.15"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     log = result.stdout + result.stderr

@@ -20,8 +20,10 @@ def test_every_quoted_number_matches_its_result_file():
     assert quoted.problems(docs) == []
     files = {quote.file() for doc in docs for quote in quoted.quotes(doc)}
     results = ROOT / "benchmarks" / "results"  # one file per scenario, and the GPU check's (docs/gpu-check.md)
-    real_model = ROOT / "benchmarks" / "experiments" / "results" / "smollm2-addition"  # docs/real-model.md
-    allowed = (results, results / "cuda", results / "gpu-check", real_model)
+    experiments = ROOT / "benchmarks" / "experiments" / "results"  # docs/real-model.md, docs/choosing.md
+    real_model = {experiments / name for name in ("smollm2-addition", "smollm2-band", "smollm2-target")}
+    real_model |= {experiments / name for name in ("smollm2-stale", "smollm2-long")}
+    allowed = {results, results / "cuda", results / "gpu-check", *real_model}
     assert all(path.parent in allowed for path in files), files
 
 
