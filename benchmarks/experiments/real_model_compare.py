@@ -57,7 +57,7 @@ ARMS = {
     "trl-gspo GSPO band 3e-3": ("ours", dict(epsilon=3e-3, epsilon_high=4e-3)),
     "trl-gspo GSPO band 1e-2": ("ours", dict(epsilon=1e-2, epsilon_high=1.3e-2)),
     # A band that follows a target clip fraction (clip_band.py), from the paper's band.
-    "trl-gspo GSPO target 0.15": ("ours", dict(clip_target_fraction=0.15)),
+    "trl-gspo GSPO target 15%": ("ours", dict(clip_target_fraction=0.15)),
 }
 #: What every arm shares: the addition demo's settings (cli/demo.py ADDITION_ARGS, the one place they are written),
 #: less what each run sets itself (learning rate, steps, seed), logged every step.
@@ -73,11 +73,11 @@ STUDIES = {
     "compare": dict(arms=list(ARMS)[:4], learning_rates=[5e-6], folder="smollm2-addition"),
     "lr": dict(arms=["trl-gspo GSPO"], learning_rates=[2e-6, 5e-6, 1e-5], folder="smollm2-addition"),
     "band": dict(arms=[arm for arm in ARMS if " band " in arm], learning_rates=[5e-6], folder="smollm2-band"),
-    "target": dict(arms=["trl-gspo GSPO target 0.15"], learning_rates=[5e-6, 1e-5], folder="smollm2-target"),
+    "target": dict(arms=["trl-gspo GSPO target 15%"], learning_rates=[5e-6, 1e-5], folder="smollm2-target"),
     # Stale rollouts: 16 optimizer steps per rollout batch (the same completions per step; 4x fewer, 4x larger
     # rollouts), the off-policy regime the paper's argument is about.
     "stale": dict(
-        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 0.15"],
+        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 15%"],
         learning_rates=[5e-6],
         folder="smollm2-stale",
         settings=dict(steps_per_generation=16),
@@ -85,7 +85,7 @@ STUDIES = {
     # Long answers: the working before the sum, ~100 tokens (128 at most), 32 steps (a 64-step run would cost over
     # an hour of CPU); token ratios are noisier the longer the answer, which is where the paper puts GSPO's case.
     "long": dict(
-        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 0.15"],
+        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 15%"],
         learning_rates=[5e-6],
         folder="smollm2-long",
         settings=dict(max_completion_length=128),

@@ -58,6 +58,7 @@ def run_summary(run: dict) -> dict:
         "completion_length": mean(values(rows, LENGTH)),
         # clip_target_fraction's band (clip_band.py) over the last quarter of the steps; None with a fixed band
         "epsilon_low_last_quarter": mean(values(rows, BAND)[-max(1, len(rows) // 4) :]),
+        "clip_band_fraction": mean(values(rows, "clip_band/fraction")),  # the off-policy steps' fractions it measured
         # the |log-ratio| spreads trl-gspo's diagnostics log by completion length (token std and sequence mean)
         **{
             key: mean(values(rows, key))
@@ -242,13 +243,16 @@ def band_table(summary: dict) -> str:
     """Where clip_target_fraction's band ended (epsilon, the last quarter of the steps) and what it clipped."""
     lines = [
         f"| {s['arm']} | {s['learning_rate']:g} | {fmt(s['epsilon_low_last_quarter'], 4)} | "
-        f"{fmt(s.get('clip_fraction_tokens'), 3)} |"
+        f"{fmt(s.get('clip_band_fraction'), 3)} | {fmt(s.get('clip_fraction_tokens'), 3)} |"
         for s in summary.values()
         if s.get("epsilon_low_last_quarter")
     ]
     if not lines:
         return ""
-    head = "| arm | lr | epsilon (low), last quarter | clip fraction |\n| --- | --- | --- | --- |\n"
+    head = (
+        "| arm | lr | epsilon (low), last quarter | clip fraction of the off-policy steps (what it steers) | "
+        "clip fraction, every step |\n| --- | --- | --- | --- | --- |\n"
+    )
     return "\nThe band clip_target_fraction moved to (paper's: 0.0003):\n\n" + head + "\n".join(lines) + "\n"
 
 
