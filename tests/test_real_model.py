@@ -128,7 +128,7 @@ def test_the_demo_runs_on_the_real_model(smollm2, tmp_path, capsys):
     small = ["--num_train_prompts", "16", "--num_eval_prompts", "8", "--per_device_train_batch_size", "4"]
     assert main([*argv, *small, "--num_generations", "4", "--steps_per_generation", "1", "--disable_tqdm", "true"]) == 0
     text = capsys.readouterr().out
-    assert f"using the prepared copy in {prepared_folder(SMOLLM2)}" in text  # offline: the line says which source
+    assert f"the prepared copy in {prepared_folder(SMOLLM2)}" in text  # offline: the line says which source
     assert "held-out accuracy (greedy, 8 unseen prompts): before" in text
     with open(out / "held_out.csv") as f:
         rows = list(csv.DictReader(f))
