@@ -73,10 +73,10 @@ def run_summary(run: dict) -> dict:
 
 def over_seeds(summaries: list[dict]) -> dict:
     out = {"seeds": [s["seed"] for s in summaries], "runs": summaries}
-    for key in summaries[0]:
+    for key in dict.fromkeys(key for s in summaries for key in s):  # a length bucket may appear in some runs only
         if key in ("seed",):
             continue
-        xs = [s[key] for s in summaries if s[key] is not None]
+        xs = [s[key] for s in summaries if s.get(key) is not None]
         if xs:
             out[key] = {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
     return out
