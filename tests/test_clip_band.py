@@ -6,12 +6,11 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 from helpers.fault_utils import make_trainer, weights
-from helpers.ports import free_port
+from helpers.ports import launch_env, two_processes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -205,20 +204,9 @@ def test_resume_restores_the_band_exactly(tmp_path):
 def test_two_processes_hold_the_same_band_every_step(tmp_path):
     """2 processes (gloo), each training on its own micro-batches: the pooled fraction gives both one band after
     every optimizer step, and the band moves."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-    ]
-    command.append(script)
-    command += ["--output_dir", str(tmp_path / "run"), "--max_steps", "8", "--clip_target_fraction", "0.15"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    command = two_processes(script, "--output_dir", tmp_path / "run", "--max_steps", 8, "--clip_target_fraction", 0.15)
+    result = subprocess.run(command, capture_output=True, text=True, env=launch_env(), timeout=300)
     log = result.stdout + result.stderr
     assert log.count("DONE") == 2, log[-4000:]
     bands = {}

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from helpers.ports import free_port
+from helpers.ports import launch_env, two_processes
 from helpers.smallest_bug import dropped_token_gap
 from trl import GRPOTrainer
 
@@ -672,20 +671,8 @@ def test_two_processes_agree_on_kept_groups_with_a_rank_dependent_reward(tmp_pat
     """Rank 0's reward is constant, rank 1's varies: decided on local rewards, rank 0 would keep nothing and rank 1
     its own groups. On the gathered rewards both keep exactly the groups rank 1 generated, and each trains an equal
     share of them (rows move from rank 1 to rank 0)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(WORKER),
-        "--output_dir",
-        str(tmp_path),
-    ]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    cmd = two_processes(WORKER, "--output_dir", tmp_path)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=300)
     log = run.stdout + run.stderr
     reports = {}
     for rank in (0, 1):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from helpers.fault_utils import PROMPTS, make_trainer, straight_then_resumed
-from helpers.ports import free_port
+from helpers.ports import launch_env, two_processes
 
 from trl_gspo.guards import checkpointing
 
@@ -276,33 +276,12 @@ def test_two_process_resume_in_epochs_2_and_3_is_exact(tmp_path):
     saves after steps 5 (epoch 2) and 9 (epoch 3), both mid-rollout with a rollout still to draw in that epoch; a new
     trainer resumes from each (one launch runs all three, fault_utils.straight_then_resumed) and must end at the
     straight run's weights."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            script,
-            "--output_dir",
-            str(tmp_path / "run"),
-            "--max_steps",
-            "12",
-            "--resume_each",
-            "5",
-            "9",
-            "--weights_out",
-            str(tmp_path / "w.pt"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    out, weights_out = tmp_path / "run", tmp_path / "w.pt"
+    command = two_processes(
+        script, "--output_dir", out, "--max_steps", 12, "--resume_each", 5, 9, "--weights_out", weights_out
     )
+    result = subprocess.run(command, capture_output=True, text=True, env=launch_env(), timeout=300)
     log = result.stdout + result.stderr
     assert log.count("DONE") == 2, log[-4000:]  # judged by the markers: see the test below and FINDINGS.md
     saved = torch.load(tmp_path / "w.pt", weights_only=True)
@@ -316,12 +295,11 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     """2 processes (gloo): SIGTERM to rank 1 only. Both ranks must stop after the same step and save one complete
     checkpoint together (no deadlock, both rollout states), and a 2-process resume must finish the run."""
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = launch_env()
     script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
 
     def launch(*extra: str) -> list[str]:  # each launch with its own free rendezvous port
-        port = ["--master_port", str(free_port())]
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *port, script, *extra]
+        return two_processes(script, *extra)
 
     run = ("--output_dir", str(out), "--max_steps", str(N))
     proc = subprocess.Popen(

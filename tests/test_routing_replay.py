@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import vllm_stand_in
-from helpers.ports import free_port
+from helpers.ports import launch_env, two_processes
 from transformers import AutoModelForCausalLM
 
 from trl_gspo.common import trl_compat
@@ -738,26 +738,13 @@ def test_vllm_server_mode_with_two_processes_client_on_the_main_process_only(tmp
     import os
     import re
     import subprocess
-    import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     script = os.path.join(os.path.dirname(__file__), "helpers", "vllm_stand_in.py")
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            script,
-            "--output_dir",
-            str(tmp_path / "run"),
-        ],
+        two_processes(script, "--output_dir", tmp_path / "run"),
         capture_output=True,
         text=True,
-        env=env,
+        env=launch_env(),
         timeout=300,
     )
     log = result.stdout + result.stderr
