@@ -224,14 +224,14 @@ def main(argv=None) -> None:
         return
     import real_model_report
 
-    options.output_dir = options.output_dir or RESULTS / STUDIES[options.study]["folder"]
-    options.max_steps = options.max_steps or STUDIES[options.study].get("steps", 64)
+    study = STUDIES[options.study]
+    options.output_dir = options.output_dir or RESULTS / study["folder"]
+    options.max_steps = options.max_steps or study.get("steps", 64)
     if not options.replot:
         from trl_gspo.common.model_store import SMOLLM2, SOURCE_VARIABLE, resolve_model
 
         # one source for every run, decided here: each child would otherwise ask the network on its own
         os.environ[SOURCE_VARIABLE] = resolve_model(SMOLLM2).source
-        study = STUDIES[options.study]
         plan = [
             (arm, seed, lr)
             for seed in options.seeds
@@ -251,7 +251,6 @@ def main(argv=None) -> None:
             ]
             for job in jobs:
                 job.result()
-    study = STUDIES[options.study]
     band_only = options.study != "compare" and not study.get("settings") and "prompt" not in study
     real_model_report.report(options.output_dir, with_references=band_only)
 
