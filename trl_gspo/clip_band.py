@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
+from .common.metrics import masked_sum_and_count
 from .losses import LossSettings
 
 logger = logging.getLogger(__name__)
@@ -147,11 +148,7 @@ class ClipBand(TrainerCallback):
         if not self.enabled or mode != "train" or at_sampler_weights:
             return
         region = torch.maximum(low, high).detach().float()
-        if region.size(1) == 1:  # per sequence
-            counts = torch.stack([region.sum(), torch.tensor(float(region.size(0)), device=region.device)])
-        else:
-            valid = mask.float()
-            counts = torch.stack([(region.expand_as(valid) * valid).sum(), valid.sum()])
+        counts = torch.stack(masked_sum_and_count(region, mask.float()))  # TRL's region mean, as loss_metrics logs it
         self._counts = counts if self._counts is None else self._counts + counts
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -220,6 +220,14 @@ def expert_load_cv(load: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------ logging window
+def masked_sum_and_count(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of `x` and what a mean of it divides by, as TRL averages its metrics: a per-sequence `(B, 1)` tensor
+    counts sequences, a per-token one the valid tokens of `mask` (a float mask)."""
+    if x.size(1) == 1:
+        return x.sum(), torch.tensor(float(x.size(0)), device=x.device)
+    return (x.expand_as(mask) * mask).sum(), mask.sum()
+
+
 def loss_metrics(clip, low, high, mask, entropies, per_token_kl, accelerator) -> dict[str, float]:
     """TRL's loss metrics of one micro-batch (same names and values: `entropy`, `kl`, the clip metrics `clip` names,
     a `losses.Clip`), from one gather and one device-to-host copy; stock TRL issues a reduce or gather, each followed
@@ -227,25 +235,19 @@ def loss_metrics(clip, low, high, mask, entropies, per_token_kl, accelerator) ->
     or `(B, T)` per token."""
     mask = mask.float()
 
-    def sum_and_count(x):  # per-sequence tensors (B, 1) count sequences, per-token ones count valid tokens
-        if x.size(1) == 1:
-            return x.sum(), torch.tensor(float(x.size(0)), device=x.device)
-        x = x.expand_as(mask)
-        return (x * mask).sum(), mask.sum()
-
     def per_sequence(x):  # (B,) mean over each completion's tokens, for the min/max over sequences
         return losses.masked_sequence_mean(x.expand_as(mask), mask) if x.size(1) > 1 else x[:, 0]
 
     def indicator(which):
         return {"low": low, "high": high}[which] if which != "region" else torch.maximum(low, high)
 
-    names, stats = ["entropy"], [*sum_and_count(entropies)]
+    names, stats = ["entropy"], [*masked_sum_and_count(entropies, mask)]
     if per_token_kl is not None:
         names.append("kl")
-        stats += sum_and_count(per_token_kl)
+        stats += masked_sum_and_count(per_token_kl, mask)
     for name, which in clip.means:
         names.append(name)
-        stats += sum_and_count(indicator(which))
+        stats += masked_sum_and_count(indicator(which), mask)
     local = torch.stack(stats)
     if clip.extremes:
         local = torch.cat([local, *(per_sequence(indicator(which)) for _, which, _ in clip.extremes)])
