@@ -120,8 +120,12 @@ def main():
         def on_step_end(self, args, state, control, **kwargs):
             print(f"STEP {state.global_step} RANK {trainer.accelerator.process_index} PID {os.getpid()}", flush=True)
             if trainer.clip_band.enabled:  # the band this rank will use next (exact: repr of the floats)
+                # In a file per rank: the ranks share one stdout pipe, where another rank's partial line can join it.
                 low, high = trainer.clip_band.band
-                print(f"BAND {state.global_step} RANK {trainer.accelerator.process_index} {low!r} {high!r}", flush=True)
+                rank = trainer.accelerator.process_index
+                os.makedirs(cli.output_dir, exist_ok=True)
+                with open(os.path.join(cli.output_dir, f"bands-rank{rank}.txt"), "a") as record:
+                    record.write(f"{state.global_step} {low!r} {high!r}\n")
             if cli.step_delay:
                 import time
 
