@@ -16,6 +16,7 @@ Each checker is also run on a planted violation, which it must report.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -253,14 +254,15 @@ def _self_attributes_assigned(cls_node) -> set[str]:
     return names
 
 
-def trainer_additions() -> set[str]:
+@functools.cache  # read once: it parses TRL's trainer classes' source, seconds of CPU, and is asked for by module
+def trainer_additions() -> frozenset[str]:
     """What GSPOTrainer holds that TRL's trainer does not: its own methods and the attributes it assigns (its parts)."""
     trl_names = {name for klass in GRPOTrainer.__mro__ for name in vars(klass)}
     trl_source = "".join(inspect.getsource(klass) for klass in GRPOTrainer.__mro__ if klass.__module__ != "builtins")
     trl_names |= set(re.findall(r"self\.(\w+)\s*=", trl_source))
     tree = ast.parse((PACKAGE / "trainer.py").read_text())
     trainer_node = next(node for node in _class_nodes(tree) if node.name == "GSPOTrainer")
-    return (set(vars(GSPOTrainer)) | _self_attributes_assigned(trainer_node)) - trl_names
+    return frozenset((set(vars(GSPOTrainer)) | _self_attributes_assigned(trainer_node)) - trl_names)
 
 
 def _declared_fields(cls) -> set[str]:
