@@ -30,6 +30,13 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers.fault_utils import PROMPTS, length_reward, make_trainer
+from helpers.smallest_bug import (
+    dropped_token_mean_gap,
+    last_step_learning_rate,
+    one_token_margin,
+    one_token_step_gap,
+    trainer_loss,
+)
 
 from trl_gspo import GSPOConfig, GSPOTrainer, losses
 from trl_gspo.guards import checkpointing
@@ -111,10 +118,15 @@ def test_length_normalized_is_the_default_for_sequence_levels(tmp_path):
 
 
 def test_sync_vllm_flow_uses_length_normalized_correction_by_default(tokenizer, tmp_path, trainer_factory):
-    from test_sampler_logprobs import _fake_vllm, _first_rollout
+    from test_sampler_logprobs import _fake_vllm, _first_rollout, _UnevenGapVLLMTrainer
 
     trainer = _fake_vllm(
-        tokenizer, tmp_path, is_correction=True, old_logprobs_source="recompute", trainer_factory=trainer_factory
+        tokenizer,
+        tmp_path,
+        is_correction=True,
+        old_logprobs_source="recompute",
+        trainer_factory=trainer_factory,
+        cls=_UnevenGapVLLMTrainer,  # a gap that varies along the completion: a mask bug in its mean shows
     )
     assert trainer.args.vllm_importance_sampling_mode == "sequence_mask"  # TRL's default mode, left alone
     for batch in _first_rollout(trainer):
@@ -124,20 +136,29 @@ def test_sync_vllm_flow_uses_length_normalized_correction_by_default(tokenizer, 
         scale = batch["old_per_token_logps"].abs().max().item()
         bound = rounding_bound(torch.float32, m.size(1) + 3) * scale
         assert relative_gap(batch["importance_sampling_ratio"], torch.exp(mean_gap)[:, None], math.inf) <= bound
+        # companion (helpers/smallest_bug.py): one token left out of a row's mean moves its weight past the bound
+        assert dropped_token_mean_gap(batch["old_per_token_logps"] - batch["sampling_per_token_logps"], m) > bound
 
 
 # --------------------------------------------------------------------------------------- the decoupled loss
-def _naive_decoupled_loss(model, batch, level, bound, lo, hi, eps_low, eps_high, temperature):
-    """GRPO/GSPO/GSPO-token with the decoupled behaviour weight, from its own forward, one sequence at a time."""
+def _naive_logps(model, batch, temperature):
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     width = batch["completion_ids"].size(1)
     logits = model(input_ids=ids, attention_mask=att).logits[:, -width - 1 : -1].double() / temperature
-    lp = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+
+
+def _naive_decoupled_loss(model, batch, level, bound, lo, hi, eps_low, eps_high, temperature, keep=1):
+    """GRPO/GSPO/GSPO-token with the decoupled behaviour weight, from its own forward, one sequence at a time; `keep`
+    (0 at a token) leaves a token out of the loss, not of the attention: the smallest mask bug."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    width = batch["completion_ids"].size(1)
+    lp = _naive_logps(model, batch, temperature)
     old, mu, mask = (
         batch["old_per_token_logps"].double(),
         batch["sampling_per_token_logps"].double(),
-        batch["completion_mask"],
+        batch["completion_mask"] * keep,
     )
     total = 0.0
     for i in range(ids.size(0)):
@@ -231,11 +252,34 @@ def test_decoupled_loss_and_gradients_match_naive_reference(tokenizer, tmp_path,
     # fp32 rounding of the policy loss (rounding.loss_bound; the behaviour weight is a ratio of log-probs too)
     b, s = batch["prompt_ids"].size(0), batch["prompt_ids"].size(1) + batch["completion_ids"].size(1)
     size = max(batch[k].abs().max().item() for k in ("old_per_token_logps", "sampling_per_token_logps"))
-    assert relative_gap(loss, ref) <= loss_bound(torch.float32, model.config, s, b * s, size)
+    value_bound = loss_bound(torch.float32, model.config, s, b * s, size)
+    assert relative_gap(loss, ref) <= value_bound
     assert grads and all(torch.isfinite(g).all() for g in grads.values())
     grad_bound = loss_bound(torch.float32, model.config, s, b * s, size, b * s)
     for name, param in model.named_parameters():
         assert relative_gap(grads[name], param.grad) <= grad_bound, name
+
+    def reference(keep):  # the reference with one more token left out of the loss
+        model.zero_grad(set_to_none=True)
+        args = (level, bound, lo, hi, trainer.epsilon_low, trainer.epsilon_high, trainer.temperature, keep)
+        loss = _naive_decoupled_loss(model, batch, *args)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    # companion (helpers/smallest_bug.py): one token mis-masked, in any sequence the loss does not clip, moves the loss
+    # or some parameter's gradient past its bound (a token whose removal moves its sequence into the clip moves the
+    # loss only). A sequence GSPO clips gives no gradient, so a mask bug in it cannot show there, and the loss's
+    # value, a mean of ratios within ~1e-3 of 1 times advantages, moves by less than its bound.
+    mask = batch["completion_mask"]
+    if level != "token":
+        with torch.no_grad():
+            log_s = ((_naive_logps(model, batch, trainer.temperature) - batch["old_per_token_logps"]) * mask).sum(1)
+        ratio, advantages = torch.exp(log_s / mask.sum(1)), batch["advantages"]
+        clipped = (advantages > 0) & (ratio > 1 + trainer.epsilon_high)
+        clipped |= (advantages < 0) & (ratio < 1 - trainer.epsilon_low)
+        assert not clipped.all()
+        mask = mask * ~clipped[:, None]
+    assert one_token_margin(reference, mask, value_bound, grad_bound) > 1
     window = trainer.diagnostics.windows["train"].flush()
     assert 0 < window["async/behaviour_weight/outside_frac"] < 1  # the bounds acted on some weights, not all
     assert (
@@ -289,15 +333,24 @@ def test_staleness_zero_ends_at_the_synchronous_weights(sync_run, tmp_path):
     positions = args.per_device_train_batch_size * seq_len
     scale = corrected._buffered_inputs[0]["old_per_token_logps"].abs().max().item()  # the log-probs' size
     step = loss_bound(torch.float32, corrected.model.config, seq_len, positions, scale, positions)
+    bounds = {
+        name: sgd_weights_bound(torch.float32, step, args, N, value.norm().item())
+        for name, value in _weights(sgd).items()
+    }
     for name, value in _weights(sgd).items():
-        assert (ends[name] - value).norm().item() <= sgd_weights_bound(
-            torch.float32, step, args, N, value.norm().item()
-        ), name
+        assert (ends[name] - value).norm().item() <= bounds[name], name
     # the generator's log-probs are the trainer's at equal weights: one forward's fp32 rounding, relative to the
     # log-probs' size (the last rollout's)
     logged = [h["sampler/logp_abs_diff/max"] for h in corrected.state.log_history if "sampler/logp_abs_diff/max" in h]
     assert logged and max(logged) <= model_bound(torch.float32, corrected.model.config, seq_len) * scale
     assert not _generator_threads()
+    # companion (helpers/smallest_bug.py): one token mis-masked in the last step's loss (one micro-batch per step)
+    # moves that step, and so the end weights, past some parameter's bound
+    assert args.gradient_accumulation_steps == 1
+    last = corrected._buffered_inputs[(corrected.state.global_step - 1) % len(corrected._buffered_inputs)]
+    rate = last_step_learning_rate(corrected)
+    gap = one_token_step_gap(trainer_loss(corrected, last), last["completion_mask"], rate, args.max_grad_norm, bounds)
+    assert gap > 1
 
 
 def test_staleness_one_is_reproducible(sync_run, tmp_path):

@@ -224,6 +224,10 @@ def test_prefilter_metrics_are_trls_formulas():
     assert got["reward"] == pytest.approx(weighted.mean().item(), rel=rel)
     assert got["reward_std"] == pytest.approx(weighted.std().item(), rel=rel)
     assert got["rewards/r/mean"] == pytest.approx(rewards.mean().item(), rel=rel)
+    # companion (helpers/smallest_bug.py's kind): one row left out moves the mean and the std past the bound
+    for row in range(len(weighted)):
+        rest = torch.cat([weighted[:row], weighted[row + 1 :]])
+        assert abs(rest.mean() / weighted.mean() - 1) > rel and abs(rest.std() / weighted.std() - 1) > rel
     assert got["frac_reward_zero_std"] == pytest.approx(2 / 3)
 
 

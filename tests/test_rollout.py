@@ -90,6 +90,18 @@ def test_score_with_given_rewards_skips_the_reward_functions(tokenizer, tmp_path
     size = (grouped.abs() + grouped.mean(1, keepdim=True).abs()) / (grouped.std(1, keepdim=True) + 1e-4)
     bound = rounding_bound(torch.float32, 2 * G + 4) * size.flatten()
     assert ((batch["advantages"] - expected.flatten()).abs() <= bound).all()
+    # companion (helpers/smallest_bug.py's kind): one row left out of its group's mean and std moves another row's
+    # advantage past its bound. A group of equal rewards is left out: its advantages are 0 whichever rows count.
+    bound, margins = bound.view(-1, G), []
+    for group in range(grouped.size(0)):
+        if grouped[group].std() == 0:
+            continue
+        for row in range(G):
+            rest = torch.cat([grouped[group, :row], grouped[group, row + 1 :]])
+            moved = (grouped[group] - rest.mean()) / (rest.std() + 1e-4)
+            others = torch.arange(G) != row
+            margins.append(((moved - expected[group]).abs() / bound[group])[others].max().item())
+    assert margins and min(margins) > 1
 
 
 def test_sampling_stamp_is_the_generations(tokenizer, tmp_path, trainer_factory):

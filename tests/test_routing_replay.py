@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import vllm_stand_in
 from helpers.ports import launch_env, two_processes
+from helpers.smallest_bug import dropped_token_gap, one_token_gaps
 from transformers import AutoModelForCausalLM
 
 from trl_gspo.common import trl_compat
@@ -129,10 +130,12 @@ def test_replay_after_an_update_matches_a_naive_forced_forward(arch):
     ids = torch.randint(3, VOCAB, (B, S))
     old = record(hooks, model, ids)
     (-token_logps(model, ids).mean()).backward()
+    # a step that moves some routes, and leaves no token near-certain: a log-prob of ~0 (a step of 5.0 left one at -1e-4)
+    # mis-masked to 0 would move by less than the bound, and the companion below could not see it
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
-                p -= 5.0 * p.grad
+                p -= 2.0 * p.grad
     model.zero_grad()
     now = record(hooks, model, ids)
     assert not torch.equal(now.ids.sort(-1).values, old.ids.sort(-1).values)  # routing moved: replay must matter
@@ -164,6 +167,17 @@ def test_replay_after_an_update_matches_a_naive_forced_forward(arch):
     for router in hooks.routers:
         assert grads[router.module].abs().sum() > 0
         assert relative_gap(grads[router.module], router.module.weight.grad) <= grad_bound
+
+    def replayed_loss(keep):  # the replayed forward's loss with one more token left out: the router gradients
+        model.zero_grad(set_to_none=True)
+        with hooks.forward_pass(B, S, replay=old):
+            loss = (token_logps(model, ids) * keep).sum()
+        loss.backward()
+        return loss.detach(), {r.module: r.module.weight.grad.clone() for r in hooks.routers}
+
+    # companions (helpers/smallest_bug.py): one token mis-masked lands outside both bounds
+    assert dropped_token_gap(naive, torch.ones_like(naive)) > model_bound(torch.float32, model.config, S)
+    assert one_token_gaps(replayed_loss, torch.ones_like(naive))[1] > grad_bound
 
 
 def _with_parents(model, hooks):
@@ -205,6 +219,18 @@ def test_gradient_checkpointing_recomputes_on_the_replayed_routes():
     bound = model_bound(torch.float32, model.config, S, B * S)  # a forward and backward in fp32
     for name in plain:
         assert relative_gap(checkpointed[name], plain[name]) <= bound, name
+
+    def plain_loss(keep):  # the plain forward's loss with one more token left out
+        model.zero_grad(set_to_none=True)
+        model.gradient_checkpointing_disable()
+        with hooks.forward_pass(B, S, replay=forced, keep_for_recompute=True):
+            loss = (token_logps(model, ids) * keep).sum()
+        loss.backward()
+        hooks.release()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    # companion (helpers/smallest_bug.py): one token mis-masked moves some parameter's gradient past the bound
+    assert one_token_gaps(plain_loss, torch.ones(B, S - 1))[1] > bound
     assert all(plain[f"model.layers.{i}.mlp.gate.weight"].abs().sum() > 0 for i in range(hooks.num_layers))
     # what the test guards against: a recompute that routes natively no longer matches its forward (torch notices
     # here because the expert kernel saves a different number of tensors; with other shapes it would not)
@@ -226,6 +252,8 @@ def test_sentinel_positions_route_natively_and_bad_routes_raise():
     # rounding only (the expert kernels batch other tokens with row 1's: one forward's fp32 rounding), while forced
     # rows move by far more
     assert relative_gap(mixed[1], native[1], math.inf) <= model_bound(torch.float32, model.config, S)
+    # companion (helpers/smallest_bug.py): one of row 1's tokens mis-masked lands outside the bound
+    assert dropped_token_gap(native[1], torch.ones_like(native[1])) > model_bound(torch.float32, model.config, S)
     assert (mixed[0] - native[0]).abs().max() > 1e-3
     with pytest.raises(
         ValueError,
@@ -256,19 +284,28 @@ def test_the_load_balancing_loss_stays_on_the_routers_own_picks():
     with torch.no_grad(), hooks.forward_pass(B, S, replay=forced) as observed:
         out = model(input_ids=ids, output_router_logits=True)
 
-    def switch_loss(routes):  # routes [B, S, L, k]; pooled over layers: E * sum_e (share of picks) * (mean prob)
+    def switch_loss(routes, keep=None):  # routes [B, S, L, k]; pooled over layers: E * sum_e (share of picks) * (mean
+        # prob); `keep` [B * S] (0 at a position) leaves a position out of the count
+        keep = torch.ones(B * S) if keep is None else keep
         picks, probs = 0, 0
         for layer, logits in enumerate(out.router_logits):
             chosen = torch.nn.functional.one_hot(routes[:, :, layer].reshape(-1, hooks.top_k).long(), hooks.num_experts)
-            picks = picks + chosen.float().sum((0, 1))
-            probs = probs + torch.softmax(logits.float(), -1).sum(0)
-        rows = len(out.router_logits) * B * S
+            picks = picks + (chosen.float() * keep[:, None, None]).sum((0, 1))
+            probs = probs + (torch.softmax(logits.float(), -1) * keep[:, None]).sum(0)
+        rows = len(out.router_logits) * keep.sum()
         return hooks.num_experts * ((picks / rows) * (probs / rows)).sum()
 
     # the same router logits: fp32 rounding of a softmax over the experts, sums over every position of every layer
     bound = rounding_bound(torch.float32, 2 * hooks.num_experts + len(out.router_logits) * B * S)
     assert relative_gap(out.aux_loss, switch_loss(observed.native_routes())) <= bound
     assert relative_gap(out.aux_loss, switch_loss(forced.ids)) > bound
+    # companion (helpers/smallest_bug.py's kind): one position left out of the count lands outside the bound too
+    native, dropped = switch_loss(observed.native_routes()), []
+    for position in range(B * S):
+        keep = torch.ones(B * S)
+        keep[position] = 0
+        dropped.append(relative_gap(switch_loss(observed.native_routes(), keep), native))
+    assert min(dropped) > bound
 
 
 # --------------------------------------------------------------------------------------------- trainer level

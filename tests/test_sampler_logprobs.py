@@ -14,7 +14,15 @@ import math
 
 import pytest
 import torch
-from helpers.smallest_bug import dropped_token_gap, one_token_gaps, weighted_logp_loss
+from helpers.smallest_bug import (
+    dropped_token_gap,
+    dropped_token_mean_gap,
+    last_step_learning_rate,
+    one_token_gaps,
+    one_token_step_gap,
+    trainer_loss,
+    weighted_logp_loss,
+)
 from helpers.trainers import SAMPLING_RUN
 from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
@@ -75,6 +83,8 @@ def test_recorder_matches_independent_forward_with_top_k_top_p(tokenizer):
     for row, exp in zip(got, expected):
         gap = relative_gap(torch.tensor(row, dtype=torch.float64), exp[: len(row)], math.inf)
         assert gap <= _logp_bound(model, out.size(1))
+        # companion (helpers/smallest_bug.py): one of the row's tokens mis-masked lands outside the bound
+        assert dropped_token_gap(exp[: len(row)], torch.ones(len(row))) > _logp_bound(model, out.size(1))
     # top-k=5 / top-p=0.8 renormalise the sampling distribution: the processed log-prob would be visibly higher.
     assert (expected.exp() < 0.99).all()
 
@@ -102,9 +112,16 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
     for source in ("recompute", "sampler"):
         calls.clear()
         # plain SGD: its runs stay within rounding of each other (rounding.sgd_weights_bound); Adam would turn a
-        # rounding-sized gradient difference on a ~0 gradient into a step of up to the learning rate
+        # rounding-sized gradient difference on a ~0 gradient into a step of up to the learning rate. A constant
+        # rate: a linear decay would leave the last step an eighth of it, too small a step for a one-token bug in
+        # it to move the weights past their bound (the companion below)
         trainer = trainer_factory(
-            TRAINER, output_dir=tmp_path / source, max_steps=8, old_logprobs_source=source, optim="sgd"
+            TRAINER,
+            output_dir=tmp_path / source,
+            max_steps=8,
+            old_logprobs_source=source,
+            optim="sgd",
+            lr_scheduler_type="constant",
         )
         trainer.train()
         runs[source] = dict(
@@ -124,6 +141,7 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
         assert torch.equal(a["completion_ids"], b["completion_ids"])  # same samples (sampling is RNG-identical)
         m = a["completion_mask"].bool()
         assert relative_gap(b["old_per_token_logps"][m], a["old_per_token_logps"][m], math.inf) <= logp_bound
+        assert dropped_token_gap(a["old_per_token_logps"], m) > logp_bound  # companion: one token mis-masked shows
     # the loss (rounding.loss_bound): its terms are advantage x ratio, each ~1 (advantages scaled to unit std)
     args, positions = trainer.args, TRAINER["per_device_train_batch_size"] * seq_len
     scale = max(b["old_per_token_logps"].abs().max().item() for b in runs["recompute"]["batches"])
@@ -132,8 +150,22 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
         assert b == pytest.approx(a, rel=value, abs=value)
     assert any(abs(x) > 1e-3 for x in runs["recompute"]["losses"])  # a non-trivial loss was compared
     gradient = loss_bound(torch.float32, trainer.model.config, seq_len, positions, scale, positions)
-    for pa, pb in zip(runs["recompute"]["params"], runs["sampler"]["params"]):
-        assert (pb - pa).norm().item() <= sgd_weights_bound(torch.float32, gradient, args, 8, pa.norm().item())
+    bounds = {}
+    for (name, _), pa, pb in zip(
+        trainer.model.named_parameters(), runs["recompute"]["params"], runs["sampler"]["params"]
+    ):
+        bounds[name] = sgd_weights_bound(torch.float32, gradient, args, 8, pa.norm().item())
+        assert (pb - pa).norm().item() <= bounds[name]
+    # companion (helpers/smallest_bug.py): one token mis-masked in the last step's loss (one micro-batch per step)
+    # moves that step, and so the end weights, past some parameter's bound. The loss's value, a mean of sequence
+    # ratios within ~1e-3 of 1 times advantages, moves by less than its own bound: the weights are what shows it.
+    assert args.gradient_accumulation_steps == 1
+    last = trainer._buffered_inputs[(trainer.state.global_step - 1) % len(trainer._buffered_inputs)]
+    rate = last_step_learning_rate(trainer)
+    step_gap = one_token_step_gap(
+        trainer_loss(trainer, last), last["completion_mask"], rate, args.max_grad_norm, bounds
+    )
+    assert step_gap > 1
     # The gap is logged from the on-policy mini-batches only (one per rollout), and is fp32-small.
     logged = [h for h in runs["sampler"]["history"] if "sampler/logp_abs_diff/max" in h]
     assert len(logged) == 2
@@ -390,7 +422,23 @@ class _FakeVLLMTrainer(GSPOTrainer):
                 completion_ids, _ = GRPOTrainer._generate_single_turn(self, *args, **kwargs)
         finally:
             self.use_vllm = True
-        return completion_ids, [[x + SAMPLER_GAP for x in row] for row in rec.completion_logprobs(completion_ids)]
+        return completion_ids, [
+            [x + self.gap(t) for t, x in enumerate(row)] for row in rec.completion_logprobs(completion_ids)
+        ]
+
+    @staticmethod
+    def gap(position):
+        return SAMPLER_GAP
+
+
+class _UnevenGapVLLMTrainer(_FakeVLLMTrainer):
+    """The stand-in with a gap that alternates along the completion, 1x and 1.5x SAMPLER_GAP: a per-sequence mean of
+    the gaps then moves when one token is left out of it or let into it, so a mask bug shows (with every token's gap
+    equal, the mean over any subset of tokens is that gap)."""
+
+    @staticmethod
+    def gap(position):
+        return SAMPLER_GAP * (1 + 0.5 * (position % 2))
 
 
 def _gap_tolerance(trainer, batches):
@@ -401,8 +449,8 @@ def _gap_tolerance(trainer, batches):
     return model_bound(torch.float32, trainer.model.config, seq_len) * scale
 
 
-def _fake_vllm(tokenizer, tmp_path, is_correction, trainer_factory, **overrides):
-    trainer = trainer_factory(TRAINER, output_dir=tmp_path, cls=_FakeVLLMTrainer, **overrides)
+def _fake_vllm(tokenizer, tmp_path, is_correction, trainer_factory, cls=_FakeVLLMTrainer, **overrides):
+    trainer = trainer_factory(TRAINER, output_dir=tmp_path, cls=cls, **overrides)
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, is_correction
     return trainer
 
@@ -435,6 +483,7 @@ def test_vllm_flow_length_normalized_is_correction(tokenizer, tmp_path, trainer_
         vllm_importance_sampling_length_normalized=True,
         vllm_importance_sampling_mode="sequence_truncate",
         trainer_factory=trainer_factory,
+        cls=_UnevenGapVLLMTrainer,
     )
     batches = _first_rollout(trainer)
     tol = _gap_tolerance(trainer, batches)
@@ -442,12 +491,15 @@ def test_vllm_flow_length_normalized_is_correction(tokenizer, tmp_path, trainer_
         m = batch["completion_mask"].float()
         diff = (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * m
         mean_gap = diff.sum(1) / m.sum(1)
-        assert (mean_gap + SAMPLER_GAP).abs().max() <= tol  # recomputed pi_old vs engine
-        # exp of the mean gap (~1.002 at any length), not TRL's exp of the sum (1.002 ** length); fp32: a mean over
+        gaps = torch.tensor([_UnevenGapVLLMTrainer.gap(t) for t in range(m.size(1))])  # the engine's, per position
+        assert (mean_gap + (gaps * m).sum(1) / m.sum(1)).abs().max() <= tol  # recomputed pi_old vs engine
+        # exp of the mean gap (1.002 to 1.003 at any length), not TRL's exp of the sum (1.002 ** length and more); fp32: a mean over
         # the completion and an exp, of differences of log-probs as large as the largest
         scale = batch["old_per_token_logps"].abs().max().item()
         bound = rounding_bound(torch.float32, m.size(1) + 3) * scale
         assert relative_gap(batch["importance_sampling_ratio"], torch.exp(mean_gap)[:, None], math.inf) <= bound
+        # companion (helpers/smallest_bug.py): one token left out of a row's mean moves its weight past the bound
+        assert dropped_token_mean_gap(diff, m) > bound
         long = m.sum(1) > 3
         assert long.any() and (torch.exp(diff.sum(1)[long]) > torch.exp(mean_gap[long]) + 3e-3).all()
     assert any("sampling/importance_sampling_ratio_length_normalized/mean" in h for h in trainer.state.log_history)

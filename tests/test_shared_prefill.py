@@ -11,10 +11,12 @@
 
 import contextlib
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.smallest_bug import dropped_token_gap
 from helpers.trainers import SAMPLING_RUN
 from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
@@ -22,18 +24,21 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo.rollout import sampler_logprobs as sl
 from trl_gspo.rollout.shared_prefill import PrefillSharing, SharedPrefill, distinct_rows
-from trl_gspo.rounding import model_bound
+from trl_gspo.rounding import model_bound, relative_gap
 from trl_gspo.testing import build_tiny_model
 
 G = 4
 
 
-def assert_rounding_close(got, want, config, seq_len):
+def assert_rounding_close(got, want, config, seq_len, logps=True):
     """Equal up to fp32 rounding of a decoder's value over `seq_len` positions (trl_gspo/rounding.py), relative to the
     values' size: a smaller prefill batch sums in another order, a wrong cache row or position moves them by far
-    more."""
+    more. For log-probs (`logps`), the companion (helpers/smallest_bug.py): one token mis-masked, its log-prob 0,
+    lands outside the bound."""
     atol = model_bound(torch.float32, config, seq_len) * float(want.abs().max())
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    if logps:
+        assert dropped_token_gap(want, torch.ones_like(want)) > model_bound(torch.float32, config, seq_len)
 
 
 def _repeated_prompts(tokenizer, lengths=(5, 9, 7), seed=0):
@@ -89,7 +94,11 @@ def test_generate_gives_the_full_prefills_completions(tokenizer, sample):
     finite = [torch.isfinite(a) for a in full.scores]  # top-k / top-p set the others to -inf, in both
     for a, b, keep in zip(full.scores, shared.scores, finite):
         assert torch.equal(torch.isfinite(b), keep)
-        assert_rounding_close(b[keep], a[keep], model.config, full.sequences.size(1))
+        assert_rounding_close(b[keep], a[keep], model.config, full.sequences.size(1), logps=False)
+    # companion: the bug of this kind, a wrong cache row (another prompt's), moves some step's scores past the bound
+    bound = model_bound(torch.float32, model.config, full.sequences.size(1))
+    other = torch.arange(ids.size(0)).roll(G)  # each row against a row of the next prompt
+    assert min(relative_gap(a[other][keep], a[keep], math.inf) for a, keep in zip(full.scores, finite)) > bound
     # the rows of a prompt are not all the same completion: the copied cache did not make them one
     assert sample is False or len({tuple(r) for r in shared.sequences[:G].tolist()}) > 1
 

@@ -9,7 +9,15 @@ rounding bound (trl_gspo/rounding.py) still fails on it. A bound a one-token mis
   relative gap over the parameters (the tests check every parameter, so a bug shows where it moves most); returns
   the smallest of each over the tokens: the one-token bug the bound has the hardest time catching. A token whose
   removal changes nothing at all (in a sequence GSPO clips, every token's term is the same clipped value) is left
-  out: no test of this batch, under any bound, can show it.
+  out: no test of this batch, under any bound, can show it. `one_token_margin`: the same bugs, each caught by the loss's
+  bound or the gradients', whichever it passes by more.
+- `dropped_token_means`: a per-sequence mean over the tokens (a length-normalised log-ratio, its exp an importance
+  weight): each row's mean with one of its tokens left out, for the test to measure as it measures the mean;
+  `dropped_token_mean_gap` measures fn(mean) (exp: the weight) every row, relative to the largest.
+- `one_token_step_gap`: the weights of two plain-SGD runs (`rounding.sgd_weights_bound`). One token mis-masked in one
+  step's loss moves that step, learning rate x the clipped gradient, and a step small enough to train stably carries
+  the move forward (first order, as the bound assumes); in the run's last step nothing follows to shrink it. Per
+  token, the largest move over the parameters relative to each one's bound; returns the smallest over the tokens.
 """
 
 from __future__ import annotations
@@ -25,11 +33,10 @@ def dropped_token_gap(values: torch.Tensor, mask: torch.Tensor) -> float:
     return (kept.min() / kept.max()).item()
 
 
-def one_token_gaps(compute, mask: torch.Tensor) -> tuple[float, float]:
-    """(smallest loss gap, smallest largest-gradient gap) over the tokens of `mask` dropped one at a time;
-    `compute(keep)` -> (loss, {parameter name: gradient}) with the loss's mask multiplied by `keep`."""
+def _per_token_gaps(compute, mask: torch.Tensor) -> list[tuple[float, float]]:
+    """(loss gap, largest gradient gap) per token of `mask` dropped, leaving out tokens that change nothing."""
     loss, grads = compute(torch.ones_like(mask))
-    loss_gaps, grad_gaps = [], []
+    gaps = []
     for index in mask.nonzero().tolist():
         keep = torch.ones_like(mask)
         keep[tuple(index)] = 0
@@ -38,10 +45,64 @@ def one_token_gaps(compute, mask: torch.Tensor) -> tuple[float, float]:
         grad_gap = max(relative_gap(bug_grads[name], grad) for name, grad in grads.items())
         if loss_gap == 0 and grad_gap == 0:  # the token weighs nothing here (a clipped sequence's): no test sees it
             continue
-        loss_gaps.append(loss_gap)
-        grad_gaps.append(grad_gap)
-    assert loss_gaps, "no token of the mask changes the loss: the batch cannot show a one-token bug"
-    return min(loss_gaps), min(grad_gaps)
+        gaps.append((loss_gap, grad_gap))
+    assert gaps, "no token of the mask changes the loss: the batch cannot show a one-token bug"
+    return gaps
+
+
+def one_token_gaps(compute, mask: torch.Tensor) -> tuple[float, float]:
+    """(smallest loss gap, smallest largest-gradient gap) over the tokens of `mask` dropped one at a time;
+    `compute(keep)` -> (loss, {parameter name: gradient}) with the loss's mask multiplied by `keep`."""
+    gaps = _per_token_gaps(compute, mask)
+    return min(g[0] for g in gaps), min(g[1] for g in gaps)
+
+
+def one_token_margin(compute, mask: torch.Tensor, loss_bound: float, grad_bound: float) -> float:
+    """min over the tokens of `mask` of max(loss gap / `loss_bound`, largest gradient gap / `grad_bound`): a test that
+    checks a loss and its gradients catches a bug in whichever moves past its bound (a token that moves a sequence into
+    GSPO's clip moves the loss, not the gradient). Above 1: the hardest one-token bug is caught."""
+    return min(max(loss / loss_bound, grad / grad_bound) for loss, grad in _per_token_gaps(compute, mask))
+
+
+def dropped_token_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[rows, tokens] in fp64: row i's mean of `values` over `mask` with token (i, t) left out, NaN where `mask` has no
+    token or the row has no other token (that bug empties the mean: it shows whatever the bound)."""
+    v, m = values.detach().double(), mask.double()
+    total, count = (v * m).sum(1, keepdim=True), m.sum(1, keepdim=True)
+    means = (total - v) / (count - 1).clamp(min=1)
+    return torch.where(mask.bool() & (count > 1), means, torch.full_like(means, float("nan")))
+
+
+def dropped_token_mean_gap(values: torch.Tensor, mask: torch.Tensor, fn=torch.exp) -> float:
+    """min over the tokens of `mask` of |fn(row's mean without the token) - fn(row's mean)| / max |fn(mean)|: a
+    per-sequence fn of a mean (exp: an importance weight) compared, every row, relative to the largest."""
+    v, m = values.detach().double(), mask.double()
+    full = fn((v * m).sum(1) / m.sum(1).clamp(min=1))
+    moved = (fn(dropped_token_means(values, mask)) - full[:, None]).abs()
+    return (moved[~moved.isnan()].min() / full.abs().max()).item()
+
+
+def one_token_step_gap(compute, mask: torch.Tensor, learning_rate: float, max_grad_norm: float, bounds: dict) -> float:
+    """min over the tokens of `mask`, dropped one at a time, of max over the parameters of ||step moved|| / bound,
+    an SGD step being learning_rate x the gradient clipped to `max_grad_norm` in total 2-norm, as the trainer clips;
+    `compute` as for `one_token_gaps`, `bounds` each parameter's weights bound. Above 1: the bug shows."""
+
+    def step(grads):
+        norm = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads.values()])).item()
+        scale = min(1.0, max_grad_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s coefficient
+        return {n: learning_rate * scale * g.double() for n, g in grads.items()}
+
+    base = step(compute(torch.ones_like(mask))[1])
+    gaps = []
+    for index in mask.nonzero().tolist():
+        keep = torch.ones_like(mask)
+        keep[tuple(index)] = 0
+        moved = step(compute(keep)[1])
+        gap = max((moved[n] - base[n]).norm().item() / bounds[n] for n in base)
+        if gap > 0:  # a token that weighs nothing here (a clipped sequence's) is left out, as in one_token_gaps
+            gaps.append(gap)
+    assert gaps, "no token of the mask moves the step: the batch cannot show a one-token bug"
+    return min(gaps)
 
 
 def weighted_logp_loss(model, batch: dict, weights, entropy_coef: float = 0.1, temperature: float = 1.0):
@@ -65,3 +126,26 @@ def weighted_logp_loss(model, batch: dict, weights, entropy_coef: float = 0.1, t
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     return compute
+
+
+def trainer_loss(trainer, inputs: dict):
+    """`compute` for `one_token_gaps` / `one_token_step_gap` over the trainer's own loss on a micro-batch it trained
+    on (one micro-batch per optimizer step: the step's whole gradient), the completion mask multiplied by `keep`.
+    Overwrites the model's gradients: call it after the test's own checks."""
+    model = trainer.model
+    trainer.current_gradient_accumulation_steps = 1
+
+    def compute(keep):
+        model.zero_grad(set_to_none=True)
+        loss = trainer._compute_loss(model, {**inputs, "completion_mask": inputs["completion_mask"] * keep})
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    return compute
+
+
+def last_step_learning_rate(trainer) -> float:
+    """The learning rate of a finished run's last optimizer step, from its scheduler (a `LambdaLR`, as transformers'
+    schedules are): the step whose bug nothing after it shrinks."""
+    factor = trainer.lr_scheduler.lr_lambdas[0](trainer.state.global_step - 1)
+    return trainer.args.learning_rate * factor
