@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_PY = os.path.join(ROOT, "benchmarks", "run.py")
 
@@ -25,22 +27,62 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_tiny_run_writes_one_file_per_scenario(tmp_path):
-    """Every scenario end to end. `demo` trains the real model (SmolLM2-135M-Instruct, prepared by make test) for two
-    steps because that scenario is `make demo` as typed: that model, torch's own thread count, every core, which its
-    record must say; the `real_*` scenarios run SmolLM2's tokenizer, template and vocabulary on a shrunk random model."""
+#: The scenarios in three runs, which pytest-xdist's workers take side by side (one run of all of them was the suite's
+#: longest test): the real model as `make demo` types it (the costliest scenario alone), the tiny models, and SmolLM2's
+#: tokenizer and vocabulary on a shrunk model. The vLLM ones are skipped here (vLLM's CPU build only).
+GROUPS = {
+    "demo": ("demo", "demo_real_vllm"),
+    "tiny": (
+        "demo_copy",
+        "loss_path",
+        "equal_settings",
+        "equal_settings_no_diagnostics",
+        "sampler_logprobs",
+        "logprob_memory",
+        "async",
+        "long_tail",
+        "long_prompt",
+        "demo_vllm",
+        "vllm_generation",
+    ),
+    "real": (
+        "real_equal_settings",
+        "real_sampler_logprobs",
+        "real_fast_settings",
+        "real_long_tail",
+        "real_long_prompt",
+    ),
+}
+
+
+def test_the_groups_hold_every_scenario_once():
+    """A scenario added to the registry joins a group, or no test runs it."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from scenarios.registry import SCENARIOS
+
+    names = [name for group in GROUPS.values() for name in group]
+    assert sorted(names) == sorted(SCENARIOS) and len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_tiny_run_writes_one_file_per_scenario(tmp_path, group):
+    """Every scenario end to end, a group per test. `demo` trains the real model (SmolLM2-135M-Instruct, prepared by
+    make test) for two steps because that scenario is `make demo` as typed: that model, torch's own thread count, every
+    core, which its record must say; the `real_*` scenarios run SmolLM2's tokenizer, template and vocabulary on a
+    shrunk random model."""
     from trl_gspo.forward import fused_head
 
-    proc = _run("--reps", "2", "--results-dir", str(tmp_path))
+    names = set(GROUPS[group])
+    proc = _run("--reps", "2", "--results-dir", str(tmp_path), "--scenarios", ",".join(GROUPS[group]))
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     padding_path = fused_head.available()  # TRL < 1.15: padding removal is off, so the layout scenarios are skipped
     layouts = {"long_tail", "long_prompt"} if padding_path else set()
     expected = {"demo", "demo_copy", "loss_path", "equal_settings", "equal_settings_no_diagnostics", "sampler_logprobs"}
     expected |= {"logprob_memory", "async"} | layouts
     real = _real_model_scenarios(padding_path)  # SmolLM2 where it is prepared (make test prepares it), else skipped
-    expected |= real
+    expected = (expected | real) & names
     assert {os.path.basename(p) for p in summary["written"]} == {f"{name}.json" for name in expected}
-    assert set(summary["skipped"]) >= {"demo_vllm", "demo_real_vllm", "vllm_generation"}  # vLLM's CPU build only
+    assert set(summary["skipped"]) >= {"demo_vllm", "demo_real_vllm", "vllm_generation"} & names  # vLLM's CPU build
     files = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in expected}
     for name, record in files.items():
         assert record["scenario"] == name and record["what"] and record["date"].startswith("20")
@@ -50,15 +92,28 @@ def test_tiny_run_writes_one_file_per_scenario(tmp_path):
         assert machine["cpu_count"] > 0 and len(machine["load_average_before"]) == 3 and machine["omp_num_threads"]
         assert record["versions"]["trl"] and record["settings"]["tiny"] is True and _positive(record["wall_seconds"])
     report = {name: record["result"] for name, record in files.items()}
+    if group == "demo":
+        _check_demo(report)
+    elif group == "tiny":
+        _check_tiny_models(report, proc.stderr, padding_path)
+    else:
+        _check_real(report, summary["skipped"], real)
 
+
+def _check_demo(report: dict) -> None:
     demo = report["demo"]  # the real model as typed: torch's threads, every core
     assert demo["seeds"] == [0] and demo["runs"][0]["steps"] == 2 and demo["runs"][0]["eval_prompts"] == 4
     assert demo["runs"][0]["threads_from"] == "torch's default"  # no thread count imposed on a real model
-    copy = report["demo_copy"]
+    assert 0 <= demo["after_min"] <= 1 and _positive(demo["median_end_to_end_seconds"])
+
+
+def _check_tiny_models(report: dict, log: str, padding_path: bool) -> None:
+    from trl_gspo.forward import fused_head
+
+    copy = report["demo_copy"]  # the demo's settings on a tiny copy of the model, its own thread choice
     assert copy["seeds"] == [0] and copy["runs"][0]["steps"] == 4 and copy["runs"][0]["eval_prompts"] == 8
     assert copy["runs"][0]["threads"] == 1 and "the demo's choice" in copy["runs"][0]["threads_from"]  # as typed
-    for run in (demo, copy):
-        assert 0 <= run["after_min"] <= 1 and _positive(run["median_end_to_end_seconds"])
+    assert 0 <= copy["after_min"] <= 1 and _positive(copy["median_end_to_end_seconds"])
     lp = report["loss_path"]
     assert lp["iters"] > 0 and _positive(lp["ratio_seconds"]) and _positive(lp["ratio_cpu_seconds"])
     assert _positive(lp["ratio_seconds_no_diagnostics"]) and _positive(lp["ratio_cpu_seconds_no_diagnostics"])
@@ -90,9 +145,8 @@ def test_tiny_run_writes_one_file_per_scenario(tmp_path):
     assert all(v >= 0 for v in mem["peak_memory_bytes"].values())  # tiny sizes may fit in freed heap
     assert mem["full_fp32_logits_bytes"] == mem["vocab"] * mem["completion_tokens"] * 4
     _check_async(report["async"])
-    _check_real(report, summary["skipped"], real)
     if not padding_path:
-        assert "long_tail skipped" in proc.stderr
+        assert "long_tail skipped" in log
         return
     shapes = {"long_tail": ("long_tail", "long_tail_one_micro_batch"), "long_prompt": ("long_prompt",)}
     variants = {
