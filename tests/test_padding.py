@@ -13,7 +13,17 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from helpers.smallest_bug import dropped_token_gap, one_token_gaps, weighted_logp_loss
+from helpers.smallest_bug import (
+    accumulated_trainer_loss,
+    dropped_token_gap,
+    last_step_learning_rate,
+    last_step_micro_batches,
+    one_token_gaps,
+    one_token_margin,
+    one_token_step_gap,
+    trainer_loss,
+    weighted_logp_loss,
+)
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
@@ -479,7 +489,7 @@ def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings, trainer_fa
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.log({})  # moves the diagnostics window and throughput counts into TRL's metrics
     metrics = {k: v for k, v in trainer.state.log_history[-1].items()}
-    return loss.detach(), grads, metrics
+    return loss.detach(), grads, metrics, trainer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
@@ -531,6 +541,9 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(
         for key, value in off[2].items():
             if key not in skip and isinstance(value, float):
                 assert on[2][key] == pytest.approx(value, rel=value_bound, abs=metric_floor), (variant, key)
+    # companion (helpers/smallest_bug.py): one token mis-masked in the padded forward's loss moves the loss or some
+    # parameter's gradient past its bound, for every token whose loss term moves at all
+    assert one_token_margin(trainer_loss(off[3], inputs), inputs["completion_mask"], value_bound, grad_bound) > 1
 
 
 # ------------------------------------------------------------------------------- sorted micro-batches
@@ -538,14 +551,14 @@ SORT_DEFAULT_ON = ["grpo", "dr_grpo", "dapo", "cispo", "luspo", "sapo", "vespo"]
 
 
 def _step_gradient(model, tokenizer, tmp_path, micro_batches, settings, trainer_factory):
-    """Accumulated gradient of one optimizer step: `_compute_loss` + backward over each micro-batch."""
+    """Accumulated gradient of one optimizer step: `_compute_loss` + backward over each micro-batch; and the trainer."""
     trainer = trainer_factory(
         TRAINER, model=copy.deepcopy(model), output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
     )
     trainer.current_gradient_accumulation_steps = len(micro_batches)
     for mb in micro_batches:
         trainer._compute_loss(trainer.model, {k: v.clone() for k, v in mb.items()}).backward()
-    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, trainer
 
 
 @pytest.mark.parametrize("name", SORT_DEFAULT_ON + ["bnpo"])
@@ -560,8 +573,8 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
     trl_order = [{k: (v[i : i + 2] if v.dim() else v) for k, v in inputs.items()} for i in (0, 2, 4)]
     sorted_batches = padding.sort_rows_by_length(trl_order)
     assert [b["completion_mask"].sum(1).tolist() for b in sorted_batches] == [[6, 5], [3, 2], [1, 0]]
-    reference = _step_gradient(model, tokenizer, tmp_path / "a", trl_order, settings, trainer_factory)
-    got = _step_gradient(model, tokenizer, tmp_path / "b", sorted_batches, settings, trainer_factory)
+    reference, trainer = _step_gradient(model, tokenizer, tmp_path / "a", trl_order, settings, trainer_factory)
+    got, _ = _step_gradient(model, tokenizer, tmp_path / "b", sorted_batches, settings, trainer_factory)
     errors = [relative_gap(got[n], g) for n, g in reference.items()]
     # fp32 rounding of the policy loss's gradient over three micro-batches, accumulated (rounding.loss_bound)
     s = inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
@@ -571,6 +584,10 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
         assert max(errors) > 100 * bound  # another micro-batch's token count: far beyond rounding
     else:
         assert max(errors) <= bound
+        # companion (helpers/smallest_bug.py): one token mis-masked in one micro-batch moves some parameter's
+        # accumulated gradient past the bound
+        compute = accumulated_trainer_loss(trainer, trl_order)
+        assert one_token_gaps(compute, inputs["completion_mask"])[1] > bound
 
 
 @needs_fused_head
@@ -678,9 +695,17 @@ def assert_same_sgd_weights(got, want, trainer, what, seq_len=16):
     positions = args.per_device_train_batch_size * args.gradient_accumulation_steps * seq_len
     tokens = positions + args.gradient_accumulation_steps
     step = loss_bound(torch.float32, trainer.model.config, seq_len, tokens, logp_size(trainer), positions)
+    bounds = {}
     for n, p in want.items():
         bound = sgd_weights_bound(torch.float32, step, args, trainer.state.global_step, p.detach().norm().item())
         assert (got[n].detach() - p.detach()).norm().item() <= bound, (what, n)
+        bounds[n] = bound
+    # companion (helpers/smallest_bug.py): one token mis-masked in the run's last optimizer step (its micro-batches
+    # accumulated) moves that step, and so the end weights, past some parameter's bound
+    last = last_step_micro_batches(trainer)
+    compute = accumulated_trainer_loss(trainer, last)
+    mask = torch.cat([mb["completion_mask"] for mb in last])
+    assert one_token_step_gap(compute, mask, last_step_learning_rate(trainer), args.max_grad_norm, bounds) > 1, what
 
 
 @pytest.mark.slow
