@@ -821,9 +821,11 @@ def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, 
     forced = torch.rand(b, s, hooks.num_layers, hooks.num_experts, generator=g).argsort(-1)[..., : hooks.top_k]
     table = RouteTable(forced.to(hooks.id_dtype), torch.ones(b, s, dtype=torch.bool))
     weights = torch.randn(b, completion.size(1), generator=g)
-    results = {}
+    results, trainers = {}, {}
     for name, settings in CONFIGS.items():
-        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
+        trainer = trainers[name] = trainer_factory(
+            TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings
+        )
         with trainer.moe_routing.hooks.forward_pass(
             b, s, record=False, replay=table, keep_for_recompute=grad
         ) as observed:
@@ -848,6 +850,23 @@ def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, 
             assert grads.keys() == full_grads.keys()
             for n, ref in full_grads.items():
                 assert relative_gap(grads[n], ref) <= grad_bound, (name, n)
+    # companions (helpers/smallest_bug.py): one completion token mis-masked lands outside the log-prob bound; with
+    # grad, one token mis-masked in the loss (the padded forward, the same forced routes replayed) moves some
+    # parameter's gradient past its bound: one replayed forward, a gradient per token through it
+    assert dropped_token_gap(full, completion) > logp_bound
+    if grad:
+        trainer = trainers["full (TRL)"]
+        with trainer.moe_routing.hooks.forward_pass(b, s, record=False, replay=table, keep_for_recompute=True):
+            logps = _forward(trainer, batch)[0]
+        params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+        def compute(keep):
+            loss = (logps * weights * completion * keep).sum()
+            moved = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
+            return loss.detach(), {n: g for n, g in zip(params, moved) if g is not None}
+
+        assert one_token_gaps(compute, batch["completion_mask"])[1] > grad_bound
+        trainer.moe_routing.hooks.release()
 
 
 @pytest.mark.slow
