@@ -183,6 +183,17 @@ def last_step_micro_batches(trainer) -> list:
     return [buffered[step % len(buffered)] for step in range(trainer._step - ga, trainer._step)]
 
 
+def weighted_tokens(micro_batches: list) -> torch.Tensor:
+    """The completion tokens of `micro_batches` (rows stacked) whose rows carry a non-zero advantage: a token of a
+    zero-advantage row weighs nothing in the policy loss, so leaving it out moves the step by rounding alone, which no
+    test of these batches can show (as a clipped sequence's, left out by `one_token_gaps`)."""
+    rows = []
+    for mb in micro_batches:
+        advantages = mb["advantages"] if mb["advantages"].dim() > 1 else mb["advantages"][:, None]
+        rows.append(mb["completion_mask"] * (advantages != 0))
+    return torch.cat(rows)
+
+
 def last_step_learning_rate(trainer) -> float:
     """The learning rate of a finished run's last optimizer step, from its scheduler (a `LambdaLR`, as transformers'
     schedules are): the step whose bug nothing after it shrinks."""
