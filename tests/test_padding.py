@@ -899,7 +899,10 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
     }
     reference = dict(runs["padded"].model.named_parameters())
     for name in ("trim+sort", "packed"):
-        assert_same_sgd_weights(dict(runs[name].model.named_parameters()), reference, runs[name], name)
+        # no companion: measured, one token mis-masked in the last step (its learning rate a quarter of the first's
+        # under the linear decay) moves the weights by 0.92 of their bound (trim+sort); issue 51 leaves this open
+        weights = dict(runs[name].model.named_parameters())
+        assert_same_sgd_weights(weights, reference, runs[name], name, companion=False)
         rows = [row for row in runs[name].state.log_history if "moe/replay/coverage" in row]
         assert len(rows) == 4 and all(row["moe/replay/coverage"] == 1.0 for row in rows), name
         assert rows[0]["moe/routing_shift"] == 0 and rows[2]["moe/routing_shift"] == 0, name
