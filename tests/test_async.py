@@ -343,6 +343,13 @@ def test_staleness_zero_ends_at_the_synchronous_weights(sync_run, tmp_path):
     # log-probs' size (the last rollout's)
     logged = [h["sampler/logp_abs_diff/max"] for h in corrected.state.log_history if "sampler/logp_abs_diff/max" in h]
     assert logged and max(logged) <= model_bound(torch.float32, corrected.model.config, seq_len) * scale
+    # companion (helpers/smallest_bug.py's kind): one token's generator log-prob mis-masked (0) or taken from another
+    # token moves that token's |difference| by about its whole log-prob, at least the smallest |log-prob| of the last
+    # rollout (the one the size is read from), past the bound
+    smallest = min(
+        b["old_per_token_logps"][b["completion_mask"].bool()].abs().min().item() for b in corrected._buffered_inputs
+    )
+    assert smallest > model_bound(torch.float32, corrected.model.config, seq_len) * scale
     assert not _generator_threads()
     # companion (helpers/smallest_bug.py): one token mis-masked in the last step's loss (one micro-batch per step)
     # moves that step, and so the end weights, past some parameter's bound

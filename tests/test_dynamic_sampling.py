@@ -382,7 +382,7 @@ def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(
         return x.mean() if loss_type == "grpo" else (x * lengths).sum() / (kept_tokens / (spg // ga))
 
     hand = aggregate(per_sequence)
-    hand.backward()
+    hand.backward(retain_graph=True)  # the companion below takes further gradients through the same forward
     # fp32 rounding of the policy loss over the step's rows (rounding.loss_bound), and of its backward. A sum's
     # rounding is relative to its terms' sizes, not to the result: with each group's advantages summing to 0 the loss
     # itself is ~0 (1e-8 on some CPUs, exactly 0 on others), so the gap is measured against the sum of |terms|.
@@ -397,6 +397,32 @@ def test_underfilled_batch_loss_and_gradients_match_a_hand_computation(
         if name in grads:
             assert relative_gap(grads[name], param.grad) <= grad_bound, name
     assert any(g.abs().max() > 0 for g in grads.values())
+    # companion (helpers/smallest_bug.py): one token mis-masked in the step's loss moves the loss (relative to the
+    # terms, as above) or some parameter's gradient past its bound, for every token whose loss term moves at all (a
+    # sequence the clip holds, or a zero-advantage row, weighs nothing: no test of this batch can see its tokens)
+    value_bound = loss_bound(torch.float32, config, seq_len, ids.numel(), size)
+    params = [param for name, param in trainer.model.named_parameters() if name in grads]
+    want = [param.grad.clone() for param in params]
+    margins = []
+    for row, t in step["completion_mask"].nonzero().tolist():
+        keep = mask.clone()
+        keep[row, t] = 0
+        kept = keep.sum(1)
+        ratio_bug = torch.exp(((logps - step["old_per_token_logps"]) * keep).sum(1) / kept.clamp(min=1))
+        per_sequence_bug = -torch.min(ratio_bug * adv, ratio_bug.clamp(0.8, 1.2) * adv)
+        bug = (
+            per_sequence_bug.mean()
+            if loss_type == "grpo"
+            else (per_sequence_bug * kept).sum() / (kept_tokens / (spg // ga))
+        )
+        moved = torch.autograd.grad(bug, params, retain_graph=True, allow_unused=True)
+        loss_gap = abs(bug.item() - hand.item()) / (value_bound * terms)
+        grad_gap = (
+            max(relative_gap(torch.zeros_like(w) if g is None else g, w) for g, w in zip(moved, want)) / grad_bound
+        )
+        if loss_gap or grad_gap:
+            margins.append(max(loss_gap, grad_gap))
+    assert margins and min(margins) > 1
 
 
 # ------------------------------------------------------------------------------------- same as without it

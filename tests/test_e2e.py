@@ -7,6 +7,13 @@ log-probs are real and the ratios move away from 1: that is where the variants d
 import pytest
 import torch
 from datasets import Dataset
+from helpers.smallest_bug import (
+    accumulated_trainer_loss,
+    last_step_learning_rate,
+    last_step_micro_batches,
+    one_token_step_gap,
+    weighted_tokens,
+)
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
@@ -121,6 +128,12 @@ def test_gspo_token_equals_gspo_end_to_end_and_differs_with_token_advantages(tok
     bound = {n: sgd_weights_bound(torch.float32, step, args, 4, p.norm().item()) for n, p in gspo.items()}
     for name in gspo:
         assert (gspo_token[name] - gspo[name]).norm().item() <= bound[name], name
+    # companion (helpers/smallest_bug.py): one token mis-masked in the GSPO run's last optimizer step moves that step,
+    # and so the end weights, past some parameter's bound
+    last = last_step_micro_batches(trainer)
+    compute = accumulated_trainer_loss(trainer, last)
+    mask = weighted_tokens(last)  # the tokens of rows with a non-zero advantage: the others weigh nothing
+    assert one_token_step_gap(compute, mask, last_step_learning_rate(trainer), args.max_grad_norm, bound) > 1
     assert any((ramped[n] - gspo[n]).norm().item() > bound[n] for n in gspo)  # beyond rounding
 
 

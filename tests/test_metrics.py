@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from helpers.smallest_bug import dropped_token_means
 
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo.common import metrics
@@ -14,9 +15,11 @@ from trl_gspo.moe.routing import RouterHooks, find_routers
 from trl_gspo.rounding import model_bound, rounding_bound
 from trl_gspo.testing import build_tiny_model
 
-# Three sequences of lengths 3, 1, 0 (empty), with known token log-ratios.
+# Three sequences of lengths 3, 1, 0 (empty), with known token log-ratios. No token of row 0 equals its row's mean
+# (0.2): one token left out of the mean then always moves it (a token at the mean would leave it where it was, and
+# the companion checks below could not show that bug).
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
-LOG_RATIO = torch.tensor([[0.1, -0.2, 0.4, 9.0], [0.3, 5.0, 5.0, 5.0], [7.0, 7.0, 7.0, 7.0]])  # padding is garbage
+LOG_RATIO = torch.tensor([[0.1, -0.2, 0.7, 9.0], [0.3, 5.0, 5.0, 5.0], [7.0, 7.0, 7.0, 7.0]])  # padding is garbage
 
 
 def _logps():
@@ -30,10 +33,28 @@ LOGP_SIZE = max(x[MASK.bool()].abs().max().item() for x in _logps())
 LOG_RATIO_TOL = rounding_bound(torch.float32, MASK.numel() + 4) * LOGP_SIZE
 
 
+def _one_token_moves(stats, valid):
+    """The smallest one-token bug of a dispersion check (helpers/smallest_bug.py's kind): each valid token left out
+    of `valid` in turn, `stats(valid)` ({name: value}) recomputed; per token, the largest move over the names the
+    test compares (a name that disappears counts as moved without bound); the smallest over the tokens."""
+    want, moves = stats(valid), []
+    for index in valid.nonzero().tolist():
+        keep = valid.clone()
+        keep[tuple(index)] = 0
+        got = stats(keep)
+        moves.append(max(abs(got[k] - want[k]) if k in got else math.inf for k in want))
+    return min(moves)
+
+
 def test_sequence_log_ratio_is_mean_over_valid_tokens():
     lr, valid = metrics.token_log_ratios(*_logps(), MASK)
     seq = metrics.sequence_log_ratio(lr, valid)
-    assert (seq - torch.tensor([0.1, 0.3, 0.0])).abs().max() <= LOG_RATIO_TOL
+    assert (seq - torch.tensor([0.2, 0.3, 0.0])).abs().max() <= LOG_RATIO_TOL  # (0.1 - 0.2 + 0.7) / 3; 0.3; empty
+    # companion (helpers/smallest_bug.py): one token left out of a row's mean moves it past the tolerance (row 1's
+    # only token left out empties its mean: 0 against 0.3)
+    dropped = dropped_token_means(lr, valid)
+    moved = (dropped - seq.double()[:, None]).abs()
+    assert moved[~moved.isnan()].min() > LOG_RATIO_TOL
 
 
 def test_distribution_summary_by_hand():
@@ -78,18 +99,37 @@ def test_clip_fractions_token_level_by_hand():
 def test_dispersion_and_length_buckets_by_hand():
     lr, valid = metrics.token_log_ratios(*_logps(), MASK)
     got = metrics.finalize(metrics.dispersion_stats(lr, valid, max_length=4))
-    std0 = math.sqrt(((0.1 - 0.1) ** 2 + (-0.2 - 0.1) ** 2 + (0.4 - 0.1) ** 2) / 3)
+    # row 0: log-ratios 0.1, -0.2, 0.7, mean 0.2, sum 0.6; row 1: 0.3 alone
+    std0 = math.sqrt(((0.1 - 0.2) ** 2 + (-0.2 - 0.2) ** 2 + (0.7 - 0.2) ** 2) / 3)
     assert got["ratio_dispersion/token_logratio_std"] == pytest.approx((std0 + 0.0) / 2, abs=LOG_RATIO_TOL)
-    assert got["ratio_dispersion/token_logratio_abs"] == pytest.approx((0.1 + 0.2 + 0.4 + 0.3) / 4, abs=LOG_RATIO_TOL)
-    assert got["ratio_dispersion/seq_logratio_abs"] == pytest.approx((0.1 + 0.3) / 2, abs=LOG_RATIO_TOL)
-    assert got["ratio_dispersion/seq_logratio_sum_abs"] == pytest.approx((0.3 + 0.3) / 2, abs=LOG_RATIO_TOL)
+    assert got["ratio_dispersion/token_logratio_abs"] == pytest.approx((0.1 + 0.2 + 0.7 + 0.3) / 4, abs=LOG_RATIO_TOL)
+    assert got["ratio_dispersion/seq_logratio_abs"] == pytest.approx((0.2 + 0.3) / 2, abs=LOG_RATIO_TOL)
+    assert got["ratio_dispersion/seq_logratio_sum_abs"] == pytest.approx((0.6 + 0.3) / 2, abs=LOG_RATIO_TOL)
     assert metrics.length_buckets(4) == [(1, 1), (2, 3), (4, 4)]
     # length 3 -> bucket 2-3, length 1 -> bucket 1-1, nothing in 4-4 (count 0: no value)
     assert got["logratio_by_len/0002-0003/token_std"] == pytest.approx(std0, abs=LOG_RATIO_TOL)
-    assert got["logratio_by_len/0002-0003/sum_abs"] == pytest.approx(0.3, abs=LOG_RATIO_TOL)
+    assert got["logratio_by_len/0002-0003/sum_abs"] == pytest.approx(0.6, abs=LOG_RATIO_TOL)
     assert got["logratio_by_len/0001-0001/seq_abs"] == pytest.approx(0.3, abs=LOG_RATIO_TOL)
     assert got["logratio_by_len/0001-0001/token_abs"] == pytest.approx(0.3, abs=LOG_RATIO_TOL)
     assert not any(k.startswith("logratio_by_len/0004-0004") for k in got)
+    # companion (helpers/smallest_bug.py's kind): one valid token left out moves some compared value past the
+    # tolerance; the names compared above, recomputed with the token left out
+    compared = [
+        "ratio_dispersion/token_logratio_std",
+        "ratio_dispersion/token_logratio_abs",
+        "ratio_dispersion/seq_logratio_abs",
+        "ratio_dispersion/seq_logratio_sum_abs",
+        "logratio_by_len/0002-0003/token_std",
+        "logratio_by_len/0002-0003/sum_abs",
+        "logratio_by_len/0001-0001/seq_abs",
+        "logratio_by_len/0001-0001/token_abs",
+    ]
+
+    def stats(keep):
+        out = metrics.finalize(metrics.dispersion_stats(lr, keep, max_length=4))
+        return {k: out[k] for k in compared if k in out}
+
+    assert _one_token_moves(stats, valid) > LOG_RATIO_TOL
 
 
 def test_nonfinite_values_are_counted_and_left_out():
@@ -101,7 +141,15 @@ def test_nonfinite_values_are_counted_and_left_out():
     lr, valid = metrics.token_log_ratios(logps, old, MASK)
     assert torch.isfinite(lr).all() and valid[0].tolist() == [1, 0, 1, 0]
     got = metrics.finalize(metrics.dispersion_stats(lr, valid, max_length=4))
-    assert got["ratio_dispersion/seq_logratio_abs"] == pytest.approx((0.25 + 0.3) / 2, abs=LOG_RATIO_TOL)
+    # row 0 without its NaN: (0.1 + 0.7) / 2
+    assert got["ratio_dispersion/seq_logratio_abs"] == pytest.approx((0.4 + 0.3) / 2, abs=LOG_RATIO_TOL)
+    # companion: one of the finite tokens left out moves the compared value past the tolerance
+
+    def stats(keep):
+        out = metrics.finalize(metrics.dispersion_stats(lr, keep, max_length=4))
+        return {k: out[k] for k in ["ratio_dispersion/seq_logratio_abs"] if k in out}
+
+    assert _one_token_moves(stats, valid) > LOG_RATIO_TOL
 
 
 def test_routing_shift_by_hand():
@@ -258,6 +306,12 @@ def test_metrics_reach_the_logs_for_every_variant(level, tokenizer, tmp_path):
         # both a count divided by a count (fractions <= 1): one fp32 rounding each
         assert row[ours] == pytest.approx(row["clip_ratio/region_mean"], abs=rounding_bound(torch.float32, 2))
     assert any(row[ours] > 0 for row in rows)  # the comparison above saw real clipping
+    # companion (helpers/smallest_bug.py's kind): one token (sequence) miscounted moves a fraction c / n to
+    # c / (n - 1) or (c - 1) / (n - 1), at least 1 / (n (n - 1)) when it moves at all (0 / n stays 0: no test sees
+    # that); n at most the step's tokens (rows), each step one micro-batch of the one rollout
+    for batch in trainer._buffered_inputs:
+        n = batch["completion_mask"].size(0) if level == "sequence" else int(batch["completion_mask"].sum())
+        assert 1 / (n * (n - 1)) > rounding_bound(torch.float32, 2)
     # first mini-batch of a rollout is on-policy (ratio 1, up to the float rounding of the pi_old pass and the loss
     # forward running in different layouts: one forward's, relative to the log-probs' size); later ones moved and the
     # ratio spread shows it
@@ -265,6 +319,14 @@ def test_metrics_reach_the_logs_for_every_variant(level, tokenizer, tmp_path):
     seq_len = batch["prompt_ids"].size(1) + batch["completion_ids"].size(1)
     tol = model_bound(torch.float32, trainer.model.config, seq_len) * batch["old_per_token_logps"].abs().max().item()
     assert rows[0]["seq_ratio/std"] <= tol and rows[0]["seq_ratio/mean"] == pytest.approx(1, abs=tol)
+    # companion (helpers/smallest_bug.py's kind): one token mis-masked in one of the two passes gives it a log-ratio
+    # of its whole log-prob, moving its row's mean log-ratio by |log-prob| / the row's length and the ratio by at
+    # least 1 - exp(-that); the mean over the rows moves by that over the rows (the std by more), past the tolerance.
+    # The batch is that first mini-batch: one rollout (steps_per_generation = max_steps), its first micro-batch.
+    assert len(trainer._buffered_inputs) == len(rows)
+    mask = batch["completion_mask"].bool()
+    per_token = batch["old_per_token_logps"].abs() / mask.sum(1, keepdim=True).clamp(min=1)
+    assert (1 - torch.exp(-per_token[mask])).min().item() / mask.size(0) > tol
     assert any(row["seq_ratio/std"] > 0 for row in rows[1:])
     assert any(k.startswith("logratio_by_len/") for k in rows[-1])
 

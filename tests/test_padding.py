@@ -13,7 +13,18 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from helpers.smallest_bug import dropped_token_gap, one_token_gaps, weighted_logp_loss
+from helpers.smallest_bug import (
+    accumulated_trainer_loss,
+    dropped_token_gap,
+    last_step_learning_rate,
+    last_step_micro_batches,
+    one_token_gaps,
+    one_token_margin,
+    one_token_step_gap,
+    trainer_loss,
+    weighted_logp_loss,
+    weighted_tokens,
+)
 from transformers import AutoModelForCausalLM
 
 from trl_gspo import GSPOConfig, GSPOTrainer
@@ -479,7 +490,7 @@ def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings, trainer_fa
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.log({})  # moves the diagnostics window and throughput counts into TRL's metrics
     metrics = {k: v for k, v in trainer.state.log_history[-1].items()}
-    return loss.detach(), grads, metrics
+    return loss.detach(), grads, metrics, trainer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
@@ -531,6 +542,9 @@ def test_trimming_leaves_loss_gradients_and_metrics_unchanged(
         for key, value in off[2].items():
             if key not in skip and isinstance(value, float):
                 assert on[2][key] == pytest.approx(value, rel=value_bound, abs=metric_floor), (variant, key)
+    # companion (helpers/smallest_bug.py): one token mis-masked in the padded forward's loss moves the loss or some
+    # parameter's gradient past its bound, for every token whose loss term moves at all
+    assert one_token_margin(trainer_loss(off[3], inputs), inputs["completion_mask"], value_bound, grad_bound) > 1
 
 
 # ------------------------------------------------------------------------------- sorted micro-batches
@@ -538,14 +552,14 @@ SORT_DEFAULT_ON = ["grpo", "dr_grpo", "dapo", "cispo", "luspo", "sapo", "vespo"]
 
 
 def _step_gradient(model, tokenizer, tmp_path, micro_batches, settings, trainer_factory):
-    """Accumulated gradient of one optimizer step: `_compute_loss` + backward over each micro-batch."""
+    """Accumulated gradient of one optimizer step: `_compute_loss` + backward over each micro-batch; and the trainer."""
     trainer = trainer_factory(
         TRAINER, model=copy.deepcopy(model), output_dir=tmp_path, allow_token_sum_with_sequence_level=True, **settings
     )
     trainer.current_gradient_accumulation_steps = len(micro_batches)
     for mb in micro_batches:
         trainer._compute_loss(trainer.model, {k: v.clone() for k, v in mb.items()}).backward()
-    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, trainer
 
 
 @pytest.mark.parametrize("name", SORT_DEFAULT_ON + ["bnpo"])
@@ -560,8 +574,8 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
     trl_order = [{k: (v[i : i + 2] if v.dim() else v) for k, v in inputs.items()} for i in (0, 2, 4)]
     sorted_batches = padding.sort_rows_by_length(trl_order)
     assert [b["completion_mask"].sum(1).tolist() for b in sorted_batches] == [[6, 5], [3, 2], [1, 0]]
-    reference = _step_gradient(model, tokenizer, tmp_path / "a", trl_order, settings, trainer_factory)
-    got = _step_gradient(model, tokenizer, tmp_path / "b", sorted_batches, settings, trainer_factory)
+    reference, trainer = _step_gradient(model, tokenizer, tmp_path / "a", trl_order, settings, trainer_factory)
+    got, _ = _step_gradient(model, tokenizer, tmp_path / "b", sorted_batches, settings, trainer_factory)
     errors = [relative_gap(got[n], g) for n, g in reference.items()]
     # fp32 rounding of the policy loss's gradient over three micro-batches, accumulated (rounding.loss_bound)
     s = inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
@@ -571,6 +585,10 @@ def test_sorting_leaves_the_accumulated_gradient_unchanged(name, tokenizer, tiny
         assert max(errors) > 100 * bound  # another micro-batch's token count: far beyond rounding
     else:
         assert max(errors) <= bound
+        # companion (helpers/smallest_bug.py): one token mis-masked in one micro-batch moves some parameter's
+        # accumulated gradient past the bound
+        compute = accumulated_trainer_loss(trainer, trl_order)
+        assert one_token_gaps(compute, inputs["completion_mask"])[1] > bound
 
 
 @needs_fused_head
@@ -669,7 +687,7 @@ def logp_size(trainer) -> float:
     return max((o.abs().max().item() for o in olds if o is not None), default=0.0)
 
 
-def assert_same_sgd_weights(got, want, trainer, what, seq_len=16):
+def assert_same_sgd_weights(got, want, trainer, what, seq_len=16, companion=True):
     """`got` and `want` ({name: parameter}), the ends of two plain-SGD runs with `trainer`'s settings, within
     rounding of each other (rounding.sgd_weights_bound): each step's gradient that of a policy loss over the
     step's rows of at most `seq_len` positions (FixedRollouts' default: prompts up to 6 tokens, completions up to 10),
@@ -678,9 +696,19 @@ def assert_same_sgd_weights(got, want, trainer, what, seq_len=16):
     positions = args.per_device_train_batch_size * args.gradient_accumulation_steps * seq_len
     tokens = positions + args.gradient_accumulation_steps
     step = loss_bound(torch.float32, trainer.model.config, seq_len, tokens, logp_size(trainer), positions)
+    bounds = {}
     for n, p in want.items():
         bound = sgd_weights_bound(torch.float32, step, args, trainer.state.global_step, p.detach().norm().item())
         assert (got[n].detach() - p.detach()).norm().item() <= bound, (what, n)
+        bounds[n] = bound
+    # companion (helpers/smallest_bug.py): one token mis-masked in the run's last optimizer step (its micro-batches
+    # accumulated) moves that step, and so the end weights, past some parameter's bound
+    if not companion:
+        return
+    last = last_step_micro_batches(trainer)
+    compute = accumulated_trainer_loss(trainer, last)
+    mask = weighted_tokens(last)  # the tokens of rows with a non-zero advantage: the others weigh nothing
+    assert one_token_step_gap(compute, mask, last_step_learning_rate(trainer), args.max_grad_norm, bounds) > 1, what
 
 
 @pytest.mark.slow
@@ -749,7 +777,9 @@ def test_trimmed_sorted_and_packed_training_ends_with_the_same_weights(tokenizer
         }
         assert all(torch.equal(base[n], initial[n]) for n in initial)
         adapters[name] = {n: p.detach() for n, p in params.items() if "lora" in n}
-    assert_same_sgd_weights(adapters["packed"], adapters["padded"], trainer, "LoRA")
+    # no companion: measured, one token mis-masked in the last step moves the LoRA adapters by about 5e-6 of their
+    # bound (issue 51 leaves this open), so this comparison cannot show a one-token bug
+    assert_same_sgd_weights(adapters["packed"], adapters["padded"], trainer, "LoRA", companion=False)
 
 
 # --------------------------------------------------------------------- MoE routes through the layouts
@@ -796,9 +826,11 @@ def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, 
     forced = torch.rand(b, s, hooks.num_layers, hooks.num_experts, generator=g).argsort(-1)[..., : hooks.top_k]
     table = RouteTable(forced.to(hooks.id_dtype), torch.ones(b, s, dtype=torch.bool))
     weights = torch.randn(b, completion.size(1), generator=g)
-    results = {}
+    results, trainers = {}, {}
     for name, settings in CONFIGS.items():
-        trainer = trainer_factory(TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings)
+        trainer = trainers[name] = trainer_factory(
+            TRAINER, model=copy.deepcopy(model), output_dir=tmp_path / name, **settings
+        )
         with trainer.moe_routing.hooks.forward_pass(
             b, s, record=False, replay=table, keep_for_recompute=grad
         ) as observed:
@@ -823,6 +855,23 @@ def test_replayed_routes_follow_trimmed_sorted_and_packed_rows(grad, tokenizer, 
             assert grads.keys() == full_grads.keys()
             for n, ref in full_grads.items():
                 assert relative_gap(grads[n], ref) <= grad_bound, (name, n)
+    # companions (helpers/smallest_bug.py): one completion token mis-masked lands outside the log-prob bound; with
+    # grad, one token mis-masked in the loss (the padded forward, the same forced routes replayed) moves some
+    # parameter's gradient past its bound: one replayed forward, a gradient per token through it
+    assert dropped_token_gap(full, completion) > logp_bound
+    if grad:
+        trainer = trainers["full (TRL)"]
+        with trainer.moe_routing.hooks.forward_pass(b, s, record=False, replay=table, keep_for_recompute=True):
+            logps = _forward(trainer, batch)[0]
+        params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+        def compute(keep):
+            loss = (logps * weights * completion * keep).sum()
+            moved = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
+            return loss.detach(), {n: g for n, g in zip(params, moved) if g is not None}
+
+        assert one_token_gaps(compute, batch["completion_mask"])[1] > grad_bound
+        trainer.moe_routing.hooks.release()
 
 
 @pytest.mark.slow
@@ -850,7 +899,10 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
     }
     reference = dict(runs["padded"].model.named_parameters())
     for name in ("trim+sort", "packed"):
-        assert_same_sgd_weights(dict(runs[name].model.named_parameters()), reference, runs[name], name)
+        # no companion: measured, one token mis-masked in the last step (its learning rate a quarter of the first's
+        # under the linear decay) moves the weights by 0.92 of their bound (trim+sort); issue 51 leaves this open
+        weights = dict(runs[name].model.named_parameters())
+        assert_same_sgd_weights(weights, reference, runs[name], name, companion=False)
         rows = [row for row in runs[name].state.log_history if "moe/replay/coverage" in row]
         assert len(rows) == 4 and all(row["moe/replay/coverage"] == 1.0 for row in rows), name
         assert rows[0]["moe/routing_shift"] == 0 and rows[2]["moe/routing_shift"] == 0, name

@@ -170,6 +170,13 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
     logged = [h for h in runs["sampler"]["history"] if "sampler/logp_abs_diff/max" in h]
     assert len(logged) == 2
     assert all(0 <= h["sampler/logp_abs_diff/max"] <= logp_bound * scale for h in logged)
+    # companion (helpers/smallest_bug.py's kind): one token's sampler log-prob mis-masked (0) or taken from another
+    # token moves that token's |difference| by about its whole log-prob, at least the smallest |log-prob| of the
+    # rollout, past the bound (the last rollout's batches: the size the bound is taken from)
+    smallest = min(
+        b["old_per_token_logps"][b["completion_mask"].bool()].abs().min().item() for b in runs["sampler"]["batches"]
+    )
+    assert smallest > logp_bound * scale
     assert all(h["sampler/seq_outside_clip_frac"] == 0 for h in logged)
     assert not any("sampler/logp_abs_diff/max" in h for h in runs["recompute"]["history"])
 
@@ -230,6 +237,15 @@ def test_mismatch_stats_against_loops():
     # sum relative to itself, a sequence's mean (signed terms) relative to the largest difference
     bound = rounding_bound(torch.float32, mask.numel())
     torch.testing.assert_close(stats.double(), torch.tensor(expected).double(), rtol=bound, atol=bound * max(deltas))
+    # companion (helpers/smallest_bug.py's kind): one scored token mis-masked moves some statistic past the tolerance
+    # (the token count moves by 1 whatever the token; the sums by its |difference|)
+    want, atol = torch.tensor(expected).double(), bound * max(deltas)
+    scored = mask.bool() & (sampler == sampler)
+    for index in scored.nonzero().tolist():
+        keep = mask.clone()
+        keep[tuple(index)] = 0
+        moved = (sl.mismatch_stats(trainer, sampler, keep, 3e-4, 4e-4).double() - want).abs()
+        assert (moved / (atol + bound * want.abs())).max() > 1, index
     assert outside >= 1
     summary = sl.summarize_mismatch(torch.stack([stats, stats]))
     assert summary["sampler/logp_abs_diff/mean"] == pytest.approx(sum(deltas) / len(deltas), rel=bound)
@@ -244,14 +260,23 @@ def test_length_normalized_is_ratio_against_loops(mode):
     sampling[1, 2] = float("nan")
     mask = torch.tensor([[1, 1, 1, 0, 0], [1] * 5, [1, 1, 0, 0, 0]])
     got = sl.length_normalized_is_ratio(old, sampling, mask, mode, clip_min=0.5, clip_max=1.2)
+    moves = []  # per scored token left out of its row's mean, the ratio's relative move (the companion below)
     for i in range(3):
         d = [float(old[i, t] - sampling[i, t]) for t in range(5) if mask[i, t] and sampling[i, t] == sampling[i, t]]
         r = torch.exp(torch.tensor(sum(d) / len(d))).item()
         want = min(max(r, 0.5), 1.2) if mode == "sequence_truncate" else (r if 0.5 <= r <= 1.2 else 0.0)
         # fp32: a mean over the tokens and an exp, of differences of log-probs as large as |old|
-        assert got[i, 0].item() == pytest.approx(
-            want, rel=rounding_bound(torch.float32, 5 + 3) * old.abs().max().item()
-        )
+        rel = rounding_bound(torch.float32, 5 + 3) * old.abs().max().item()
+        assert got[i, 0].item() == pytest.approx(want, rel=rel)
+        # companion (helpers/smallest_bug.py's kind): one of the row's scored tokens left out of its mean moves the
+        # ratio past the tolerance, wherever the ratio moves at all (a ratio clipped to its bound, or masked to 0,
+        # stays put when one token goes: no test of this batch can show that)
+        for t in range(len(d)):
+            r_bug = torch.exp(torch.tensor(sum(d[:t] + d[t + 1 :]) / (len(d) - 1))).item()
+            bug = min(max(r_bug, 0.5), 1.2) if mode == "sequence_truncate" else (r_bug if 0.5 <= r_bug <= 1.2 else 0.0)
+            if bug != want:
+                moves.append(abs(bug - want) / abs(want) if want else math.inf)
+    assert moves and min(moves) > rel
     # The sum over 2k tokens of a 1e-3 gap is e^2 ~ 7.4 (masked by TRL's cap of 3); the mean stays at e^1e-3.
     long_old, long_sampling = torch.full((1, 2048), -1.0), torch.full((1, 2048), -1.001)
     ratio = sl.length_normalized_is_ratio(long_old, long_sampling, torch.ones(1, 2048), "sequence_mask", None, 3.0)

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from helpers.smallest_bug import dropped_token_gap, one_token_gaps, weighted_logp_loss
+from helpers.smallest_bug import dropped_token_gap, one_token_gaps, one_token_margin, trainer_loss, weighted_logp_loss
 from test_padding import LOSS_CASES, TRAINER, FixedRollouts, _varied_reward, assert_same_sgd_weights
 from transformers import AutoModelForCausalLM
 
@@ -310,7 +310,7 @@ def _loss_grads_metrics(model, tokenizer, tmp_path, inputs, settings, trainer_fa
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.logprob_forward.release()
     trainer.log({})
-    return loss.detach(), grads, dict(trainer.state.log_history[-1])
+    return loss.detach(), grads, dict(trainer.state.log_history[-1]), trainer
 
 
 @pytest.mark.parametrize("name", list(LOSS_CASES) + ["grpo, multi-turn tool_mask"])
@@ -340,6 +340,12 @@ def test_sharing_leaves_loss_gradients_and_metrics_unchanged(
     assert on[1].keys() == off[1].keys() and len(off[1]) > 0
     for n, g in off[1].items():
         assert relative_gap(on[1][n], g) <= grad_bound, n
+    # companion (helpers/smallest_bug.py): one token mis-masked in the unshared run's loss moves the loss or some
+    # parameter's gradient past its bound, for every token whose loss term moves at all; the tokens trained on (a
+    # tool-output token is attended to, not trained on: leaving it out of the loss changes nothing there)
+    trained = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+    assert one_token_margin(trainer_loss(off[3], inputs), trained, value_bound, grad_bound) > 1
+    off[3].logprob_forward.release()
     assert set(on[2]) == set(off[2])
     assert (
         off[2]["throughput/prompt_tokens_saved_per_step"] == 0 and on[2]["throughput/prompt_tokens_saved_per_step"] > 0
@@ -406,12 +412,32 @@ def test_recorded_and_replayed_routes_follow_shared_positions(tokenizer, tmp_pat
             trainer.logprob_forward.release()
             grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
             results[name] = (logps.detach(), grads, trainer.padding.throughput[3].item())
+            if name == "off":
+                unshared = trainer
         assert results["on"][2] > 0
         assert relative_gap(results["on"][0], results["off"][0], math.inf) <= model_bound(
             torch.float32, model.config, s
         )
         for n, ref in results["off"][1].items():
             assert relative_gap(results["on"][1][n], ref) <= model_bound(torch.float32, model.config, s, b * s), n
+        # companions (helpers/smallest_bug.py): one completion token mis-masked lands outside the log-prob bound, and,
+        # in the loss over the unshared replayed forward, moves some parameter's gradient past its bound: one forward,
+        # a gradient per token through it
+        gap = dropped_token_gap(results["off"][0], batch["completion_mask"])
+        assert gap > model_bound(torch.float32, model.config, s)
+        trainer = unshared
+        trainer.moe_routing.role = "loss"
+        logps = _forward(trainer, batch)[0]
+        params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+        def compute(keep):
+            loss = (logps * weights * keep).sum()
+            moved = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
+            return loss.detach(), {n: g for n, g in zip(params, moved) if g is not None}
+
+        gap = one_token_gaps(compute, batch["completion_mask"])[1]
+        trainer.logprob_forward.release()
+        assert gap > model_bound(torch.float32, model.config, s, b * s)
 
 
 # ------------------------------------------------------------------------------------------- flash varlen
@@ -456,6 +482,19 @@ def test_flash_varlen_path_matches_the_sdpa_blocks(monkeypatch):
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=dense
     ).transpose(1, 2)
     assert relative_gap(out_blocks, reference, math.inf) <= bound
+    # companion (helpers/smallest_bug.py's kind): one key position mis-masked, hidden from every query that sees it
+    # but its own (a segment's end off by one), moves some output past the bound
+    moved = []
+    for key in range(w):
+        wrong = dense.clone()
+        wrong[..., key] &= torch.arange(w) == key  # each query keeps at least itself
+        if torch.equal(wrong, dense):
+            continue  # a key only its own query sees: nothing to hide
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=wrong
+        ).transpose(1, 2)
+        moved.append(relative_gap(out, reference, math.inf))
+    assert moved and min(moved) > bound
 
 
 # ----------------------------------------------------------------------------------------------- end to end
@@ -507,10 +546,12 @@ def _run(tokenizer, tmp_path, record=None, peft_config=None, **overrides):
     return trainer
 
 
-def _assert_same_weights(a, b):
+def _assert_same_weights(a, b, companion=False):
     """Two plain-SGD runs' weights within rounding (test_padding.assert_same_sgd_weights); prompts of up to 8 tokens
-    (FixedRollouts' prompt_lengths=(3, 9)), completions of up to 10."""
-    assert_same_sgd_weights(dict(b.model.named_parameters()), dict(a.model.named_parameters()), b, "shared", 18)
+    (FixedRollouts' prompt_lengths=(3, 9)), completions of up to 10. No companion by default: measured, one token
+    mis-masked in the last step moves these runs' weights by about 6e-9 of their bound (issue 51 leaves this open)."""
+    weights = dict(b.model.named_parameters()), dict(a.model.named_parameters())
+    assert_same_sgd_weights(*weights, b, "shared", 18, companion=companion)
 
 
 def _saved(trainer):

@@ -18,6 +18,8 @@ rounding bound (trl_gspo/rounding.py) still fails on it. A bound a one-token mis
   step's loss moves that step, learning rate x the clipped gradient, and a step small enough to train stably carries
   the move forward (first order, as the bound assumes); in the run's last step nothing follows to shrink it. Per
   token, the largest move over the parameters relative to each one's bound; returns the smallest over the tokens.
+- `trainer_loss` / `accumulated_trainer_loss`: `compute` over the trainer's own loss on one micro-batch, or on the
+  micro-batches one optimizer step accumulates (`last_step_micro_batches`: a finished run's last step).
 """
 
 from __future__ import annotations
@@ -142,6 +144,54 @@ def trainer_loss(trainer, inputs: dict):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     return compute
+
+
+def accumulated_trainer_loss(trainer, micro_batches: list):
+    """`trainer_loss` over an optimizer step of several micro-batches (gradient accumulation): the trainer's own loss
+    on each, the losses and gradients summed as the step accumulates them; `keep` covers their rows stacked in order
+    (their completion masks of one width, as slices of one padded batch are). One token dropped changes only its own
+    micro-batch's loss and gradient, so only that micro-batch is recomputed. Overwrites the model's gradients: call it
+    after the test's own checks."""
+    model = trainer.model
+    trainer.current_gradient_accumulation_steps = len(micro_batches)
+    rows = [len(mb["completion_mask"]) for mb in micro_batches]
+
+    def one(mb, keep):
+        model.zero_grad(set_to_none=True)
+        inputs = {k: v.clone() if torch.is_tensor(v) else v for k, v in mb.items()}
+        loss = trainer._compute_loss(model, {**inputs, "completion_mask": inputs["completion_mask"] * keep})
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    base = [one(mb, torch.ones_like(mb["completion_mask"])) for mb in micro_batches]
+
+    def compute(keep):
+        parts = [
+            base[i] if bool(k.all()) else one(mb, k) for i, (mb, k) in enumerate(zip(micro_batches, keep.split(rows)))
+        ]
+        names = dict.fromkeys(n for _, grads in parts for n in grads)
+        grads = {n: sum(g[n] for _, g in parts if n in g) for n in names}
+        return sum(loss for loss, _ in parts), grads
+
+    return compute
+
+
+def last_step_micro_batches(trainer) -> list:
+    """The micro-batches of a finished run's last optimizer step, from its buffer (TRL takes micro-batch
+    `_step % steps_per_generation` of the buffered rollout; a step accumulates `gradient_accumulation_steps` of them)."""
+    buffered, ga = trainer._buffered_inputs, trainer.args.gradient_accumulation_steps
+    return [buffered[step % len(buffered)] for step in range(trainer._step - ga, trainer._step)]
+
+
+def weighted_tokens(micro_batches: list) -> torch.Tensor:
+    """The completion tokens of `micro_batches` (rows stacked) whose rows carry a non-zero advantage: a token of a
+    zero-advantage row weighs nothing in the policy loss, so leaving it out moves the step by rounding alone, which no
+    test of these batches can show (as a clipped sequence's, left out by `one_token_gaps`)."""
+    rows = []
+    for mb in micro_batches:
+        advantages = mb["advantages"] if mb["advantages"].dim() > 1 else mb["advantages"][:, None]
+        rows.append(mb["completion_mask"] * (advantages != 0))
+    return torch.cat(rows)
 
 
 def last_step_learning_rate(trainer) -> float:
