@@ -3,13 +3,14 @@ prepared folder holds exactly the GGUF's weights and gives its logits, GSPO trai
 
 A few minutes on 2 CPU cores in all; `tests/test_model_store.py` covers the resolution logic without a model."""
 
+import json
 import math
 
 import pytest
 import torch
 
 from trl_gspo.common.model_prepare import load_gguf, source_gguf
-from trl_gspo.common.model_store import SMOLLM2, is_prepared, prepared_folder
+from trl_gspo.common.model_store import SMOLLM2, is_prepared, prepared_folder, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -135,3 +136,6 @@ def test_the_demo_runs_on_the_real_model(smollm2, tmp_path, capsys):
     assert [int(row["step"]) for row in rows] == [0, 1, 2]  # before, every step, after
     assert all(0.0 <= float(row["held_out_accuracy"]) <= 1.0 for row in rows)
     assert (out / "reward_curve.png").stat().st_size > 0 and (out / "model.safetensors").exists()
+    # the copy it trained, in its output (cli/run_model.py): the one the store resolves here, offline
+    record = json.loads((out / "model_source.json").read_text())
+    assert record == resolve_model(SMOLLM2).record() and record["source"] == "gguf" and len(record["sha256"]) == 64
