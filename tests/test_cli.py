@@ -121,6 +121,31 @@ def test_train_runs_from_every_local_dataset_form(tmp_path, tiny_model_dir, copy
     )
 
 
+def test_train_of_a_hub_id_the_store_knows_records_the_copy_it_trained(
+    tmp_path, tiny_model_dir, copy_jsonl, monkeypatch
+):
+    """A recipe naming a Hub id the model store knows (SmolLM2; a tiny folder stands in for its prepared copy): the id
+    is resolved once (cli/run_model.py: rank 0 decides in a launch), the run loads what it resolved to, and the output
+    says which copy it trained (`model_source.json`)."""
+    import json
+
+    from trl_gspo.cli import run_model
+    from trl_gspo.common import model_store
+
+    asked, weights = [], "ab" * 32
+
+    def resolve_for_run(name, args):
+        asked.append(name)
+        return model_store.Resolved(tiny_model_dir, f"model {name}: stand-in", "gguf", weights, name)
+
+    monkeypatch.setattr(run_model, "resolve_for_run", resolve_for_run)
+    recipe = train_recipe(tmp_path, model_store.SMOLLM2, copy_jsonl, max_steps=1)
+    assert main(["train", "--config", recipe, "--disable_tqdm", "true"]) == 0
+    assert asked == [model_store.SMOLLM2]
+    record = json.loads((tmp_path / "out" / run_model.RECORD).read_text())
+    assert record == {"model": model_store.SMOLLM2, "source": "gguf", "sha256": weights}
+
+
 BESIDE_RECIPE = """
 from trl_gspo import GSPOTrainer
 
