@@ -5,7 +5,7 @@
     python benchmarks/experiments/real_model_compare.py --study band     # GSPO with wider clip bands
     python benchmarks/experiments/real_model_compare.py --study target   # the band following a clip fraction
     python benchmarks/experiments/real_model_compare.py --study stale    # 16 optimizer steps per rollout batch
-    python benchmarks/experiments/real_model_compare.py --study long     # answers with their working, ~100 tokens
+    python benchmarks/experiments/real_model_compare.py --study long     # answers with their working, ~70 tokens
     python benchmarks/experiments/real_model_compare.py --replot         # summary and plots from saved runs
 
 Arms, at equal settings (the addition demo's: 8 prompts x 8 completions per rollout batch, 4 optimizer steps per
@@ -82,7 +82,7 @@ STUDIES = {
         folder="smollm2-stale",
         settings=dict(steps_per_generation=16),
     ),
-    # Long answers: the working before the sum, ~100 tokens (128 at most), 32 steps (a 64-step run would cost over
+    # Long answers: the working before the sum, ~70 tokens on average (128 at most), 32 steps (a 64-step run would cost over
     # an hour of CPU); token ratios are noisier the longer the answer, which is where the paper puts GSPO's case.
     "long": dict(
         arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 15%"],
