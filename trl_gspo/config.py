@@ -63,9 +63,10 @@ FEATURE_OPTIONS = (
 class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
     r"""
     Configuration for [`GSPOTrainer`]: every [`trl.GRPOConfig`] field, with the GSPO paper's defaults, plus each
-    feature's fields (documented in its options class: `ClipBandOptions`, `PrecisionOptions`, `NonFiniteOptions`, `RewardGuardOptions`,
-    `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `SharedPrefillOptions`, `DiagnosticsOptions`,
-    `RoutingReplayOptions`, `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`, `AsyncOptions`).
+    feature's fields (documented in its options class: `ClipBandOptions`, `PrecisionOptions`, `NonFiniteOptions`,
+    `RewardGuardOptions`, `CheckpointOptions`, `FusedHeadOptions`, `SamplerLogprobOptions`, `SharedPrefillOptions`,
+    `DiagnosticsOptions`, `RoutingReplayOptions`, `PaddingOptions`, `SharedPrefixOptions`, `DynamicSamplingOptions`,
+    `AsyncOptions`).
 
     Defaults that differ from `trl.GRPOConfig` (paper, arXiv 2507.18071, Sec. 5):
     - `importance_sampling_level="sequence"` (GSPO) instead of `"token"` (GRPO).

@@ -35,13 +35,25 @@ def dropped_token_gap(values: torch.Tensor, mask: torch.Tensor) -> float:
     return (kept.min() / kept.max()).item()
 
 
+def each_token_dropped(mask: torch.Tensor):
+    """`keep` masks of `mask`'s shape, one per token of `mask`: all ones but a 0 at that token, each token in turn."""
+    for index in mask.nonzero().tolist():
+        keep = torch.ones_like(mask)
+        keep[tuple(index)] = 0
+        yield keep
+
+
+def _loss_and_gradients(model, loss: torch.Tensor):
+    """`compute`'s answer: `loss` back-propagated into `model` (its gradients zeroed before the forward)."""
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _per_token_gaps(compute, mask: torch.Tensor) -> list[tuple[float, float]]:
     """(loss gap, largest gradient gap) per token of `mask` dropped, leaving out tokens that change nothing."""
     loss, grads = compute(torch.ones_like(mask))
     gaps = []
-    for index in mask.nonzero().tolist():
-        keep = torch.ones_like(mask)
-        keep[tuple(index)] = 0
+    for keep in each_token_dropped(mask):
         bug_loss, bug_grads = compute(keep)
         loss_gap = relative_gap(bug_loss, loss)
         grad_gap = max(relative_gap(bug_grads[name], grad) for name, grad in grads.items())
@@ -96,9 +108,7 @@ def one_token_step_gap(compute, mask: torch.Tensor, learning_rate: float, max_gr
 
     base = step(compute(torch.ones_like(mask))[1])
     gaps = []
-    for index in mask.nonzero().tolist():
-        keep = torch.ones_like(mask)
-        keep[tuple(index)] = 0
+    for keep in each_token_dropped(mask):
         moved = step(compute(keep)[1])
         gap = max((moved[n] - base[n]).norm().item() / bounds[n] for n in base)
         if gap > 0:  # a token that weighs nothing here (a clipped sequence's) is left out, as in one_token_gaps
@@ -124,26 +134,17 @@ def weighted_logp_loss(model, batch: dict, weights, entropy_coef: float = 0.1, t
         entropies = -(logp_all.exp() * logp_all).sum(-1)
         mask = batch["completion_mask"] * keep
         loss = (logps * weights * mask).sum() + entropy_coef * (entropies * mask).sum()
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return _loss_and_gradients(model, loss)
 
     return compute
 
 
 def trainer_loss(trainer, inputs: dict):
     """`compute` for `one_token_gaps` / `one_token_step_gap` over the trainer's own loss on a micro-batch it trained
-    on (one micro-batch per optimizer step: the step's whole gradient), the completion mask multiplied by `keep`.
-    Overwrites the model's gradients: call it after the test's own checks."""
-    model = trainer.model
-    trainer.current_gradient_accumulation_steps = 1
-
-    def compute(keep):
-        model.zero_grad(set_to_none=True)
-        loss = trainer._compute_loss(model, {**inputs, "completion_mask": inputs["completion_mask"] * keep})
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    return compute
+    on (one micro-batch per optimizer step: the step's whole gradient), the completion mask multiplied by `keep`:
+    `accumulated_trainer_loss` over that one micro-batch. Overwrites the model's gradients: call it after the test's
+    own checks."""
+    return accumulated_trainer_loss(trainer, [inputs])
 
 
 def accumulated_trainer_loss(trainer, micro_batches: list):
@@ -160,8 +161,7 @@ def accumulated_trainer_loss(trainer, micro_batches: list):
         model.zero_grad(set_to_none=True)
         inputs = {k: v.clone() if torch.is_tensor(v) else v for k, v in mb.items()}
         loss = trainer._compute_loss(model, {**inputs, "completion_mask": inputs["completion_mask"] * keep})
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return _loss_and_gradients(model, loss)
 
     base = [one(mb, torch.ones_like(mb["completion_mask"])) for mb in micro_batches]
 
