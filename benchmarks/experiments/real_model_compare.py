@@ -4,6 +4,7 @@
     python benchmarks/experiments/real_model_compare.py --study lr       # GSPO's learning-rate study
     python benchmarks/experiments/real_model_compare.py --study band     # GSPO with wider clip bands
     python benchmarks/experiments/real_model_compare.py --study target   # the band following a clip fraction
+    python benchmarks/experiments/real_model_compare.py --study target --arms "stock GRPO" --learning-rates 1e-5
     python benchmarks/experiments/real_model_compare.py --study stale    # 16 optimizer steps per rollout batch
     python benchmarks/experiments/real_model_compare.py --study long     # answers with their working, ~70 tokens
     python benchmarks/experiments/real_model_compare.py --replot         # summary and plots from saved runs
@@ -211,6 +212,7 @@ def main(argv=None) -> None:
     parser.add_argument("--output-dir", type=Path, default=None, help="default: results/<the study's folder>")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=None, help="default: the study's")
+    parser.add_argument("--learning-rates", type=float, nargs="+", default=None, help="default: the study's")
     parser.add_argument("--max-steps", type=int, default=None, help="default: the study's (64 unless it says)")
     parser.add_argument("--eval-every", type=int, default=16)
     parser.add_argument("--eval-prompts", type=int, default=200, help="held-out problems (at most 200)")
@@ -235,7 +237,7 @@ def main(argv=None) -> None:
         plan = [
             (arm, seed, lr)
             for seed in options.seeds
-            for lr in study["learning_rates"]
+            for lr in (options.learning_rates or study["learning_rates"])
             for arm in (options.arms or study["arms"])
         ]
         runs = options.output_dir / "runs"
