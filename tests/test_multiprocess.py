@@ -48,10 +48,14 @@ def _launch(config: str, output_dir: Path, *extra: str, timeout: int = 300) -> s
     return _launch_command(config, *demo, "--num_eval_prompts", "16", "--logging_steps", "1", *extra, timeout=timeout)
 
 
-def _launch_command(config: str, *command: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`tests/helpers/cpu_launch.py COMMAND ...` in 2 processes under the shipped accelerate `config`."""
+def _launch_command(
+    config: str, *command: str, timeout: int = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`tests/helpers/cpu_launch.py COMMAND ...` in 2 processes under the shipped accelerate `config`; `env` over
+    this process's environment."""
     env = {
         **os.environ,
+        **(env or {}),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
@@ -232,3 +236,41 @@ def test_zero2_keeps_fp32_master_weights_of_a_bf16_model(tmp_path, tiny_model_di
     assert not re.search(DEEPSPEED_COLLECTIVE_DEPRECATIONS, log)
     saved = load_file(str(out / "model.safetensors"))
     assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_copy_rank_0_resolved(tmp_path, tiny_model_dir):
+    """A recipe naming a Hub id the model store knows (SmolLM2), 2 processes under the shipped DDP config, offline:
+    rank 0 resolves it to the prepared copy in its cache (a tiny model stands in for it) and tells rank 1, whose
+    cache is empty (resolving on its own, it would stop with "no prepared copy"). Both ranks train, and the output's
+    `model_source.json` names the copy, with the SHA-256 its provenance file gives."""
+    import json
+    import shutil
+
+    from helpers.recipes import train_recipe
+
+    from trl_gspo.cli.demo import make_demo_dataset
+    from trl_gspo.cli.run_model import RECORD
+    from trl_gspo.common.model_store import PROVENANCE, SMOLLM2, prepared_folder
+
+    cache, empty = tmp_path / "cache", tmp_path / "empty-cache"
+    copy = prepared_folder(SMOLLM2, cache)
+    shutil.copytree(tiny_model_dir, copy)
+    weights = "cd" * 32
+    (copy / PROVENANCE).write_text(json.dumps({"source": "a tiny stand-in", "weights_sha256": weights}))
+    empty.mkdir()
+    data = tmp_path / "copy.jsonl"
+    make_demo_dataset(32).to_json(str(data))
+    out = tmp_path / "run"
+    recipe = train_recipe(tmp_path, SMOLLM2, str(data), output_dir=str(out), max_steps=1, logging_steps=1)
+    env = {
+        "TRL_GSPO_CACHE": str(cache),
+        "HF_HUB_CACHE": str(tmp_path / "hub-cache"),  # no Hub copy to fall back on
+        "CPU_LAUNCH_OTHER_RANKS_ENV": json.dumps({"TRL_GSPO_CACHE": str(empty)}),
+    }
+    result = _launch_command("multi_gpu.yaml", "train", "--config", recipe, env=env)
+    log = result.stdout + result.stderr
+    markers = re.findall(r"cpu_launch: rank (\d) finished with code (-?\d+) as (\w+ x\d)", log)
+    assert sorted(markers) == [("0", "0", "MULTI_CPU x2"), ("1", "0", "MULTI_CPU x2")], log[-4000:]
+    assert "no prepared copy" not in log, log[-4000:]
+    assert json.loads((out / RECORD).read_text()) == {"model": SMOLLM2, "source": "gguf", "sha256": weights}

@@ -7,6 +7,7 @@ changes nothing the tests check (ZeRO partitioning, batch-size bookkeeping, savi
 """
 
 import importlib
+import json
 import os
 import sys
 
@@ -14,6 +15,11 @@ try:  # importlib, not `import deepspeed.comm.torch as m`: the package attribute
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 except ImportError:  # DeepSpeed not installed: only the DDP test can run
     pass
+
+# What the ranks other than 0 see differently (a JSON object of environment variables), for the tests of what rank 0
+# decides for every rank: e.g. another model cache, as when a network blip gives one rank another answer.
+if os.environ.get("RANK", "0") != "0":
+    os.environ.update(json.loads(os.environ.get("CPU_LAUNCH_OTHER_RANKS_ENV", "{}")))
 
 from trl_gspo.cli.commands import main  # noqa: E402
 
