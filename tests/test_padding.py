@@ -7,6 +7,7 @@ with and without sorting, the rows of each optimizer step on real training runs,
 """
 
 import copy
+import dataclasses
 import functools
 import math
 
@@ -426,10 +427,27 @@ def test_packed_sequences_cannot_see_each_other(moe, tokenizer, tmp_path, traine
         separated = [_row_logps(segmented, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
         causal = functools.partial(model, attention_mask=torch.ones_like(row_ids))  # a mask turns packed detection off
         leaked = [_row_logps(causal, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)]
+    # the smallest leak (helpers/smallest_bug.py's kind): B's boundary one key early, so each of B's positions also
+    # sees A's last token
+    own_start = row_layout.segments.own_start.clone()
+    own_start[own_start == starts[1]] = starts[1] - 1
+    off_by_one = dataclasses.replace(
+        row_layout, segments=layouts.SegmentPlan(own_start, row_layout.segments.ctx_start, row_layout.segments.ctx_end)
+    )
+
+    def one_key_early(**kwargs):
+        return trainer.logprob_forward._call_model(model, off_by_one, **kwargs)
+
+    with torch.no_grad():
+        one_key = [
+            _row_logps(one_key_early, x, row_layout.position_ids)[0, b_positions] for x in (row_ids, row_changed)
+        ]
     trainer.logprob_forward.release()
     assert relative_gap(separated[1], separated[0], math.inf) <= bound
-    # plain causal attention over the row: B sees A, far past one forward's rounding (the companion of this bound)
+    # companions of this bound: plain causal attention over the row (B sees all of A) and the one-key leak above each
+    # move B past one forward's rounding
     assert relative_gap(leaked[1], leaked[0], math.inf) > model_bound(torch.float32, model.config, ids.size(1))
+    assert relative_gap(one_key[1], one_key[0], math.inf) > model_bound(torch.float32, model.config, ids.size(1))
     with pytest.raises(RuntimeError, match="packed forward got an attention_mask"):
         trainer.logprob_forward._call_model(model, layout, input_ids=row_ids, attention_mask=torch.ones_like(row_ids))
 
