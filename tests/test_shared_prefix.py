@@ -11,6 +11,7 @@ and the flash-attention varlen path with a CPU stand-in kernel.
 """
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -277,6 +278,28 @@ def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path, trainer_
     last = layout.source[0] // ids.size(1) == 5  # row 5's segment comes after row 0's in the shared row
     # the lost plan's leak lands past one forward's rounding, the bound the MoE siblings are held to above
     leak = relative_gap(plain[1][0, last], plain[0][0, last], math.inf)
+    assert leak > model_bound(torch.float32, model.config, before.size(1))
+
+    # the smallest leak (helpers/smallest_bug.py's kind): row 5's segment one key early, so it also sees the last
+    # token of row 0's segment, just before it in a row of the two (row 2 has no completion tokens to change); with
+    # row 0 changed, row 5 moves past the same bound
+    layout = layouts.segment_layout([[0, 5]], row_spans(mask), tuple(ids.shape), 7, one_row=False)
+    last = layout.source[0] // ids.size(1) == 5
+    start = int(last.nonzero().min())
+    assert int(layout.source[0, start - 1]) // ids.size(1) == 0, "row 5's segment should follow row 0's"
+    own_start = layout.segments.own_start.clone()
+    own_start[own_start == start] = start - 1
+    segments = layouts.SegmentPlan(own_start, layout.segments.ctx_start, layout.segments.ctx_end)
+    off_by_one = dataclasses.replace(layout, segments=segments)
+    with torch.no_grad():
+        one_key = [
+            trainer.logprob_forward._call_model(
+                model, off_by_one, input_ids=off_by_one.to_model(x), position_ids=off_by_one.position_ids
+            ).logits
+            for x in (ids, ids_changed)
+        ]
+    trainer.logprob_forward.release()
+    leak = relative_gap(one_key[1][0, last], one_key[0][0, last], math.inf)
     assert leak > model_bound(torch.float32, model.config, before.size(1))
 
 
