@@ -86,7 +86,8 @@ STUDIES = {
     # Long answers: the working before the sum, ~70 tokens on average (128 at most), 32 steps (a 64-step run would cost over
     # an hour of CPU); token ratios are noisier the longer the answer, which is where the paper puts GSPO's case.
     "long": dict(
-        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 15%"],
+        # the paper's band, the band that followed a target, and the best fixed band of the clip-band study
+        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 15%", "trl-gspo GSPO band 1e-2"],
         learning_rates=[5e-6],
         folder="smollm2-long",
         settings=dict(max_completion_length=128),
