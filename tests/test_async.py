@@ -31,8 +31,10 @@ import torch
 from datasets import Dataset
 from helpers.fault_utils import PROMPTS, length_reward, make_trainer
 from helpers.smallest_bug import (
+    LastStepStart,
     dropped_token_mean_gap,
     last_step_learning_rate,
+    last_step_start,
     one_token_margin,
     one_token_step_gap,
     trainer_loss,
@@ -327,6 +329,7 @@ def test_staleness_zero_ends_at_the_synchronous_weights(sync_run, tmp_path):
     sgd = make_trainer(tmp_path / "sgd", max_steps=N, optim="sgd")
     sgd.train()
     corrected = make_trainer(tmp_path / "corrected", max_steps=N, async_generation=True, max_staleness=0, optim="sgd")
+    corrected.add_callback(LastStepStart())  # the last-step companion measures where that step ran
     corrected.train()
     args, ends = corrected.args, _weights(corrected)
     seq_len = max(len(corrected.processing_class(p).input_ids) for p in PROMPTS) + args.max_completion_length
@@ -356,7 +359,8 @@ def test_staleness_zero_ends_at_the_synchronous_weights(sync_run, tmp_path):
     assert args.gradient_accumulation_steps == 1
     last = corrected._buffered_inputs[(corrected.state.global_step - 1) % len(corrected._buffered_inputs)]
     rate = last_step_learning_rate(corrected)
-    gap = one_token_step_gap(trainer_loss(corrected, last), last["completion_mask"], rate, args.max_grad_norm, bounds)
+    compute = trainer_loss(corrected, last, last_step_start(corrected))
+    gap = one_token_step_gap(compute, last["completion_mask"], rate, args.max_grad_norm, bounds)
     assert gap > 1
 
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers.smallest_bug import (
+    LastStepStart,
     accumulated_trainer_loss,
     last_step_learning_rate,
     last_step_micro_batches,
+    last_step_start,
     one_token_step_gap,
     weighted_tokens,
 )
@@ -54,6 +56,7 @@ def train(model, tokenizer, tmp_path, max_steps=4, peft_config=None, trainer_cls
         peft_config=peft_config,
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.add_callback(LastStepStart())  # the last-step companion measures where that step ran
     trainer.train()
     after = dict(trainer.model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
@@ -96,9 +99,10 @@ def test_moe_trains_with_router_aux_loss(tiny_moe_dir, tokenizer, tmp_path):
 
 
 def test_gspo_token_equals_gspo_end_to_end_and_differs_with_token_advantages(tokenizer, tmp_path):
-    """One rollout batch, four mini-batch updates, same seed: GSPO-token with the sequence advantage on every
-    token (here through the documented multi-turn hook, single-turn completions) ends at GSPO's weights; with
-    advantages that vary along the completion it does not."""
+    """Five mini-batch updates (one rollout batch's four, then the first of the next: the companion's last step is
+    on-policy, nothing clipped), same seed: GSPO-token with the sequence advantage on every token (here through the
+    documented multi-turn hook, single-turn completions) ends at GSPO's weights; with advantages that vary along the
+    completion it does not."""
 
     class TurnCreditTrainer(GSPOTrainer):
         def token_advantages(self, inputs):
@@ -113,7 +117,9 @@ def test_gspo_token_equals_gspo_end_to_end_and_differs_with_token_advantages(tok
         # Plain SGD: Adam divides by sqrt(v), so on weights whose gradient is ~0 it turns float rounding (the two
         # paths sum the same terms in a different order) into a full-size step, and the comparison stops being about
         # the algorithm (rounding.sgd_weights_bound bounds SGD's runs; seen: 1.5e-6 apart after 4 Adam steps).
-        trainer, _, _ = train(build_tiny_model(tokenizer, seed=0), tokenizer, tmp_path, optim="sgd", **overrides)
+        trainer, _, _ = train(
+            build_tiny_model(tokenizer, seed=0), tokenizer, tmp_path, max_steps=5, optim="sgd", **overrides
+        )
         return trainer, {n: p.detach() for n, p in trainer.model.named_parameters()}
 
     trainer, gspo = final_weights(importance_sampling_level="sequence")
@@ -125,13 +131,13 @@ def test_gspo_token_equals_gspo_end_to_end_and_differs_with_token_advantages(tok
     positions = args.per_device_train_batch_size * seq_len
     size = max(b["old_per_token_logps"].abs().max().item() for b in trainer._buffered_inputs)  # log-probs' size
     step = loss_bound(torch.float32, trainer.model.config, seq_len, positions, size, positions)
-    bound = {n: sgd_weights_bound(torch.float32, step, args, 4, p.norm().item()) for n, p in gspo.items()}
+    bound = {n: sgd_weights_bound(torch.float32, step, args, 5, p.norm().item()) for n, p in gspo.items()}
     for name in gspo:
         assert (gspo_token[name] - gspo[name]).norm().item() <= bound[name], name
     # companion (helpers/smallest_bug.py): one token mis-masked in the GSPO run's last optimizer step moves that step,
     # and so the end weights, past some parameter's bound
     last = last_step_micro_batches(trainer)
-    compute = accumulated_trainer_loss(trainer, last)
+    compute = accumulated_trainer_loss(trainer, last, last_step_start(trainer))
     mask = weighted_tokens(last)  # the tokens of rows with a non-zero advantage: the others weigh nothing
     assert one_token_step_gap(compute, mask, last_step_learning_rate(trainer), args.max_grad_norm, bound) > 1
     assert any((ramped[n] - gspo[n]).norm().item() > bound[n] for n in gspo)  # beyond rounding

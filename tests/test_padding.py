@@ -15,10 +15,12 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers.smallest_bug import (
+    LastStepStart,
     accumulated_trainer_loss,
     dropped_token_gap,
     last_step_learning_rate,
     last_step_micro_batches,
+    last_step_start,
     one_token_gaps,
     one_token_margin,
     one_token_step_gap,
@@ -694,6 +696,7 @@ def _run(tokenizer, tmp_path, model=None, peft_config=None, record=None, **overr
             return original(model, inputs)
 
         trainer._compute_loss = recording
+    trainer.add_callback(LastStepStart())  # the last-step companion measures where that step ran
     trainer.train()
     return trainer
 
@@ -705,7 +708,7 @@ def logp_size(trainer) -> float:
     return max((o.abs().max().item() for o in olds if o is not None), default=0.0)
 
 
-def assert_same_sgd_weights(got, want, trainer, what, seq_len=16, companion=True):
+def assert_same_sgd_weights(got, want, trainer, what, seq_len=16):
     """`got` and `want` ({name: parameter}), the ends of two plain-SGD runs with `trainer`'s settings, within
     rounding of each other (rounding.sgd_weights_bound): each step's gradient that of a policy loss over the
     step's rows of at most `seq_len` positions (FixedRollouts' default: prompts up to 6 tokens, completions up to 10),
@@ -720,11 +723,9 @@ def assert_same_sgd_weights(got, want, trainer, what, seq_len=16, companion=True
         assert (got[n].detach() - p.detach()).norm().item() <= bound, (what, n)
         bounds[n] = bound
     # companion (helpers/smallest_bug.py): one token mis-masked in the run's last optimizer step (its micro-batches
-    # accumulated) moves that step, and so the end weights, past some parameter's bound
-    if not companion:
-        return
+    # accumulated, at the weights it started from) moves that step, and so the end weights, past some parameter's bound
     last = last_step_micro_batches(trainer)
-    compute = accumulated_trainer_loss(trainer, last)
+    compute = accumulated_trainer_loss(trainer, last, last_step_start(trainer))
     mask = weighted_tokens(last)  # the tokens of rows with a non-zero advantage: the others weigh nothing
     assert one_token_step_gap(compute, mask, last_step_learning_rate(trainer), args.max_grad_norm, bounds) > 1, what
 
@@ -795,9 +796,7 @@ def test_trimmed_sorted_and_packed_training_ends_with_the_same_weights(tokenizer
         }
         assert all(torch.equal(base[n], initial[n]) for n in initial)
         adapters[name] = {n: p.detach() for n, p in params.items() if "lora" in n}
-    # no companion: measured, one token mis-masked in the last step moves the LoRA adapters by about 5e-6 of their
-    # bound (issue 51 leaves this open), so this comparison cannot show a one-token bug
-    assert_same_sgd_weights(adapters["packed"], adapters["padded"], trainer, "LoRA", companion=False)
+    assert_same_sgd_weights(adapters["packed"], adapters["padded"], trainer, "LoRA")
 
 
 # --------------------------------------------------------------------- MoE routes through the layouts
@@ -905,10 +904,11 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
         return build_tiny_model(tokenizer, moe=True, seed=0, router_aux_loss_coef=0.0)
 
     # a constant learning rate: under the linear decay the last step's is a quarter of the first's, too small a step
-    # for a one-token bug in it to move the weights past their bound (the companion in assert_same_sgd_weights)
+    # for a one-token bug in it to move the weights past their bound (the companion in assert_same_sgd_weights); 5
+    # steps, so the last is the first of a rollout batch (on-policy: none of its tokens clipped, all of them weigh)
     common = dict(
         importance_sampling_level="token",
-        max_steps=4,
+        max_steps=5,
         steps_per_generation=6,
         gradient_accumulation_steps=3,
         lr_scheduler_type="constant",
@@ -928,8 +928,13 @@ def test_routing_replay_r2_trains_the_same_with_trimmed_sorted_and_packed_forwar
         weights = dict(runs[name].model.named_parameters())
         assert_same_sgd_weights(weights, reference, runs[name], name)
         rows = [row for row in runs[name].state.log_history if "moe/replay/coverage" in row]
-        assert len(rows) == 4 and all(row["moe/replay/coverage"] == 1.0 for row in rows), name
-        assert rows[0]["moe/routing_shift"] == 0 and rows[2]["moe/routing_shift"] == 0, name
+        assert len(rows) == 5 and all(row["moe/replay/coverage"] == 1.0 for row in rows), name
+        # the on-policy steps (the first of each rollout batch, two steps each)
+        assert (
+            rows[0]["moe/routing_shift"] == 0
+            and rows[2]["moe/routing_shift"] == 0
+            and rows[4]["moe/routing_shift"] == 0
+        ), name
         positions = [
             row["throughput/positions_vs_stock"]
             for row in runs[name].state.log_history

@@ -15,9 +15,11 @@ import math
 import pytest
 import torch
 from helpers.smallest_bug import (
+    LastStepStart,
     dropped_token_gap,
     dropped_token_mean_gap,
     last_step_learning_rate,
+    last_step_start,
     one_token_gaps,
     one_token_step_gap,
     trainer_loss,
@@ -123,6 +125,7 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
             optim="sgd",
             lr_scheduler_type="constant",
         )
+        trainer.add_callback(LastStepStart())  # the last-step companion measures where that step ran
         trainer.train()
         runs[source] = dict(
             no_grad_forwards=calls.count(False),
@@ -163,7 +166,7 @@ def test_reuse_on_matches_recompute_and_skips_the_old_forward(tokenizer, tmp_pat
     last = trainer._buffered_inputs[(trainer.state.global_step - 1) % len(trainer._buffered_inputs)]
     rate = last_step_learning_rate(trainer)
     step_gap = one_token_step_gap(
-        trainer_loss(trainer, last), last["completion_mask"], rate, args.max_grad_norm, bounds
+        trainer_loss(trainer, last, last_step_start(trainer)), last["completion_mask"], rate, args.max_grad_norm, bounds
     )
     assert step_gap > 1
     # The gap is logged from the on-policy mini-batches only (one per rollout), and is fp32-small.

@@ -19,12 +19,19 @@ rounding bound (trl_gspo/rounding.py) still fails on it. A bound a one-token mis
   the move forward (first order, as the bound assumes); in the run's last step nothing follows to shrink it. Per
   token, the largest move over the parameters relative to each one's bound; returns the smallest over the tokens.
 - `trainer_loss` / `accumulated_trainer_loss`: `compute` over the trainer's own loss on one micro-batch, or on the
-  micro-batches one optimizer step accumulates (`last_step_micro_batches`: a finished run's last step).
+  micro-batches one optimizer step accumulates (`last_step_micro_batches`: a finished run's last step), at the
+  weights that step started from (`LastStepStart`, added before training; `last_step_start`). At the end weights, one
+  step later, the step's importance ratios have moved: GSPO's band (3e-4) then clips rows the step itself did not
+  clip, and their tokens seem to weigh nothing (measured: a one-token bug at 5e-9 of the bound that is 15x it where
+  the step ran).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from transformers import TrainerCallback
 
 from trl_gspo.rounding import relative_gap
 
@@ -139,20 +146,58 @@ def weighted_logp_loss(model, batch: dict, weights, entropy_coef: float = 0.1, t
     return compute
 
 
-def trainer_loss(trainer, inputs: dict):
+class LastStepStart(TrainerCallback):
+    """Keeps the trainable weights as a run's last optimizer step begins (`weights`), for the last-step companions:
+    `trainer.add_callback(LastStepStart())` before `train()`, then `last_step_start(trainer)`."""
+
+    weights: dict | None = None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == state.max_steps - 1:
+            self.weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def last_step_start(trainer) -> dict:
+    """The trainable weights `trainer`'s last optimizer step started from (its `LastStepStart` callback's)."""
+    kept = [c.weights for c in trainer.callback_handler.callbacks if isinstance(c, LastStepStart)]
+    assert kept and kept[0] is not None, "add LastStepStart() to the trainer before train(): no last step was kept"
+    return kept[0]
+
+
+@contextlib.contextmanager
+def at_weights(model, weights: dict | None):
+    """`model` with its parameters named in `weights` set to them for the block, then back as they were."""
+    if weights is None:
+        yield
+        return
+    params = dict(model.named_parameters())
+    kept = {n: params[n].detach().clone() for n in weights}
+    with torch.no_grad():
+        for n, w in weights.items():
+            params[n].copy_(w)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, w in kept.items():
+                params[n].copy_(w)
+
+
+def trainer_loss(trainer, inputs: dict, start: dict | None = None):
     """`compute` for `one_token_gaps` / `one_token_step_gap` over the trainer's own loss on a micro-batch it trained
     on (one micro-batch per optimizer step: the step's whole gradient), the completion mask multiplied by `keep`:
     `accumulated_trainer_loss` over that one micro-batch. Overwrites the model's gradients: call it after the test's
     own checks."""
-    return accumulated_trainer_loss(trainer, [inputs])
+    return accumulated_trainer_loss(trainer, [inputs], start)
 
 
-def accumulated_trainer_loss(trainer, micro_batches: list):
+def accumulated_trainer_loss(trainer, micro_batches: list, start: dict | None = None):
     """`trainer_loss` over an optimizer step of several micro-batches (gradient accumulation): the trainer's own loss
     on each, the losses and gradients summed as the step accumulates them; `keep` covers their rows stacked in order
     (their completion masks of one width, as slices of one padded batch are). One token dropped changes only its own
-    micro-batch's loss and gradient, so only that micro-batch is recomputed. Overwrites the model's gradients: call it
-    after the test's own checks."""
+    micro-batch's loss and gradient, so only that micro-batch is recomputed. `start`: the weights to compute at (the
+    step's own, `last_step_start`), else the model's as they are. Overwrites the model's gradients: call it after the
+    test's own checks."""
     model = trainer.model
     trainer.current_gradient_accumulation_steps = len(micro_batches)
     rows = [len(mb["completion_mask"]) for mb in micro_batches]
@@ -160,8 +205,9 @@ def accumulated_trainer_loss(trainer, micro_batches: list):
     def one(mb, keep):
         model.zero_grad(set_to_none=True)
         inputs = {k: v.clone() if torch.is_tensor(v) else v for k, v in mb.items()}
-        loss = trainer._compute_loss(model, {**inputs, "completion_mask": inputs["completion_mask"] * keep})
-        return _loss_and_gradients(model, loss)
+        with at_weights(model, start):
+            loss = trainer._compute_loss(model, {**inputs, "completion_mask": inputs["completion_mask"] * keep})
+            return _loss_and_gradients(model, loss)
 
     base = [one(mb, torch.ones_like(mb["completion_mask"])) for mb in micro_batches]
 
