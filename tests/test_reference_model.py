@@ -45,10 +45,10 @@ pytestmark = needs_fused_head
 
 
 def _settings(tmp_path, **overrides):
-    """Two rollout batches (4 optimizer steps each, the paper's default), rows of varied lengths, SGD at a constant
-    learning rate of 0.2: large enough that one token mis-masked in the last step moves the end weights past their
-    rounding bound (at 0.05 under the linear decay it moved them by 4 % to 8 % of it; the runs still end within
-    0.15 % of it)."""
+    """Two rollout batches (4 optimizer steps each, the paper's default; the run's 5th and last step is the first of
+    the second, on-policy), rows of varied lengths, SGD at a constant learning rate of 0.2: large enough that one token
+    mis-masked in the last step moves the end weights past their rounding bound in every case (at 0.05 under the
+    linear decay, 0.56 to 1.6 times it; the runs themselves end within 0.15 % of it)."""
     settings = dict(
         output_dir=str(tmp_path),
         use_cpu=True,
