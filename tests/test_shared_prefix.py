@@ -11,7 +11,6 @@ and the flash-attention varlen path with a CPU stand-in kernel.
 """
 
 import copy
-import dataclasses
 import math
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from datasets import Dataset
 from helpers.smallest_bug import (
     LastStepStart,
+    boundary_one_key_early,
     dropped_token_gap,
     one_token_gaps,
     one_token_margin,
@@ -294,10 +294,7 @@ def test_a_completion_never_sees_its_siblings(moe, tokenizer, tmp_path, trainer_
     last = layout.source[0] // ids.size(1) == 5
     start = int(last.nonzero().min())
     assert int(layout.source[0, start - 1]) // ids.size(1) == 0, "row 5's segment should follow row 0's"
-    own_start = layout.segments.own_start.clone()
-    own_start[own_start == start] = start - 1
-    segments = layouts.SegmentPlan(own_start, layout.segments.ctx_start, layout.segments.ctx_end)
-    off_by_one = dataclasses.replace(layout, segments=segments)
+    off_by_one = boundary_one_key_early(layout, start)
     with torch.no_grad():
         one_key = [
             trainer.logprob_forward._call_model(

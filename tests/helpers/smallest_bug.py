@@ -29,6 +29,7 @@ rounding bound (trl_gspo/rounding.py) still fails on it. A bound a one-token mis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from transformers import TrainerCallback
@@ -238,6 +239,26 @@ def weighted_tokens(micro_batches: list) -> torch.Tensor:
         advantages = mb["advantages"] if mb["advantages"].dim() > 1 else mb["advantages"][:, None]
         rows.append(mb["completion_mask"] * (advantages != 0))
     return torch.cat(rows)
+
+
+def last_step_gap(trainer, bounds: dict) -> float:
+    """`one_token_step_gap` over a finished run's last optimizer step: its micro-batches accumulated at the weights it
+    started from (`LastStepStart`), each token of a row with a non-zero advantage dropped in turn (`weighted_tokens`);
+    `bounds` each parameter's end-weights bound. Above 1: the bug shows."""
+    last = last_step_micro_batches(trainer)
+    compute = accumulated_trainer_loss(trainer, last, last_step_start(trainer))
+    rate, max_norm = last_step_learning_rate(trainer), trainer.args.max_grad_norm
+    return one_token_step_gap(compute, weighted_tokens(last), rate, max_norm, bounds)
+
+
+def boundary_one_key_early(layout, start: int):
+    """`layout` (a segment layout) with the segment that starts at position `start` starting one key earlier, so each of
+    its positions also sees the token before it (its neighbour's last): the smallest leak between packed sequences or
+    shared-prefix siblings. A fresh plan, built again when the layout is called."""
+    plan = layout.segments
+    own_start = plan.own_start.clone()
+    own_start[own_start == start] = start - 1
+    return dataclasses.replace(layout, segments=type(plan)(own_start, plan.ctx_start, plan.ctx_end))
 
 
 def last_step_learning_rate(trainer) -> float:
