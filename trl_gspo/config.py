@@ -13,7 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from trl import GRPOConfig
 
-from .clip_band import ClipBandOptions
+from .clip_band import ClipBandOptions, moving_band_field
 from .common.optimizers import check_optimizer_package
 from .common.validation import check_choice
 from .forward.fused_head import FusedHeadOptions
@@ -208,11 +208,11 @@ class GSPOConfig(*FEATURE_OPTIONS, GRPOConfig):
                         f"{name}={value!r} is out of range: the clip range [1 - epsilon, 1 + epsilon_high] needs "
                         f"0 < {name} < 1 (GSPO paper: epsilon=3e-4, epsilon_high=4e-4; GRPO: 0.2 / 0.28)."
                     )
-        elif self.clip_target_fraction is not None:  # clip_band.py scales a band this loss type does not have
+        elif moving_band_field(self):  # clip_band.py scales a band this loss type does not have
             two_sided = [name for name, loss in POLICY_LOSSES.items() if loss.clip.two_sided]
             raise ValueError(
-                f"clip_target_fraction={self.clip_target_fraction!r} needs a clip band [1 - epsilon, 1 + "
-                f"epsilon_high], which loss_type={loss_type!r} does not have; use it with loss_type in {two_sided}."
+                f"{moving_band_field(self)} needs a clip band [1 - epsilon, 1 + epsilon_high], which "
+                f"loss_type={loss_type!r} does not have; use it with loss_type in {two_sided}."
             )
         elif loss_type == "cispo" and self.epsilon_high is not None and not self.epsilon_high > 0:
             raise ValueError(f"epsilon_high={self.epsilon_high!r} is CISPO's ratio cap and must be > 0 (e.g. 5.0).")

@@ -29,7 +29,7 @@ features are parts the trainer builds in `__init__` with what they need passed i
     rollout_source     rollout/sources.py           how a rollout batch is produced (TRL's, dynamic, asynchronous)
     precision          guards/precision.py          bf16 weights without fp32 master weights: upcast, refused or allowed
     weight_updates     guards/weight_updates.py     `weights_changed`: did the last optimizer step move the weights
-    clip_band          clip_band.py                 the clip range: fixed, or following `clip_target_fraction`
+    clip_band          clip_band.py                 the clip range: fixed, from each update's spread, or a target
 
 Parts read the trainer's changing state (mode, step, TRL's metric lists) through a `RunView` (common/trl_compat.py).
 """
@@ -110,7 +110,14 @@ class GSPOTrainer(GRPOTrainer):
         settings = losses.LossSettings(
             self.epsilon_low, self.epsilon_high, args.delta, args.sapo_temperature_pos, args.sapo_temperature_neg
         )
-        self.clip_band = ClipBand(settings, args.clip_target_fraction, self.accelerator, self.run)  # the loss's knobs
+        self.clip_band = ClipBand(  # the loss's knobs: the configured band, or one that moves
+            settings,
+            self.accelerator,
+            self.run,
+            target=args.clip_target_fraction,
+            spread_scale=args.clip_spread_scale,
+            per_sequence=args.importance_sampling_level in losses.SEQUENCE_LEVELS,
+        )
         self._build_parts(args)
         served_model.check_served_model(self)  # vLLM server mode: the server serves this model (before any step)
         colocate_cpu_sync.enable_cpu_colocate_sync(self)  # vLLM colocate on its CPU build: syncs that reach the engine
@@ -410,7 +417,6 @@ class GSPOTrainer(GRPOTrainer):
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in _FORWARD_KEYS},
         )
-        self.sampler_logprobs.log_mismatch(mode, logps, inputs, mask, *self.clip_band.band, at_sampler_weights)
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
@@ -418,9 +424,14 @@ class GSPOTrainer(GRPOTrainer):
         advantages = checked_advantages(self.token_advantages(inputs), mask, self.importance_sampling_level)
         # Without off-policy mini-batches TRL skips the old-policy forward: pi_old == sg[pi_theta].
         old_logps = inputs.get("old_per_token_logps")
+        # Every ratio is 1 by construction: pi_old is this policy, or was computed at this very step's weights.
+        ratios_one = mode == "train" and (old_logps is None or self.rollout.pi_old_at == self.state.global_step)
         old_logps = logps.detach() if old_logps is None else old_logps
 
-        ratio = losses.importance_ratio(self.importance_log_weights(logps, old_logps, mask), self.args.max_log_ratio)
+        log_weights = self.importance_log_weights(logps, old_logps, mask)
+        self.clip_band.fit(mode, log_weights, mask, ratios_one)  # clip_spread_scale: this micro-batch's band
+        self.sampler_logprobs.log_mismatch(mode, logps, inputs, mask, *self.clip_band.band, at_sampler_weights)
+        ratio = losses.importance_ratio(log_weights, self.args.max_log_ratio)
         per_token_loss = self.policy_loss(ratio, advantages, logps)
 
         if self.off_policy_mask_threshold is not None:
@@ -451,7 +462,7 @@ class GSPOTrainer(GRPOTrainer):
 
         low, high = self.loss_fn.clip.indicators(ratio.detach(), advantages, self.clip_band.settings)
         self.diagnostics.record(mode, logps, old_logps, low, high, advantages, mask)
-        self.clip_band.record(mode, low, high, mask, at_sampler_weights)  # clip_target_fraction: the step's counts
+        self.clip_band.record(mode, low, high, mask, ratios_one)  # clip_target_fraction: the step's counts
         trl_metrics = metrics.loss_metrics(
             self.loss_fn.clip, low, high, mask, entropies, per_token_kl, self.accelerator
         )

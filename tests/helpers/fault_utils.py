@@ -92,6 +92,7 @@ def main():
     parser.add_argument("--async_generation", action="store_true")
     parser.add_argument("--generation_delay", type=float, default=0.0, help="seconds added to each async generation")
     parser.add_argument("--clip_target_fraction", type=float, default=None, help="prints each step's clip band")
+    parser.add_argument("--clip_spread_scale", type=float, default=None, help="prints each step's last clip band")
     cli = parser.parse_args()
     prompts = PROMPTS[: cli.num_prompts]
     if cli.generation_delay:
@@ -138,6 +139,7 @@ def main():
         prompts=prompts,
         **({"async_generation": True} if cli.async_generation else {}),
         **({"clip_target_fraction": cli.clip_target_fraction} if cli.clip_target_fraction else {}),
+        **({"clip_spread_scale": cli.clip_spread_scale} if cli.clip_spread_scale else {}),
     )
     trainer.add_callback(Progress())
     trainer.train(resume_from_checkpoint=True if cli.resume else None)

@@ -263,7 +263,9 @@ class RolloutPipeline:
     State the steps share, the pipeline's own: `stop_after` ("generate" while `sample` runs, "request" while `request`
     runs, else None: TRL runs to the end), `injected` (the `Generation` that `score` is scoring, or the `Completions`
     answering TRL's generation call, else None: generate now), `given_rewards` (the reward matrix `score` was given)
-    and `sampled_at` (the optimizer step whose weights sampled the rollout batch being trained on)."""
+    `sampled_at` (the optimizer step whose weights sampled the rollout batch being trained on) and `pi_old_at` (the
+    optimizer step whose weights computed its pi_old: the step it was scored at; None where pi_old came from the
+    sampler, or is not known after a resume mid-batch, where it is older than the current step)."""
 
     def __init__(self, trainer, run, trl, *, sampler, routes, prefill):
         self.trainer, self.run, self.trl = trainer, run, trl  # run: trainer.RunView
@@ -272,6 +274,7 @@ class RolloutPipeline:
         self.injected = None
         self.given_rewards = None
         self.sampled_at = None
+        self.pi_old_at = None
 
     # -------------------------------------------------------------------------------- one scored batch, now
     def generate_and_score(self, inputs) -> dict:
@@ -289,6 +292,8 @@ class RolloutPipeline:
             injected = self.injected
             sampled = isinstance(injected, (Generation, Completions))
             self.sampled_at = injected.sampled_at if sampled else self.run.global_step
+            # TRL's pi_old pass ran now, at these weights, unless the sampler's log-probs answered it
+            self.pi_old_at = None if self.sampler.supplied else self.run.global_step
         return output
 
     # ----------------------------------------------------------------------- sampling apart from scoring

@@ -284,6 +284,7 @@ class SamplerLogprobs:
         # by its length-normalised form; None: TRL's own
         self.length_normalized_is = length_normalized_is
         self.armed = False  # True between generation and TRL's old-policy forward, when that is replaced
+        self.supplied = False  # the rollout batch being scored took its pi_old from the sampler
         self.logps = None  # per-completion sampler log-probs of the rollout being scored
         self._warned_missing = False
 
@@ -311,7 +312,7 @@ class SamplerLogprobs:
     def begin_rollout(self) -> None:
         """Before TRL scores a rollout batch: answer its pi_old pass from the sampler, when that is the source."""
         self.logps = None
-        self.armed = self.reuses
+        self.armed, self.supplied = self.reuses, False
 
     def end_rollout(self) -> None:
         self.armed, self.logps = False, None
@@ -329,7 +330,9 @@ class SamplerLogprobs:
             return None
         # One shot: after generation, TRL's first log-prob call is the pi_old pass (ref log-probs come later).
         self.armed = False
-        return self.old_logps(batch_size, width, device)
+        old_logps = self.old_logps(batch_size, width, device)
+        self.supplied = old_logps is not None
+        return old_logps
 
     def old_logps(self, batch_size, width, device):
         """The sampler's log-probs as a `(B, T)` pi_old, or None to fall back to TRL's recompute (logged)."""
