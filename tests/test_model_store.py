@@ -85,7 +85,7 @@ def test_a_partial_hub_cache_never_counts(cache, partial, capsys):
 
 def test_offline_prepare_does_not_take_a_partial_hub_cache_for_the_model(cache, tmp_path, monkeypatch, capsys):
     fill_hub_cache(PARTIAL_HUB_CACHES["config and tokenizer only"])
-    monkeypatch.setattr(model_prepare, "prepare", lambda hub_id, wheel, log: fake_prepared(cache))
+    monkeypatch.setattr(model_prepare, "prepare", lambda hub_id, wheel, log, force: fake_prepared(cache))
     assert main(["models", "prepare"]) == 0
     out = capsys.readouterr().out
     assert "prepared in" in out and "Hub" not in out

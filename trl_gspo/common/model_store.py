@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hub_files
+from . import hub_files, prepared_copy
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,22 @@ def provenance(folder: Path) -> dict:
 
 def describe(folder: Path) -> str:
     return provenance(folder)["source"]
+
+
+def damaged(folder: Path) -> str | None:
+    """What is wrong with the prepared copy in `folder` (a file missing, cut short or changed since it was written;
+    a provenance file that cannot be read), None where every file is as prepared (`prepared_copy.check`)."""
+    try:
+        record = provenance(folder)
+        files = record["files"] if "files" in record else prepared_copy.earlier_files(record)
+        if not isinstance(files, dict) or not all(isinstance(want, dict) for want in files.values()):
+            raise ValueError("no list of files")
+    except (OSError, ValueError, TypeError, AttributeError) as err:  # not JSON, not an object, cut short
+        return f"{PROVENANCE} cannot be read ({type(err).__name__})"
+    try:
+        return prepared_copy.check(folder, files)
+    except OSError as err:
+        return f"{err.filename or folder} cannot be read ({err.strerror or type(err).__name__})"
 
 
 def hub_answers(hub_id: str) -> tuple[bool, str]:
@@ -210,6 +226,11 @@ def resolve_model(name: str, cache: Path | None = None, fetch: bool = True) -> R
 
 
 def prepared(name: str, folder: Path) -> Resolved:
+    if damage := damaged(folder):
+        raise ModelSourceError(
+            f"model {name}: the prepared copy in {folder} is damaged ({damage}); run `trl-gspo models prepare "
+            "--force` to prepare it again."
+        )
     record = provenance(folder)
     identity = record.get("weights_sha256") or record.get("gguf_sha256", "")
     note = f"model {name}: the prepared copy in {folder} ({record['source']})"
