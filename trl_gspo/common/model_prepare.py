@@ -322,6 +322,8 @@ def prepare(
         except Timeout:
             log(f"waiting for another process preparing {hub_id} (it holds {lock.lock_file})")
             lock.acquire()
+        with contextlib.suppress(OSError):  # a lock an earlier release made 0644: its owner opens it to the group
+            os.chmod(lock.lock_file, lock.mode)
         try:
             damage = damaged(folder) if is_prepared(folder) else None
             if is_prepared(folder) and damage is None and not force:  # the second look: the process waited for made it

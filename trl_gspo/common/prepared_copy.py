@@ -74,7 +74,10 @@ def check(folder: Path, files: dict[str, dict]) -> str | None:
 
 
 def sync(path: Path) -> None:
-    """Flush `path` (a file, or a folder's entries) to disk."""
+    """Flush `path` (a file, or a folder's entries) to disk. Windows cannot open a folder to flush it (NTFS journals
+    its entries): there only files are flushed."""
+    if os.name == "nt" and path.is_dir():
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
