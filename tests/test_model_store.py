@@ -88,7 +88,8 @@ def test_offline_prepare_does_not_take_a_partial_hub_cache_for_the_model(cache, 
     monkeypatch.setattr(model_prepare, "prepare", lambda hub_id, wheel, log, force: fake_prepared(cache))
     assert main(["models", "prepare"]) == 0
     out = capsys.readouterr().out
-    assert "prepared in" in out and "Hub" not in out
+    assert "prepared in" in out and "from the Hub" not in out
+    assert "Hub cache holds" in out and "missing: model.safetensors" in out  # what the partial download lacks
 
 
 def test_an_unreachable_hub_is_asked_once_briefly_and_only_without_a_prepared_copy(cache, monkeypatch):
