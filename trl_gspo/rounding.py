@@ -14,7 +14,7 @@ changes with the layout (padded, trimmed, packed, shared prefix), with the threa
 torch cuts a sum into partial sums as wide as its vectors (`ATEN_CPU_CAPABILITY` DEFAULT, AVX2, AVX512), and its
 vectorised exp and log differ from the scalar ones in the last bit. A bound read off one machine's results fails on
 another's (an AVX-512 CPU put a trimmed forward's gradient 8.6 eps from the padded one's, past a bound of 1e-6 that
-had held on AVX2); this one holds whatever the order:
+had held on AVX2); this one is derived from the dtype and the number of roundings, not read off any machine's results:
 
     rounding_bound(dtype, terms) = min(terms, LAMBDA * sqrt(terms)) * eps(dtype)
 
@@ -34,12 +34,18 @@ holds: the exact one below LAMBDA^2 = 64 roundings, the probabilistic one above.
 terms' own: where a compared value is a small difference of large ones, the caller scales by the large ones (the
 tests say where).
 
-What the bound leaves room for (as a budget, see above): the tiny models of the tests (hidden size 64, two layers) put about 2,500 roundings
-behind a parameter gradient, so fp32 allows 4.8e-5 of its norm (1.9e-4 for a policy loss's gradient, whose
-importance ratios carry the log-probs' rounding: `loss_bound`), while a wrong token, position, mask or label moves a
-gradient by orders of magnitude more. An fp64 model is not fp64 throughout: transformers' RMSNorms and TRL's log-prob
-head compute in fp32 whatever the model's dtype (`fp32_terms`), so its bound is fp32's for those sums, 3e-5 for such
-a gradient, not fp64's 8.9e-14 (`model_bound`).
+What the bound leaves room for (as a budget, see above): the tiny models of the tests (hidden size 64, two layers)
+put about 2,500 roundings behind a parameter gradient, so fp32 allows 4.8e-5 of its norm (1.9e-4 for a policy loss's
+gradient, whose importance ratios carry the log-probs' rounding: `loss_bound`). How much room that leaves a real bug
+is measured, not assumed: each comparison's companion check (`tests/helpers/smallest_bug.py`) makes the smallest bug
+of its kind in the test's own batch (one token mis-masked; for the isolation checks, a boundary one key early) and
+asserts that the change lands outside the bound. For the LoRA and shared-prefix runs compared by their weights after
+training, measured at the weights their last step started from, the change is 2.2 to 8 times the bound: a margin,
+not orders of magnitude. Two lie inside their bounds and are caught by another quantity of the same test: the MoE
+load-balancing loss (one position left out moves it by 2.4e-7, under its 3.3e-5 bound) and the per-step losses of an
+on-policy last step with a KL term (0.06 % to 5 % of the bound; the end weights catch it). An fp64 model is not fp64
+throughout: transformers' RMSNorms and TRL's log-prob head compute in fp32 whatever the model's dtype
+(`fp32_terms`), so its bound is fp32's for those sums, 3e-5 for such a gradient, not fp64's 8.9e-14 (`model_bound`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from trl_gspo.common import hub_files, model_store
+from trl_gspo.common import hub_files, model_store, prepared_copy
 from trl_gspo.common.model_store import SMOLLM2
 
 
@@ -21,9 +21,12 @@ def empty_caches(tmp_path: Path, monkeypatch) -> Path:
 
 
 def fake_prepared(cache: Path) -> Path:
+    """A prepared copy as `prepare` records it (each file's size and SHA-256), holding a config file only."""
     folder = model_store.prepared_folder(SMOLLM2, cache)
     folder.mkdir(parents=True)
-    (folder / model_store.PROVENANCE).write_text(json.dumps({"source": "a test's stand-in", "gguf_sha256": "ab"}))
+    (folder / "config.json").write_text("{}")
+    record = {"source": "a test's stand-in", "gguf_sha256": "ab", "files": prepared_copy.record_files(folder)}
+    (folder / model_store.PROVENANCE).write_text(json.dumps(record))
     return folder
 
 

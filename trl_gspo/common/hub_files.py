@@ -2,11 +2,14 @@
 those files and no others.
 
 A Hub cache left by an `AutoConfig` or `AutoTokenizer` call, or by a download stopped half way, holds a model's
-config but not its weights, so a cached `config.json` does not mean the model loads offline. `complete_snapshot`
-counts a cached model only when its config, its tokenizer and every weights file are there and each weights file is
-whole (its safetensors header read and its size matching the header); huggingface_hub links a file into a snapshot
-only once it is complete, but a file copied or cut short by hand is not. `download` fetches `LOADED` only: a Hub
-repository may carry ONNX or GGUF exports several times the size of the weights transformers reads.
+config but not its weights, and a download interrupted half way (huggingface_hub fetches files in parallel) may hold
+`tokenizer_config.json` without `tokenizer.json`, so a cached `config.json` does not mean the model loads offline.
+`complete_snapshot` counts a cached model only when every file the model and its tokenizer load is there
+(`missing_files`: the config, the tokenizer's settings and its vocabulary, every weights file) and each weights file
+is whole (its safetensors header read and its size matching the header); huggingface_hub links a file into a
+snapshot only once it is complete, but a file copied or cut short by hand is not. `download` fetches `LOADED` only:
+a Hub repository may carry ONNX or GGUF exports several times the size of the weights transformers reads; run on a
+partial cache, it fetches what the cache lacks.
 
 Mechanics only: `model_store` turns what fails here into its one-line errors.
 """
@@ -33,8 +36,10 @@ LOADED = [
     "chat_template.jinja",
     "chat_template.json",
 ]
-#: One of these is enough for `AutoTokenizer`.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+#: What `AutoTokenizer` reads for the models the store serves: the tokenizer's settings (chat template, special tokens)
+#: and the fast tokenizer's vocabulary, each needed (without `tokenizer.json` transformers would rebuild the tokenizer
+#: from other files, or fail offline).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 def repo_cache(hub_id: str) -> Path:
@@ -71,21 +76,49 @@ def weights_files(snapshot: Path) -> list[Path]:
     return [snapshot / name for name in shards]
 
 
-def complete_snapshot(hub_id: str, revision: str | None = None) -> Path | None:
-    """The Hub cache's snapshot of `hub_id` (the `main` ref, or `revision`) if it holds everything `from_pretrained`
-    loads, each weights file whole; else None."""
-    from huggingface_hub import try_to_load_from_cache
+def cached_snapshot(hub_id: str, revision: str | None = None) -> Path | None:
+    """The Hub cache's snapshot folder of `hub_id` (the `main` ref, or `revision`: a ref or a commit), complete or
+    not; None where the cache has none."""
+    repo = repo_cache(hub_id)
+    ref = repo / "refs" / (revision or "main")
+    try:
+        commit = ref.read_text().strip() if ref.is_file() else revision
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / commit if commit else None
+    return snapshot if snapshot is not None and snapshot.is_dir() else None
 
-    config = try_to_load_from_cache(hub_id, "config.json", revision=revision)
-    if not isinstance(config, str):
-        return None
-    snapshot = Path(config).parent
+
+def snapshot_missing(snapshot: Path) -> list[str]:
+    """The files the model and its tokenizer load that `snapshot` lacks or holds cut short ([] where it loads)."""
+    missing = [name for name in ("config.json", *TOKENIZER_FILES) if not (snapshot / name).is_file()]
     weights = weights_files(snapshot)
-    if not weights or not all(whole_safetensors(path) for path in weights):
-        return None
-    if not any((snapshot / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    return snapshot
+    if not weights:
+        index = snapshot / "model.safetensors.index.json"
+        return [*missing, f"{index.name} (unreadable)" if index.is_file() else "model.safetensors"]
+    for path in weights:
+        if not path.is_file():
+            missing.append(path.name)
+        elif not whole_safetensors(path):
+            missing.append(f"{path.name} (cut short)")
+    return missing
+
+
+def missing_files(hub_id: str, revision: str | None = None) -> str:
+    """What the Hub cache lacks of `hub_id` for loading offline, for a message: "missing: tokenizer.json" (the
+    `snapshot_missing` of its snapshot), "none of its files" where it holds no snapshot, "" where nothing is missing."""
+    snapshot = cached_snapshot(hub_id, revision)
+    if snapshot is None:
+        return "none of its files"
+    missing = snapshot_missing(snapshot)
+    return f"missing: {', '.join(missing)}" if missing else ""
+
+
+def complete_snapshot(hub_id: str, revision: str | None = None) -> Path | None:
+    """The Hub cache's snapshot of `hub_id` (the `main` ref, or `revision`) if it holds every file the model and its
+    tokenizer load, each weights file whole; else None."""
+    snapshot = cached_snapshot(hub_id, revision)
+    return snapshot if snapshot is not None and not snapshot_missing(snapshot) else None
 
 
 def blob_sizes(hub_id: str) -> dict[str, int]:

