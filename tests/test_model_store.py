@@ -288,6 +288,20 @@ def test_a_train_run_loads_the_hub_snapshot_it_records_and_records_it_when_train
     assert record == {"model": SMOLLM2, "source": "hub", "revision": REVISION}
 
 
+def test_the_demo_loads_the_hub_snapshot_it_records(cache, tmp_path, monkeypatch):
+    """The demo on a real model hands from_pretrained the commit its record names (TRL passes model_init_kwargs'
+    revision to the model and the tokenizer), not the bare id following the Hub's `main`."""
+    from trl_gspo import GSPOConfig
+    from trl_gspo.cli import demo
+
+    resolved = model_store.Resolved(SMOLLM2, f"model {SMOLLM2} from the Hub cache", "hub", REVISION, SMOLLM2)
+    monkeypatch.setattr(demo, "resolve_for_run", lambda name, args: resolved)
+    args = GSPOConfig(output_dir=str(tmp_path / "demo"), use_cpu=True, bf16=False, report_to="none")
+    assert demo.load_task_model(demo.TASKS["addition"], args, None, False, printer=lambda text: None)[0] == SMOLLM2
+    assert args.model_init_kwargs["revision"] == REVISION
+    assert json.loads((tmp_path / "demo" / "model_source.json").read_text())["revision"] == REVISION
+
+
 def test_prepare_from_the_hub_says_runs_still_load_a_prepared_copy(cache, capsys, monkeypatch):
     folder = fake_prepared(cache)
     fill_hub_cache(REPO)
