@@ -187,6 +187,11 @@ def test_each_node_resolves_its_own_copy(cache, tmp_path, monkeypatch):
     other_ranks(monkeypatch, (0, "node-a", first))
     mine = run_model.resolve_for_run(SMOLLM2, RunArgs(1, local=0))
     assert mine.path == str(folder) and "rank 1" in mine.note
+    for name in run_model.LOCAL_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "0")  # started by srun: accelerate knows no local rank, the launcher does
+    other_ranks(monkeypatch, (0, "node-a", first))
+    assert run_model.resolve_for_run(SMOLLM2, RunArgs(1, local=-1)).path == str(folder)
 
 
 @pytest.mark.parametrize("fault", [json.JSONDecodeError("Expecting value", "", 0), PermissionError(13, "denied")])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -30,10 +31,23 @@ def gather_object(objects: list) -> list:
     return gather(objects)
 
 
+#: Where launchers put a process's rank within its node (srun and mpirun set no LOCAL_RANK of their own).
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+
+
+def local_rank(args) -> int | None:
+    """This process's rank within its node: accelerate's, else the launcher's variable; None where neither says."""
+    local = getattr(args, "local_process_index", -1)
+    if local is not None and local >= 0:
+        return local
+    found = [os.environ[name] for name in LOCAL_RANK_VARIABLES if os.environ.get(name, "").isdigit()]
+    return int(found[0]) if found else None
+
+
 def resolves_here(args) -> bool:
     """Whether this process resolves the model for its node: local rank 0 (rank 0 where no local rank is known)."""
-    local = getattr(args, "local_process_index", -1)
-    return local == 0 if local is not None and local >= 0 else args.process_index == 0
+    local = local_rank(args)
+    return local == 0 if local is not None else args.process_index == 0
 
 
 def resolved_or_error(name: str, revision: str | None = None) -> model_store.Resolved | str:
@@ -70,10 +84,23 @@ def missing(resolved: model_store.Resolved, args) -> str | None:
     return None
 
 
+def checked(resolved: model_store.Resolved, args) -> str | None:
+    """`missing`, its own faults (a cache that cannot be read) as one line too: every rank waits for this one's."""
+    try:
+        return missing(resolved, args)
+    except Exception as err:
+        return one_line(f"model {resolved.name}: checking {resolved.path} on {node(args)}: {type(err).__name__}: {err}")
+
+
 def pick(entries: list[tuple[int, str, object]], rank: int, host: str):
     """The answer this rank loads from every rank's (rank, host, answer): that of its node's resolving process (the
-    last on its host at or below its rank), else, where its node has none, rank 0's (checked by `missing`)."""
+    last on its host at or below its rank), else, where its node has none, the first one's (checked by `missing`)."""
     resolvers = [entry for entry in entries if entry[2] is not None]
+    if not resolvers:  # every rank sees the same entries, so every rank stops here alike
+        raise RecipeError(
+            f"no process of this run has local rank 0 to resolve the model ({', '.join(LOCAL_RANK_VARIABLES)}); "
+            "launch with accelerate launch, torchrun, srun or mpirun, which set one of them."
+        )
     same = [entry for entry in resolvers if entry[1] == host]
     before = [entry for entry in same if entry[0] <= rank]
     return (before[-1] if before else same[0] if same else resolvers[0])[2]
@@ -106,7 +133,7 @@ def resolve_for_run(name: str, args, revision: str | None = None) -> model_store
     if errors:
         raise RecipeError(errors[0]) from failure
     mine = pick(entries, args.process_index, host)
-    problems = [problem for problem in gather_object([missing(mine, args)]) if problem is not None]
+    problems = [problem for problem in gather_object([checked(mine, args)]) if problem is not None]
     if problems:
         raise RecipeError(problems[0])
     if sum(entry[2] is not None for entry in entries) > 1 and resolves_here(args):  # each node says its own copy
