@@ -125,8 +125,8 @@ def test_train_of_a_hub_id_the_store_knows_records_the_copy_it_trained(
     tmp_path, tiny_model_dir, copy_jsonl, monkeypatch
 ):
     """A recipe naming a Hub id the model store knows (SmolLM2; a tiny folder stands in for its prepared copy): the id
-    is resolved once (cli/run_model.py: rank 0 decides in a launch), the run loads what it resolved to, and the output
-    says which copy it trained (`model_source.json`)."""
+    is resolved once (cli/run_model.py: each node's local rank 0 decides in a launch), the run loads what it resolved
+    to, and the output says which copy it trained (`model_source.json`)."""
     import json
 
     from trl_gspo.cli import run_model
@@ -134,7 +134,7 @@ def test_train_of_a_hub_id_the_store_knows_records_the_copy_it_trained(
 
     asked, weights = [], "ab" * 32
 
-    def resolve_for_run(name, args):
+    def resolve_for_run(name, args, revision=None):
         asked.append(name)
         return model_store.Resolved(tiny_model_dir, f"model {name}: stand-in", "gguf", weights, name)
 

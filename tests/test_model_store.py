@@ -97,7 +97,7 @@ def test_an_unreachable_hub_is_asked_once_briefly_and_only_without_a_prepared_co
 
     calls = []
 
-    def model_info(self, repo, timeout=None):
+    def model_info(self, repo, timeout=None, **kwargs):
         calls.append(timeout)
         raise ConnectionError("no network")
 
@@ -128,39 +128,108 @@ def test_one_variable_forces_either_source(cache, monkeypatch):
 
 
 class RunArgs:
-    def __init__(self, rank: int, world_size: int = 2):
+    def __init__(self, rank: int, world_size: int = 2, local: int | None = None):
         self.process_index, self.world_size = rank, world_size
+        self.local_process_index = rank if local is None else local  # one node unless told otherwise
 
 
-def test_rank_zero_decides_and_the_other_ranks_are_told(cache, monkeypatch):
+def other_ranks(monkeypatch, *others, problems=()):
+    """`run_model`'s all-gather with this process as the last rank: the first exchange (rank, host, answer) returns
+    `others` before this rank's entry, the second (each rank's missing-file line) `problems`; what this rank sent is
+    in the list returned."""
+    from trl_gspo.cli import run_model
+
+    sent = []
+
+    def gather(objects):
+        sent.append(objects[0])
+        return [*others, *objects] if len(sent) == 1 else [*problems, *objects]
+
+    monkeypatch.setattr(run_model, "gather_object", gather)
+    return sent
+
+
+def test_a_node_resolves_once_and_its_other_ranks_are_told(cache, monkeypatch):
+    """Local rank 0 resolves and sends its answer; another rank of its node does not resolve, takes that answer, and
+    stops with one line, on every rank, where the copy it names is not on its node."""
+    import socket
+
+    from trl_gspo.cli import run_model
+
+    folder, host = fake_prepared(cache), socket.gethostname()
+    sent = other_ranks(monkeypatch)
+    decided = run_model.resolve_for_run(SMOLLM2, RunArgs(0))
+    assert decided.path == str(folder) and sent == [(0, host, decided), None]
+
+    def asks(*args, **kwargs):
+        raise AssertionError("a rank other than its node's local rank 0 resolved the model itself")
+
+    monkeypatch.setattr(model_store, "resolve_model", asks)
+    sent = other_ranks(monkeypatch, (0, host, decided))
+    assert run_model.resolve_for_run(SMOLLM2, RunArgs(1)) == decided and sent == [(1, host, None), None]
+    elsewhere = dataclasses.replace(decided, path=str(cache / "on-another-node"))
+    other_ranks(monkeypatch, (0, host, elsewhere))
+    with pytest.raises(RecipeError) as err:  # the copy rank 0 found is not on this rank's node
+        run_model.resolve_for_run(SMOLLM2, RunArgs(1))
+    assert "\n" not in str(err.value) and all(text in str(err.value) for text in (host, "rank 1", str(cache)))
+    other_ranks(monkeypatch, (0, host, decided), problems=["model x: not on node-b"])
+    with pytest.raises(RecipeError, match="model x: not on node-b"):  # another rank's missing copy stops this one too
+        run_model.resolve_for_run(SMOLLM2, RunArgs(1))
+    other_ranks(monkeypatch, (0, host, "model x: no copy"))
+    with pytest.raises(RecipeError, match="model x: no copy"):  # every rank stops with the resolving rank's line
+        run_model.resolve_for_run(SMOLLM2, RunArgs(1))
+
+
+def test_each_node_resolves_its_own_copy(cache, tmp_path, monkeypatch):
+    """Two nodes, each its cache: the local rank 0 of the second loads the copy its own cache holds, not the folder
+    the first node's rank 0 found, and says which one on its node."""
     from trl_gspo.cli import run_model
 
     folder = fake_prepared(cache)
-    sent = []
+    first = model_store.Resolved(str(tmp_path / "node-a-cache"), "model on node a", "gguf", "cd", SMOLLM2)
+    other_ranks(monkeypatch, (0, "node-a", first))
+    mine = run_model.resolve_for_run(SMOLLM2, RunArgs(1, local=0))
+    assert mine.path == str(folder) and "rank 1" in mine.note
+    for name in run_model.LOCAL_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "0")  # started by srun: accelerate knows no local rank, the launcher does
+    other_ranks(monkeypatch, (0, "node-a", first))
+    assert run_model.resolve_for_run(SMOLLM2, RunArgs(1, local=-1)).path == str(folder)
 
-    def rank_zero_broadcast(objects, from_process=0):
-        sent.append(objects[0])
 
-    monkeypatch.setattr(run_model, "broadcast_object_list", rank_zero_broadcast)
-    decided = run_model.resolve_for_run(SMOLLM2, RunArgs(0))
-    assert decided.path == str(folder) and sent == [decided]
+@pytest.mark.parametrize("fault", [json.JSONDecodeError("Expecting value", "", 0), PermissionError(13, "denied")])
+def test_any_fault_on_a_resolving_rank_reaches_every_rank_as_one_line(cache, monkeypatch, fault):
+    """A fault other than a missing copy (a corrupt provenance file, no permission) on the resolving rank: it still
+    takes part in the exchange, sending one line that every rank raises (none is left waiting for it)."""
+    import socket
 
-    def told(objects, from_process=0):
-        objects[0] = decided
+    from trl_gspo.cli import run_model
 
-    def asks(*args, **kwargs):
-        raise AssertionError("a rank other than 0 resolved the model itself")
+    def fails(*args, **kwargs):
+        raise fault
 
-    monkeypatch.setattr(run_model, "broadcast_object_list", told)
-    monkeypatch.setattr(model_store, "resolve_model", asks)
-    assert run_model.resolve_for_run(SMOLLM2, RunArgs(1)) == decided
-
-    def told_error(objects, from_process=0):
-        objects[0] = "model x: no copy"
-
-    monkeypatch.setattr(run_model, "broadcast_object_list", told_error)
-    with pytest.raises(RecipeError, match="model x: no copy"):  # every rank stops with rank 0's one line
+    monkeypatch.setattr(model_store, "resolve_model", fails)
+    sent = other_ranks(monkeypatch)
+    with pytest.raises(RecipeError) as err:
+        run_model.resolve_for_run(SMOLLM2, RunArgs(0))
+    line = sent[0][2]
+    assert str(err.value) == line and "\n" not in line and type(fault).__name__ in line and socket.gethostname() in line
+    other_ranks(monkeypatch, (0, "node-a", line))
+    with pytest.raises(RecipeError, match=type(fault).__name__):
         run_model.resolve_for_run(SMOLLM2, RunArgs(1))
+
+
+def test_ctrl_c_on_the_resolving_rank_is_sent_before_it_stops(cache, monkeypatch):
+    from trl_gspo.cli import run_model
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_store, "resolve_model", interrupted)
+    sent = other_ranks(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):  # this rank stops as an interrupted run does
+        run_model.resolve_for_run(SMOLLM2, RunArgs(0))
+    assert "KeyboardInterrupt" in sent[0][2]  # after telling the other ranks
 
 
 def test_the_run_record_names_the_copy(cache, tmp_path):
@@ -169,6 +238,88 @@ def test_the_run_record_names_the_copy(cache, tmp_path):
     fake_prepared(cache)
     run_model.write_record(model_store.resolve_model(SMOLLM2), str(tmp_path))
     assert json.loads((tmp_path / run_model.RECORD).read_text()) == {"model": SMOLLM2, "source": "gguf", "sha256": "ab"}
+
+
+# ------------------------------------------------------------------------------------------------- revisions
+OTHER_REVISION = "b" * 40
+
+
+def test_a_recipes_revision_is_the_hubs_or_refused_beside_a_prepared_copy(cache, monkeypatch):
+    """model_revision names the Hub's copy at that revision: the Hub cache's snapshot of it (a tag or its commit),
+    recorded with its commit; beside a prepared copy (what auto mode loads) it is refused in one line rather than
+    dropped, and `main` (transformers' default) names no particular copy."""
+    fill_hub_cache(REPO)
+    fill_hub_cache(REPO, revision=OTHER_REVISION, ref="v2")
+    for asked in ("v2", OTHER_REVISION):
+        resolved = model_store.resolve_model(SMOLLM2, revision=asked)
+        assert resolved.revision == OTHER_REVISION and resolved.record()["revision"] == OTHER_REVISION
+    assert model_store.resolve_model(SMOLLM2, revision="main").revision == REVISION
+    folder = fake_prepared(cache)
+    assert model_store.resolve_model(SMOLLM2, revision="main").path == str(folder)
+    with pytest.raises(ModelSourceError) as err:
+        model_store.resolve_model(SMOLLM2, revision="v2")
+    message = str(err.value)
+    assert "\n" not in message and all(text in message for text in ("'v2'", str(folder), "TRL_GSPO_MODEL_SOURCE=hub"))
+    monkeypatch.setenv(model_store.SOURCE_VARIABLE, "hub")  # what the line says to do
+    assert model_store.resolve_model(SMOLLM2, revision="v2").revision == OTHER_REVISION
+    with pytest.raises(ModelSourceError, match="the Hub cache does not hold it"):  # a revision not in the cache
+        model_store.resolve_model(SMOLLM2, revision="c" * 40)
+
+
+def test_a_train_run_loads_the_hub_snapshot_it_records_and_records_it_when_training_starts(
+    cache, tmp_path, tiny_model_dir, monkeypatch
+):
+    """The Hub's answer is loaded at the snapshot's commit, not at `main` (which here has moved on to a commit whose
+    weights are not in the cache); `model_source.json` is written when training starts, so a run that stops during
+    training still says which copy it trained."""
+    from helpers.recipes import train_recipe
+
+    from trl_gspo import GSPOTrainer
+    from trl_gspo.cli import run_model
+    from trl_gspo.cli.demo import make_demo_dataset
+
+    make_demo_dataset(16).to_json(str(data := tmp_path / "copy.jsonl"))
+    model = {path.name: path.read_bytes() for path in Path(tiny_model_dir).iterdir() if path.is_file()}
+    fill_hub_cache(model)
+    fill_hub_cache({"config.json": model["config.json"]}, revision=OTHER_REVISION)  # main, moved on, partly fetched
+    resolved = model_store.Resolved(SMOLLM2, f"model {SMOLLM2} from the Hub cache", "hub", REVISION, SMOLLM2)
+    monkeypatch.setattr(run_model, "resolve_for_run", lambda name, args, revision=None: resolved)
+
+    def stops(self, *args, **kwargs):
+        raise RuntimeError("stopped during training")
+
+    monkeypatch.setattr(GSPOTrainer, "train", stops)
+    recipe = train_recipe(tmp_path, SMOLLM2, str(data), max_steps=1)
+    with pytest.raises(RuntimeError, match="stopped during training"):  # the model loaded: training started
+        main(["train", "--config", recipe, "--disable_tqdm", "true"])
+    record = json.loads((tmp_path / "out" / run_model.RECORD).read_text())
+    assert record == {"model": SMOLLM2, "source": "hub", "revision": REVISION}
+
+
+def test_the_demo_loads_the_hub_snapshot_it_records(cache, tmp_path, monkeypatch):
+    """The demo on a real model hands from_pretrained the commit its record names (TRL passes model_init_kwargs'
+    revision to the model and the tokenizer), not the bare id following the Hub's `main`."""
+    from trl_gspo import GSPOConfig
+    from trl_gspo.cli import demo
+
+    resolved = model_store.Resolved(SMOLLM2, f"model {SMOLLM2} from the Hub cache", "hub", REVISION, SMOLLM2)
+    monkeypatch.setattr(demo, "resolve_for_run", lambda name, args: resolved)
+    args = GSPOConfig(output_dir=str(tmp_path / "demo"), use_cpu=True, bf16=False, report_to="none")
+    assert demo.load_task_model(demo.TASKS["addition"], args, None, False, printer=lambda text: None)[0] == SMOLLM2
+    assert args.model_init_kwargs["revision"] == REVISION
+    assert json.loads((tmp_path / "demo" / "model_source.json").read_text())["revision"] == REVISION
+
+
+def test_prepare_from_the_hub_says_runs_still_load_a_prepared_copy(cache, capsys, monkeypatch):
+    folder = fake_prepared(cache)
+    fill_hub_cache(REPO)
+    assert main(["models", "prepare", "--source", "hub"]) == 0
+    out = capsys.readouterr().out
+    assert "already in the Hub cache" in out and f"runs still load the prepared copy in {folder}" in out
+    assert "TRL_GSPO_MODEL_SOURCE=hub" in out and len(out.strip().splitlines()) == 1
+    monkeypatch.setenv(model_store.SOURCE_VARIABLE, "hub")  # runs load the Hub's: nothing to add
+    assert main(["models", "prepare", "--source", "hub"]) == 0
+    assert "runs still load" not in capsys.readouterr().out
 
 
 def experiment(name: str, monkeypatch):

@@ -157,7 +157,7 @@ def hub(cache, monkeypatch):
 
     served = []
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, timeout=None: object())
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, **kwargs: object())
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     snapshot_download.served = served
     return snapshot_download

@@ -277,3 +277,115 @@ def test_two_ranks_train_the_copy_rank_0_resolved(tmp_path, tiny_model_dir):
     assert sorted(markers) == [("0", "0", "MULTI_CPU x2"), ("1", "0", "MULTI_CPU x2")], log[-4000:]
     assert "no prepared copy" not in log, log[-4000:]
     assert json.loads((out / RECORD).read_text()) == {"model": SMOLLM2, "source": "gguf", "sha256": weights}
+
+
+def _started_apart(command: list[str], envs: list[dict], timeout: int = 120) -> list[tuple[int, str, float]]:
+    """`tests/helpers/cpu_launch.py COMMAND ...` as 2 processes started directly, each with its environment over this
+    one's, as srun or mpirun start them (no launcher agent that stops the other ranks when one fails): each rank's
+    (exit code, output, seconds until it ended); a rank still running after `timeout` s is killed (code -9)."""
+    import time
+
+    base = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_DISABLED": "true",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    script = [sys.executable, str(ROOT / "tests" / "helpers" / "cpu_launch.py"), *command, "--disable_tqdm", "true"]
+    start, ranks = time.monotonic(), []
+    for rank, env in enumerate(envs):
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **env}
+        ranks.append(subprocess.Popen(script, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    ended = []
+    for process in ranks:
+        try:
+            out, _ = process.communicate(timeout=max(1.0, start + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, _ = process.communicate()
+        ended.append((process.returncode, out.decode(errors="replace"), time.monotonic() - start))
+    return ended
+
+
+def _prepared_stand_in(cache: Path, model_dir, provenance: str | None = None) -> Path:
+    """A tiny model as SmolLM2's prepared copy in `cache`, its files recorded as prepare records them (the copy is
+    checked against them before use), or `provenance` written as is."""
+    import json
+    import shutil
+
+    from trl_gspo.common.model_store import PROVENANCE, SMOLLM2, prepared_folder
+    from trl_gspo.common.prepared_copy import record_files
+
+    copy = prepared_folder(SMOLLM2, cache)
+    shutil.copytree(model_dir, copy)
+    files = record_files(copy)
+    record = {"source": "a stand-in", "weights_sha256": files["model.safetensors"]["sha256"], "files": files}
+    (copy / PROVENANCE).write_text(provenance if provenance is not None else json.dumps(record))
+    return copy
+
+
+@pytest.mark.slow
+def test_two_nodes_each_resolve_their_own_copy(tmp_path, tiny_model_dir):
+    """Two processes standing in for two nodes (each local rank 0, each with its own cache, as node-local disks are):
+    each resolves the copy its own cache holds and says so, and both train; the output's record names the copy of
+    the node that saves (rank 0's)."""
+    import json
+
+    from helpers.recipes import train_recipe
+
+    from trl_gspo.cli.demo import make_demo_dataset
+    from trl_gspo.cli.run_model import RECORD
+    from trl_gspo.common.model_store import PROVENANCE, SMOLLM2
+
+    copies = [_prepared_stand_in(tmp_path / f"node-{n}", tiny_model_dir) for n in range(2)]
+    data = tmp_path / "copy.jsonl"
+    make_demo_dataset(32).to_json(str(data))
+    out = tmp_path / "run"
+    recipe = train_recipe(tmp_path, SMOLLM2, str(data), output_dir=str(out), max_steps=1, logging_steps=1)
+    envs = [
+        {
+            "LOCAL_RANK": "0",
+            "TRL_GSPO_CACHE": str(tmp_path / f"node-{n}"),
+            "HF_HUB_CACHE": str(tmp_path / f"node-{n}-hub"),
+            "HF_DATASETS_CACHE": str(tmp_path / f"node-{n}-datasets"),
+        }
+        for n in range(2)
+    ]
+    ranks = _started_apart(["train", "--config", recipe], envs, timeout=240)
+    for rank, ((code, log, _), copy) in enumerate(zip(ranks, copies)):
+        assert code == 0 and f"cpu_launch: rank {rank} finished with code 0" in log, log[-4000:]
+        assert f"the prepared copy in {copy}" in log, log[-4000:]  # its node's copy, said on its node
+    weights = json.loads((copies[0] / PROVENANCE).read_text())["weights_sha256"]
+    assert json.loads((out / RECORD).read_text()) == {"model": SMOLLM2, "source": "gguf", "sha256": weights}
+
+
+@pytest.mark.slow
+def test_a_fault_on_the_resolving_rank_stops_every_rank_at_once(tmp_path, tiny_model_dir):
+    """Rank 0 resolves for its node and meets a corrupt provenance file (a JSON error, not a missing copy). Started
+    as srun starts ranks, rank 1 is waiting for rank 0's answer in a collective (until ddp_timeout, 30 minutes, where
+    rank 0's process lives on; a collective's error where it exits): both stop within seconds with the same one line
+    naming the node, and no traceback."""
+    import socket
+
+    from helpers.recipes import train_recipe
+
+    from trl_gspo.common.model_store import SMOLLM2
+
+    _prepared_stand_in(tmp_path / "cache", tiny_model_dir, provenance="{not json")
+    (tmp_path / "data.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    recipe = train_recipe(tmp_path, SMOLLM2, str(tmp_path / "data.jsonl"), max_steps=1)
+    env = {"TRL_GSPO_CACHE": str(tmp_path / "cache"), "HF_HUB_CACHE": str(tmp_path / "hub")}
+    ranks = _started_apart(["train", "--config", recipe], [env, env], timeout=90)
+    lines = []
+    for code, log, _ in ranks:
+        said = [line for line in log.splitlines() if "JSONDecodeError" in line]
+        assert code == 2 and len(said) == 1 and "Traceback" not in log, log[-4000:]
+        lines.append(said[0])
+    assert lines[0] == lines[1] and f"{socket.gethostname()}, rank 0" in lines[0]
+    assert abs(ranks[0][2] - ranks[1][2]) < 20, [seconds for *_, seconds in ranks]

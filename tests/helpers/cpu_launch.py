@@ -25,6 +25,10 @@ from trl_gspo.cli.commands import main  # noqa: E402
 
 if __name__ == "__main__":
     code = main()
+    if code != 0:  # stopped before or while the trainer was built (a one-line error): no run state to report
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     from accelerate.state import AcceleratorState
 
     # One marker per rank: the process got through training, saving and trainer.end(), under this distribution and

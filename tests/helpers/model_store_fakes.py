@@ -48,10 +48,11 @@ REPO = {  # each file's content its own (the Hub cache stores equal contents onc
 REVISION = "a" * 40
 
 
-def fill_hub_cache(files: dict[str, bytes], hub_id: str = SMOLLM2) -> Path:
-    """Write `files` into the Hub cache as huggingface_hub lays them out (blobs, a snapshot of links, refs/main)."""
+def fill_hub_cache(files: dict[str, bytes], hub_id: str = SMOLLM2, revision: str = REVISION, ref: str = "main") -> Path:
+    """Write `files` into the Hub cache as huggingface_hub lays them out (blobs, a snapshot of links at `revision`,
+    refs/`ref` naming it)."""
     repo = hub_files.repo_cache(hub_id)
-    snapshot = repo / "snapshots" / REVISION
+    snapshot = repo / "snapshots" / revision
     for name, data in files.items():
         blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
         blob.parent.mkdir(parents=True, exist_ok=True)
@@ -60,5 +61,5 @@ def fill_hub_cache(files: dict[str, bytes], hub_id: str = SMOLLM2) -> Path:
         (snapshot / name).unlink(missing_ok=True)
         (snapshot / name).symlink_to(blob)
     (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(REVISION)
+    (repo / "refs" / ref).write_text(revision)
     return snapshot

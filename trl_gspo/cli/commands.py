@@ -310,10 +310,13 @@ def train(argv: list[str]) -> int:
     recipe_inputs.resolve_recipe_paths(script_args, model_args, mixture, recipe_dir)
     resolved = None
     if model_args.model_name_or_path in model_store.OFFLINE_SOURCES:  # the Hub, or the copy prepared for offline use
-        resolved = run_model.resolve_for_run(model_args.model_name_or_path, args)  # once, the same on every rank
-        if args.process_index == 0:
+        # once per node, the same on every rank of a node, at the recipe's model_revision
+        resolved = run_model.resolve_for_run(model_args.model_name_or_path, args, model_args.model_revision)
+        if run_model.resolves_here(args):
             print(f"trl-gspo train: {resolved.note}", flush=True)
         model_args.model_name_or_path = resolved.path
+        if resolved.revision:  # the snapshot the record names, not whatever the Hub's main is when the model loads
+            model_args.model_revision = resolved.revision
     try:
         reward_funcs = resolve_rewards(script_args, search_dirs)
     except ValueError as err:
@@ -366,14 +369,14 @@ def train(argv: list[str]) -> int:
         use_console(trainer, script_args.console)
         trainer.accelerator.print(f"trl-gspo train: {generation_line(trainer)}")
         trainer.accelerator.print(precision_line("train", trainer))
+        if resolved is not None and trainer.accelerator.is_main_process:  # now: a run that crashes still has it
+            run_model.write_record(resolved, args.output_dir)
         with tied_weights_restored(trainer):
             trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if eval_set is not None:
         trainer.accelerator.print(final_eval_line(trainer, eval_set))
     with quiet_saving(script_args.console):
         trainer.save_model(args.output_dir)
-    if resolved is not None and trainer.accelerator.is_main_process:
-        run_model.write_record(resolved, args.output_dir)
     trainer.accelerator.print(f"Model saved to {args.output_dir}")
     trl_compat.end_training(trainer)
     return 0

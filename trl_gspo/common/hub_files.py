@@ -130,12 +130,13 @@ def blob_sizes(hub_id: str) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in blobs.iterdir() if p.is_file() and not p.name.endswith(".incomplete")}
 
 
-def download(hub_id: str) -> tuple[Path, int]:
-    """Fetch `LOADED` of `hub_id` into the Hub cache: (the snapshot folder, the bytes this call downloaded, counted
-    from the blobs that were not in the cache before). Raises what `snapshot_download` raises."""
+def download(hub_id: str, revision: str | None = None) -> tuple[Path, int]:
+    """Fetch `LOADED` of `hub_id` (at `revision`, else `main`) into the Hub cache: (the snapshot folder, the bytes this
+    call downloaded, counted from the blobs that were not in the cache before). Raises what `snapshot_download`
+    raises."""
     import huggingface_hub
 
     before = blob_sizes(hub_id)
-    folder = huggingface_hub.snapshot_download(hub_id, allow_patterns=LOADED)
+    folder = huggingface_hub.snapshot_download(hub_id, revision=revision, allow_patterns=LOADED)
     fetched = sum(size for name, size in blob_sizes(hub_id).items() if name not in before)
     return Path(folder), fetched

@@ -16,7 +16,9 @@ is; a known Hub id to its prepared copy where one exists (what `prepare --source
 published numbers were measured with), else to the Hub id where the Hub cache holds the model complete for loading
 (`common/hub_files.py`) or the Hub answers (then the files transformers loads are fetched first, and their size said),
 else one line saying what to run. The answer does not depend on the network where a prepared copy exists;
-`TRL_GSPO_MODEL_SOURCE=gguf` or `=hub` forces one source (an error where it is missing, never the other). Each
+`TRL_GSPO_MODEL_SOURCE=gguf` or `=hub` forces one source (an error where it is missing, never the other). A recipe's
+`model_revision` other than `main` is the Hub's copy at that revision, refused where a prepared copy would be loaded
+instead; a Hub answer carries the snapshot's commit, which the run loads (never the Hub's `main` at load time). Each
 answer carries a one-line note saying which source it chose. `trl-gspo models` is the command line over this module
 and `model_prepare`.
 """
@@ -105,23 +107,23 @@ def damaged(folder: Path) -> str | None:
         return f"{err.filename or folder} cannot be read ({err.strerror or type(err).__name__})"
 
 
-def hub_answers(hub_id: str) -> tuple[bool, str]:
-    """(whether the Hub answers for `hub_id` now, why); `HF_HUB_OFFLINE=1` skips the network."""
+def hub_answers(hub_id: str, revision: str | None = None) -> tuple[bool, str]:
+    """(whether the Hub answers for `hub_id` at `revision` now, why); `HF_HUB_OFFLINE=1` skips the network."""
     from huggingface_hub import HfApi, constants
 
     if constants.HF_HUB_OFFLINE:
         return False, "HF_HUB_OFFLINE is set"
     try:
-        HfApi().model_info(hub_id, timeout=HUB_TIMEOUT_S)
+        HfApi().model_info(hub_id, revision=revision, timeout=HUB_TIMEOUT_S)
     except Exception as err:  # no network, DNS, a proxy, a 5xx: all mean "not from the Hub now"
         return False, f"the Hub did not answer ({type(err).__name__})"
     return True, "the Hub answers"
 
 
-def fetch_from_hub(hub_id: str) -> tuple[Path, int]:
-    """`hub_files.download`, its faults as one line: (the snapshot, bytes downloaded)."""
+def fetch_from_hub(hub_id: str, revision: str | None = None) -> tuple[Path, int]:
+    """`hub_files.download` (of `revision`, else `main`), its faults as one line: (the snapshot, bytes downloaded)."""
     try:
-        snapshot, fetched = hub_files.download(hub_id)
+        snapshot, fetched = hub_files.download(hub_id, revision)
     except OSError as err:
         if getattr(err, "errno", None) in DISK_ERRNOS:
             raise ModelSourceError(
@@ -180,36 +182,48 @@ class Resolved:
     identity: str = ""  # the Hub revision, or the prepared weights' SHA-256
     name: str = ""  # the Hub id the recipe named
 
+    @property
+    def revision(self) -> str | None:
+        """The Hub revision `from_pretrained` is given with `path`, so that it loads the snapshot `record` names (the
+        commit) rather than whatever the Hub's `main` is at load time; None for a folder."""
+        return self.identity if self.source == "hub" and self.identity else None
+
     def record(self) -> dict:
         """Which copy a run loaded, for its output: the Hub id, the source, and the Hub revision or the SHA-256."""
         key = {"hub": "revision", "gguf": "sha256"}.get(self.source, "path")
         return {"model": self.name or self.path, "source": self.source, key: self.identity or self.path}
 
 
-def resolve_model(name: str, cache: Path | None = None, fetch: bool = True) -> Resolved:
+def requested(revision: str | None) -> str | None:
+    """The Hub revision a recipe asks for: None where it names none or `main` (transformers' default)."""
+    return None if revision in (None, "", "main") else revision
+
+
+def resolve_model(name: str, cache: Path | None = None, fetch: bool = True, revision: str | None = None) -> Resolved:
     """`name` (a folder or a Hub id) -> what to load. A Hub id with an offline source resolves to its prepared copy
     where one exists, else to the Hub id where the Hub cache holds it complete or the Hub answers (fetching the files
-    transformers loads unless `fetch` is False); `TRL_GSPO_MODEL_SOURCE` forces one of the two. Where none fits,
+    transformers loads unless `fetch` is False); `TRL_GSPO_MODEL_SOURCE` forces one of the two. A `revision` other
+    than `main` is the Hub's at that revision, never a prepared copy of another one. Where none fits,
     `ModelSourceError` says what to run."""
     if Path(name).expanduser().is_dir() or name not in OFFLINE_SOURCES:
         return Resolved(name, f"model {name}")
-    choice, folder = chosen_source(), prepared_folder(name, cache)
+    choice, folder, revision = chosen_source(), prepared_folder(name, cache), requested(revision)
     if choice != "hub" and is_prepared(folder):
-        return prepared(name, folder)
+        return prepared(name, folder, revision)
     if choice == "gguf":
         raise ModelSourceError(
             f"model {name}: {SOURCE_VARIABLE}=gguf but no prepared copy in {folder}; run `trl-gspo models prepare "
             "--source gguf` once, or set TRL_GSPO_CACHE to where one was prepared."
         )
-    snapshot = hub_files.complete_snapshot(name)
+    snapshot = hub_files.complete_snapshot(name, revision)
     if snapshot is not None:
         note = f"model {name} from the Hub cache (revision {snapshot.name})"
         return Resolved(name, note, "hub", snapshot.name, name)
-    online, why = hub_answers(name)
+    online, why = hub_answers(name, revision)
     if online and not fetch:
         return Resolved(name, f"model {name} from the Hub ({why}; a run downloads it first)", "hub", "", name)
     if online:
-        snapshot, fetched = fetch_from_hub(name)
+        snapshot, fetched = fetch_from_hub(name, revision)
         note = f"model {name} from the Hub ({why}; downloaded {size_text(fetched)}, revision {snapshot.name})"
         return Resolved(name, note, "hub", snapshot.name, name)
     if choice == "hub":
@@ -225,13 +239,21 @@ def resolve_model(name: str, cache: Path | None = None, fetch: bool = True) -> R
     )
 
 
-def prepared(name: str, folder: Path) -> Resolved:
+def prepared(name: str, folder: Path, revision: str | None = None) -> Resolved:
+    """The prepared copy in `folder`, checked whole; where a recipe asks for a Hub `revision` the copy is not, one
+    line."""
     if damage := damaged(folder):
         raise ModelSourceError(
             f"model {name}: the prepared copy in {folder} is damaged ({damage}); run `trl-gspo models prepare "
             "--force` to prepare it again."
         )
     record = provenance(folder)
+    if revision is not None and record.get("revision") != revision:
+        raise ModelSourceError(
+            f"model {name}: model_revision={revision!r}, but runs load the prepared copy in {folder} "
+            f"({record['source']}), which is not that revision; set {SOURCE_VARIABLE}=hub to load the Hub's "
+            f"{revision}, or leave model_revision out (or `main`) to train the prepared copy."
+        )
     identity = record.get("weights_sha256") or record.get("gguf_sha256", "")
     note = f"model {name}: the prepared copy in {folder} ({record['source']})"
     return Resolved(str(folder), note, "gguf", identity, name)
