@@ -13,7 +13,7 @@ import pytest
 from helpers.model_store_fakes import REPO, REVISION, empty_caches, fake_prepared, fill_hub_cache
 
 from trl_gspo.cli import main
-from trl_gspo.cli.addition import NUM_HELD_OUT, addition_reward, last_integer, make_addition_dataset
+from trl_gspo.cli.addition import MAX_HELD_OUT, NUM_HELD_OUT, addition_reward, last_integer, make_addition_dataset
 from trl_gspo.cli.recipe_inputs import RecipeError
 from trl_gspo.common import model_prepare, model_store
 from trl_gspo.common.model_store import SMOLLM2, GGUFSource, ModelSourceError
@@ -295,3 +295,19 @@ def test_addition_held_out_problems_never_reach_training():
     assert row["answer"] == a + b and 10 <= a <= 99 and 10 <= b <= 99
     with pytest.raises(ValueError, match="num_eval_prompts=201"):
         make_addition_dataset(NUM_HELD_OUT + 1, split="test")
+
+
+def test_the_larger_held_out_set_keeps_the_first_200_and_stays_out_of_training():
+    def pairs(dataset):
+        return {row[0]["content"] for row in dataset["prompt"]}
+
+    held_out = make_addition_dataset(MAX_HELD_OUT, split="test", held_out=MAX_HELD_OUT)
+    train = make_addition_dataset(20000, seed=3, held_out=MAX_HELD_OUT)
+    assert len(pairs(held_out)) == MAX_HELD_OUT and not pairs(held_out) & pairs(train)
+    assert held_out["prompt"][:NUM_HELD_OUT] == make_addition_dataset(NUM_HELD_OUT, split="test")["prompt"]
+    assert (
+        make_addition_dataset(50, seed=3)["prompt"]
+        == make_addition_dataset(50, seed=3, held_out=NUM_HELD_OUT)["prompt"]
+    )  # the default draws as before
+    with pytest.raises(ValueError, match="held_out=500; allowed: 200 or 1000"):
+        make_addition_dataset(10, split="test", held_out=500)
