@@ -210,3 +210,22 @@ def test_a_verdict_word_that_disagrees_with_the_report_fails_the_check(modules, 
     doc.write_text(text + "\nGSPO is level within ±0.05 of GRPO.\n")  # a verdict written, not quoted
     found = quoted.problems([doc])
     assert len(found) == 1 and "'level within ±0.05' links to no report" in found[0]
+
+
+def test_each_run_makes_the_missing_run_files_and_reads_back_the_rest(modules, tmp_path):
+    harness, _, _ = modules
+    made = []
+
+    def produce(item, path):
+        made.append(item)
+        if item == "child":  # a child process writes its own file
+            path.write_text(json.dumps({"by": "child"}))
+            return None
+        return {"by": "parent", "item": item}
+
+    harness.write_json(tmp_path / "old.json", {"by": "earlier"})
+    plan = ["old", "new", "child"]
+    runs = harness.each_run(plan, lambda item: tmp_path / f"{item}.json", produce, jobs=2)
+    assert sorted(made) == ["child", "new"]
+    assert runs == [{"by": "earlier"}, {"by": "parent", "item": "new"}, {"by": "child"}]  # plan order
+    assert harness.each_run(plan, lambda item: tmp_path / f"{item}.json", produce, reuse=False)[0]["by"] == "parent"

@@ -200,6 +200,7 @@ def test_the_comparison_runs_the_arms_and_learning_rates_asked_for(cache, monkey
     monkeypatch.setattr(compare, "launch", lambda study, arm, seed, lr, *rest: planned.append((study, arm, seed, lr)))
     monkeypatch.setattr(report, "report", lambda output_dir, **kwargs: None)
     arguments = ["--study", "target", "--arms", "stock GRPO", "--seeds", "0", "1", "--output-dir", str(cache / "out")]
+    arguments += ["--jobs", "1"]  # in plan order (two jobs would record them in the order their threads ran)
     compare.main([*arguments, "--learning-rates", "1e-5"])
     assert planned == [("target", "stock GRPO", 0, 1e-5), ("target", "stock GRPO", 1, 1e-5)]
     planned.clear()

@@ -179,40 +179,41 @@ def run(
     os.makedirs(output_dir, exist_ok=True)
     task = load_task(task) if task is None or isinstance(task, str) else task
     overrides = {"max_steps": max_steps, **(overrides or {})}
-    plan = [("dense", s) for s in seeds] + [("moe", s) for s in (seeds if moe_seeds is None else moe_seeds)]
+    models = [("dense", s) for s in seeds] + [("moe", s) for s in (seeds if moe_seeds is None else moe_seeds)]
+    plan = [  # routing replay needs expert routers: no dense runs of its variants
+        (model, variant, seed)
+        for model, seed in models
+        for variant in variants
+        if not (model == "dense" and "routing_replay" in VARIANTS[variant])
+    ]
+
+    def produce(item, path):
+        model, variant, seed = item
+        start = time.perf_counter()
+        rows, held_out, before, provenance = train_one(
+            task, variant, seed, model == "moe", str(path.parent), num_prompts, eval_prompts, overrides
+        )
+        seconds = time.perf_counter() - start
+        log(f"{model} {variant} seed {seed}: trained in {seconds:.0f}s")
+        return dict(
+            seed=seed, rows=rows, held_out=held_out, held_out_before=before, seconds=seconds, provenance=provenance
+        )
+
+    def path_of(item):
+        model, variant, seed = item
+        return Path(output_dir) / "runs" / f"{model}-{variant}-{seed}" / "result.json"
+
     results = defaultdict(list)
-    for model, seed in plan:
-        for variant in variants:
-            if model == "dense" and "routing_replay" in VARIANTS[variant]:
-                continue  # routing replay needs expert routers
-            run_dir = os.path.join(output_dir, "runs", f"{model}-{variant}-{seed}")
-            saved = os.path.join(run_dir, "result.json")
-            if resume and os.path.exists(saved):
-                with open(saved) as f:
-                    result = json.load(f)
-            else:
-                start = time.perf_counter()
-                rows, held_out, before, provenance = train_one(
-                    task, variant, seed, model == "moe", run_dir, num_prompts, eval_prompts, overrides
-                )
-                result = {
-                    "seed": seed,
-                    "rows": rows,
-                    "held_out": held_out,
-                    "held_out_before": before,
-                    "seconds": time.perf_counter() - start,
-                    "provenance": provenance,
-                }
-                harness.write_json(Path(saved), result)
-            results[(model, variant)].append(result)
-            rows, held_out = result["rows"], result["held_out"]
-            clip = mean_of(r.get(CLIP_KEY) for r in rows)
-            clip = "n/a" if clip is None else f"{clip:.4g}"
-            held = "n/a" if held_out is None else f"{held_out:.3f}"
-            log(
-                f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {result['seconds']:.0f}s, mean token "
-                f"clip fraction {clip}, held-out reward {held}, collapsed {collapsed(rows)}"
-            )
+    for (model, variant, seed), result in zip(plan, harness.each_run(plan, path_of, produce, reuse=resume)):
+        results[(model, variant)].append(result)
+        rows, held_out = result["rows"], result["held_out"]
+        clip = mean_of(r.get(CLIP_KEY) for r in rows)
+        clip = "n/a" if clip is None else f"{clip:.4g}"
+        held = "n/a" if held_out is None else f"{held_out:.3f}"
+        log(
+            f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {result['seconds']:.0f}s, mean token "
+            f"clip fraction {clip}, held-out reward {held}, collapsed {collapsed(rows)}"
+        )
     write_data(results, output_dir)
     runs = [
         {

@@ -7,6 +7,9 @@ the CPU and torch's CPU capability, threads, the run's full resolved config, the
 by name), less the modules that only locate the model (`LOCATING_MODULES`: their effect is the weights' hash,
 `model_source`). Two runs with the same `training_code` ran the same training path, whatever else the commit changed.
 
+Runs (`each_run`): a plan of runs (arm x seed x whatever a study varies), each stored as one JSON file; a file
+that exists is read back instead of run again, so an interrupted study resumes where it stopped.
+
 Verdicts (`paired`): for two arms of a study, the per-seed differences of one score over the seeds both ran, their
 mean and a 95 % Student-t interval over seeds; the word is "ahead" or "behind" only where the interval excludes 0,
 otherwise "level within ±x" (x the half-width).
@@ -169,6 +172,27 @@ def check_one_code(runs, name_of, allow_mixed: bool = False, what: str = "report
     raise SystemExit(
         f"{what}: the runs ran different training code ({listed}); rerun them at one commit, or pass --allow-mixed-code"
     )
+
+
+# ------------------------------------------------------------------------------------------------------- runs
+def each_run(plan, path_of, produce, jobs: int = 1, reuse: bool = True) -> list[dict]:
+    """The run file of every item of `plan`, in plan order: `produce(item, path)` makes the ones missing (it writes
+    `path` itself, as a child process does, or returns the run for this function to write), `jobs` at once; with
+    `reuse`, an existing file is read back instead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item):
+        path = Path(path_of(item))
+        if not (reuse and path.exists()):
+            made = produce(item, path)
+            if made is not None:
+                write_json(path, made)
+        return json.loads(path.read_text()) if path.exists() else None
+
+    if jobs <= 1:
+        return [one(item) for item in plan]
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(one, plan))
 
 
 # ---------------------------------------------------------------------------------------------- paired verdicts

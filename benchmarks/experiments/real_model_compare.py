@@ -55,7 +55,6 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from trl_gspo.cli.demo import ADDITION_ARGS
@@ -329,9 +328,7 @@ def child_env() -> dict:
 
 
 def launch(study: str, arm: str, seed: int, lr: float, steps: int, every: int, prompts: int, path: Path, log) -> None:
-    """`train_one` in a fresh one-thread process (skipped when its result file exists)."""
-    if path.exists():
-        return
+    """`train_one` in a fresh one-thread process, which writes the run file `path`."""
     command = [
         sys.executable,
         __file__,
@@ -426,8 +423,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"real_model_compare: config fields this trl-gspo does not have: {'; '.join(missing)}")
         # one source for every run, decided here: each child would otherwise ask the network on its own
         os.environ[SOURCE_VARIABLE] = resolve_model(SMOLLM2).source
-        plan = [
-            (arm, seed, lr)
+        plan = [  # (arm, lr, seed): run_name's order
+            (arm, lr, seed)
             for seed in options.seeds
             for lr in (options.learning_rates or study["learning_rates"])
             for arm in arms
@@ -435,18 +432,13 @@ def main(argv=None) -> None:
         runs = options.output_dir / "runs"
         if options.eval_prompts > CURVE_PROBLEMS:  # one score before training for the whole study
             launch_before(options.study, options.eval_prompts, options.output_dir, print)
-        with ThreadPoolExecutor(options.jobs) as pool:
-            jobs = [
-                pool.submit(
-                    launch,
-                    *(options.study, arm, seed, lr, options.max_steps, options.eval_every, options.eval_prompts),
-                    runs / f"{run_name(arm, lr, seed)}.json",
-                    print,
-                )
-                for arm, seed, lr in plan
-            ]
-            for job in jobs:
-                job.result()
+
+        def produce(item, path):
+            arm, lr, seed = item
+            settings = (options.max_steps, options.eval_every, options.eval_prompts)
+            launch(options.study, arm, seed, lr, *settings, path, print)
+
+        harness.each_run(plan, lambda item: runs / f"{run_name(*item)}.json", produce, jobs=options.jobs)
     band_only = options.study != "compare" and not study.get("settings") and "prompt" not in study
     real_model_report.report(options.output_dir, with_references=band_only, allow_mixed=options.allow_mixed_code)
 
