@@ -211,6 +211,26 @@ def test_the_comparison_runs_the_arms_and_learning_rates_asked_for(cache, monkey
     assert err.value.code == 2 and "--learning-rates" in capsys.readouterr().err
 
 
+def test_the_regime_studies_score_before_training_once_and_refuse_a_field_not_landed(cache, monkeypatch):
+    """A regime study computes the score before training once (before.json) ahead of its runs; an arm that sets a
+    config field this trl-gspo lacks is refused in one line before anything runs."""
+    compare = experiment("real_model_compare", monkeypatch)
+    report = experiment("real_model_report", monkeypatch)
+    fake_prepared(cache)
+    events = []
+    monkeypatch.setattr(compare, "launch_before", lambda study, prompts, *rest: events.append(("before", prompts)))
+    monkeypatch.setattr(compare, "launch", lambda study, arm, seed, lr, *rest: events.append((arm, seed)))
+    monkeypatch.setattr(report, "report", lambda output_dir, **kwargs: None)
+    arguments = ["--study", "regime-short", "--seeds", "0", "--jobs", "1", "--output-dir", str(cache / "out")]
+    compare.main([*arguments, "--arms", "GRPO dapo", "GSPO paper band"])
+    assert events == [("before", 1000), ("GRPO dapo", 0), ("GSPO paper band", 0)]
+    events.clear()
+    monkeypatch.setitem(compare.ARMS, "GSPO spread k=1", ("ours", {"no_such_field": 1.0}))
+    with pytest.raises(SystemExit) as err:
+        compare.main([*arguments, "--arms", "GRPO dapo", "GSPO spread k=1"])
+    assert "'GSPO spread k=1': no_such_field" in str(err.value) and "\n" not in str(err.value) and events == []
+
+
 def test_the_report_refuses_arms_trained_on_different_copies(tmp_path, monkeypatch):
     report = experiment("real_model_report", monkeypatch)
     (tmp_path / "runs").mkdir()
