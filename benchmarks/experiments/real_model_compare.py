@@ -25,11 +25,12 @@ rollout batch, 16-token completions, constant learning rate, fp32, beta 0, the s
     trl-gspo GSPO-token trl_gspo.GSPOTrainer, importance_sampling_level="sequence_token"
 
 The regime studies' arms (`REGIME_ARMS`): TRL's default GRPO (token ratio, clip 0.2, loss_type "dapo") and GRPO with
-GSPO's aggregation (loss_type "grpo"), both on GSPOTrainer at TRL's settings (tests/test_experiment_report.py shows it
+GSPO's aggregation (loss_type "grpo"), both on GSPOTrainer at TRL's settings (tests/test_grpo_arms.py shows it
 draws stock TRL's rollouts one for one); GSPO with the paper's band, with the band 1e-2 / 1.3e-2, and with the band set
 from each update's own spread (`clip_spread_scale`, k = 1 and 2). They hold out 1,000 problems (`held_out`): the score
 before training is the same for every arm and seed (the same weights, greedy), so it is computed once per study into
-`<output-dir>/before.json`; the points during training score the first 200, the final score all 1,000.
+`<output-dir>/before.json`; the points during training score the first 200, the final score all 1,000. Seeds 0-7
+unless `--seeds` says.
 
 Every run file carries its provenance (harness.py: the commit, package versions, CPU, threads, the resolved config,
 the held-out set, wall and CPU time, and the hash of the training code it ran).
