@@ -204,16 +204,19 @@ def held_out_set(study: str, size: int | None = None):
 
 def before_key(study: str, size: int) -> dict:
     """What the score before training depends on: the weights, the question, the problems, the decoding."""
+    from trl_gspo.cli import addition, demo
     from trl_gspo.common.model_store import SMOLLM2, resolve_model
 
     _, record = held_out_set(study, size)
     tokens = {**SHARED, **STUDIES[study].get("settings", {})}["max_completion_length"]
+    scoring = {module.__name__: module for module in (addition, demo)}  # the task and the greedy decoding
     return dict(
         model_source=resolve_model(SMOLLM2).record(),
         held_out=record,
         max_new_tokens=tokens,
         batch_size=EVAL_BATCH,
         versions=harness.versions(),
+        scoring_code=harness.training_code(scoring)["sha256"],
     )
 
 
