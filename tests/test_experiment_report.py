@@ -118,6 +118,8 @@ def test_runs_of_different_training_code_are_not_compared_unless_asked(modules, 
     assert "--allow-mixed-code" in str(err.value) and not (folder / "summary.json").exists()
     summary = report.report(folder, allow_mixed=True)
     assert summary["provenance"]["training_code"] == "mixed" and summary["pairs"]
+    grouped = summary["provenance"]["runs_by_training_code"]
+    assert sorted(grouped) == ["0ther", "c0de"] and len(grouped["0ther"]) == 4 and len(grouped["c0de"]) == 12
     # some runs without provenance among runs with it: refused the same way
     mixed = write_runs(tmp_path / "mixed", study(lambda arm, seed: None if seed == 3 else "c0de"))
     with pytest.raises(SystemExit, match=harness.NOT_RECORDED):

@@ -343,7 +343,10 @@ def report(output_dir: Path, with_references: bool = False, allow_mixed: bool = 
             )
     arms = dict(summary)
     if code != harness.NOT_RECORDED:
-        summary["provenance"] = {"training_code": code, "commits": commits}
+        by_code = defaultdict(list)  # which runs ran which training code (one entry unless --allow-mixed-code)
+        for run in everything:
+            by_code[harness.code_of(run)].append(run_label(run))
+        summary["provenance"] = {"training_code": code, "commits": commits, "runs_by_training_code": by_code}
     if pairs:
         summary["pairs"] = pairs
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
