@@ -160,7 +160,9 @@ STUDIES = {
 NUM_TRAIN_PROMPTS = 2000
 #: Held-out problems the points during training score (the first of the held-out set); the final score takes all.
 CURVE_PROBLEMS = 200
-#: Greedy evaluation's batch size (rows generated at once); measured fastest on one thread (see `before`).
+#: Greedy evaluation's batch size (rows generated at once): the fastest measured on one thread. 1,000 problems, 32 new
+#: tokens, fp32, CPU seconds: 266 at 100, 275 at 250, 284 at 500, 320 at 1,000 (the same scores at each); a batch
+#: ends only when every row has, and a fifth of the greedy answers run to the cap, so every batch runs all 32 steps.
 EVAL_BATCH = 100
 BEFORE_FILE = "before.json"
 
