@@ -79,11 +79,17 @@ def where(doc: Path, line: int) -> str:
 
 
 def lookup(path: Path, key: str):
-    """The value at dotted `key` of the JSON file `path`. The key of a paired verdict holds arm names with spaces and
-    no dots, so `pairs.A vs B.verdict` splits into three parts."""
-    node = json.loads(path.read_text())
-    for part in key.split("."):
-        node = node[int(part)] if isinstance(node, list) else node[part]
+    """The value at dotted `key` of the JSON file `path`: list items by index; at a mapping, the longest run of the
+    remaining parts that is one of its keys, so a key holding a dot (a pair at lr 1.5e-05) is still found."""
+    node, parts, at = json.loads(path.read_text()), key.split("."), 0
+    while at < len(parts):
+        if isinstance(node, list):
+            node, at = node[int(parts[at])], at + 1
+            continue
+        end = next((end for end in range(len(parts), at, -1) if ".".join(parts[at:end]) in node), None)
+        if end is None:
+            raise KeyError(parts[at])
+        node, at = node[".".join(parts[at:end])], end
     return node
 
 

@@ -231,3 +231,14 @@ def test_each_run_makes_the_missing_run_files_and_reads_back_the_rest(modules, t
     assert sorted(made) == ["child", "new"]
     assert runs == [{"by": "earlier"}, {"by": "parent", "item": "new"}, {"by": "child"}]  # plan order
     assert harness.each_run(plan, lambda item: tmp_path / f"{item}.json", produce, reuse=False)[0]["by"] == "parent"
+
+
+def test_a_quoted_key_may_hold_a_dot(modules, tmp_path):
+    """A pair at a learning rate such as 1.5e-05 has a dot in its key; the dotted path still finds it."""
+    _, _, quoted = modules
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"pairs": {"A vs B at lr1.5e-05": {"verdict": "ahead"}}, "runs": [{"n": 3}]}))
+    assert quoted.lookup(path, "pairs.A vs B at lr1.5e-05.verdict") == "ahead"
+    assert quoted.lookup(path, "runs.0.n") == 3
+    with pytest.raises(KeyError):
+        quoted.lookup(path, "pairs.A vs C.verdict")
