@@ -67,6 +67,14 @@ def test_compare_runs_end_to_end_and_writes_plots_and_data(tmp_path):
     assert summary["dense/GSPO"]["clip_fraction_token_mean"] is not None
     assert summary["moe/GSPO"]["routing_shift_mean_off_policy"] is not None
     assert summary["moe/GSPO"]["routing_shift_by_updates_since_rollout"]["0"] == 0  # on-policy mini-batch: no shift
+    # every run file carries its provenance, and the report pairs the variants' held-out rewards over seeds
+    saved = json.loads((out / "runs" / "dense-GSPO-1" / "result.json").read_text())
+    assert {"git", "versions", "cpu", "config", "held_out", "training_code"} <= set(saved["provenance"])
+    assert saved["provenance"]["config"]["importance_sampling_level"] == "sequence"
+    pairs = json.loads((out / "summary.json").read_text())["pairs"]
+    assert pairs["dense"]["GRPO vs GSPO"]["n"] == 2 and pairs["moe"]["GRPO vs GSPO"]["n"] == 1
+    verdict = pairs["dense"]["GRPO vs GSPO"]["verdict"]
+    assert verdict in ("ahead", "behind") or verdict.startswith("level within ±")
 
     # --replot rebuilds the summary and plots from the saved data alone
     for name in ("summary.json", "reward.png", "routing_shift.png"):

@@ -13,7 +13,7 @@ import pytest
 from helpers.model_store_fakes import REPO, REVISION, empty_caches, fake_prepared, fill_hub_cache
 
 from trl_gspo.cli import main
-from trl_gspo.cli.addition import NUM_HELD_OUT, addition_reward, last_integer, make_addition_dataset
+from trl_gspo.cli.addition import MAX_HELD_OUT, NUM_HELD_OUT, addition_reward, last_integer, make_addition_dataset
 from trl_gspo.cli.recipe_inputs import RecipeError
 from trl_gspo.common import model_prepare, model_store
 from trl_gspo.common.model_store import SMOLLM2, GGUFSource, ModelSourceError
@@ -354,6 +354,7 @@ def test_the_comparison_runs_the_arms_and_learning_rates_asked_for(cache, monkey
     monkeypatch.setattr(compare, "launch", lambda study, arm, seed, lr, *rest: planned.append((study, arm, seed, lr)))
     monkeypatch.setattr(report, "report", lambda output_dir, **kwargs: None)
     arguments = ["--study", "target", "--arms", "stock GRPO", "--seeds", "0", "1", "--output-dir", str(cache / "out")]
+    arguments += ["--jobs", "1"]  # in plan order (two jobs would record them in the order their threads ran)
     compare.main([*arguments, "--learning-rates", "1e-5"])
     assert planned == [("target", "stock GRPO", 0, 1e-5), ("target", "stock GRPO", 1, 1e-5)]
     planned.clear()
@@ -362,6 +363,26 @@ def test_the_comparison_runs_the_arms_and_learning_rates_asked_for(cache, monkey
     with pytest.raises(SystemExit) as err:
         compare.main([*arguments, "--learning-rates", "fast"])
     assert err.value.code == 2 and "--learning-rates" in capsys.readouterr().err
+
+
+def test_the_regime_studies_score_before_training_once_and_refuse_a_field_not_landed(cache, monkeypatch):
+    """A regime study computes the score before training once (before.json) ahead of its runs; an arm that sets a
+    config field this trl-gspo lacks is refused in one line before anything runs."""
+    compare = experiment("real_model_compare", monkeypatch)
+    report = experiment("real_model_report", monkeypatch)
+    fake_prepared(cache)
+    events = []
+    monkeypatch.setattr(compare, "launch_before", lambda study, prompts, *rest: events.append(("before", prompts)))
+    monkeypatch.setattr(compare, "launch", lambda study, arm, seed, lr, *rest: events.append((arm, seed)))
+    monkeypatch.setattr(report, "report", lambda output_dir, **kwargs: None)
+    arguments = ["--study", "regime-short", "--seeds", "0", "--jobs", "1", "--output-dir", str(cache / "out")]
+    compare.main([*arguments, "--arms", "GRPO dapo", "GSPO paper band"])
+    assert events == [("before", 1000), ("GRPO dapo", 0), ("GSPO paper band", 0)]
+    events.clear()
+    monkeypatch.setitem(compare.ARMS, "GSPO spread k=1", ("ours", {"no_such_field": 1.0}))
+    with pytest.raises(SystemExit) as err:
+        compare.main([*arguments, "--arms", "GRPO dapo", "GSPO spread k=1"])
+    assert "'GSPO spread k=1': no_such_field" in str(err.value) and "\n" not in str(err.value) and events == []
 
 
 def test_the_report_refuses_arms_trained_on_different_copies(tmp_path, monkeypatch):
@@ -449,3 +470,19 @@ def test_addition_held_out_problems_never_reach_training():
     assert row["answer"] == a + b and 10 <= a <= 99 and 10 <= b <= 99
     with pytest.raises(ValueError, match="num_eval_prompts=201"):
         make_addition_dataset(NUM_HELD_OUT + 1, split="test")
+
+
+def test_the_larger_held_out_set_keeps_the_first_200_and_stays_out_of_training():
+    def pairs(dataset):
+        return {row[0]["content"] for row in dataset["prompt"]}
+
+    held_out = make_addition_dataset(MAX_HELD_OUT, split="test", held_out=MAX_HELD_OUT)
+    train = make_addition_dataset(20000, seed=3, held_out=MAX_HELD_OUT)
+    assert len(pairs(held_out)) == MAX_HELD_OUT and not pairs(held_out) & pairs(train)
+    assert held_out["prompt"][:NUM_HELD_OUT] == make_addition_dataset(NUM_HELD_OUT, split="test")["prompt"]
+    assert (
+        make_addition_dataset(50, seed=3)["prompt"]
+        == make_addition_dataset(50, seed=3, held_out=NUM_HELD_OUT)["prompt"]
+    )  # the default draws as before
+    with pytest.raises(ValueError, match="held_out=500; allowed: 200 or 1000"):
+        make_addition_dataset(10, split="test", held_out=500)

@@ -49,10 +49,12 @@ import os
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import async_experiment  # noqa: E402  (beside this file: the asynchronous-generation experiment's arms and report)
 import dynamic_sampling_experiment  # noqa: E402  (beside this file)
+import harness  # noqa: E402  (beside this file: provenance, the run store, paired intervals)
 from compare_report import (  # noqa: E402
     CLIP_KEY,
     COLLAPSE,
@@ -101,8 +103,12 @@ def train_one(
     task, variant: str, seed: int, moe: bool, output_dir: str, num_prompts: int, eval_prompts: int, overrides: dict
 ):
     """Train one (variant, seed, model) run; returns (rows of logged metrics, held-out reward after and before
-    training, or None)."""
+    training, or None, the run's provenance)."""
+    import torch
+
     from trl_gspo import GSPOTrainer
+
+    clock = harness.Clock()
 
     args = task.demo_config(
         output_dir,
@@ -126,7 +132,10 @@ def train_one(
     spg, ga = trainer.args.steps_per_generation * trainer.args.num_iterations, trainer.args.gradient_accumulation_steps
     for row in rows:  # 0: the rollout's first mini-batch, trained on-policy (ratio 1); n: n optimizer steps later
         row[UPDATES_KEY] = ((row["step"] - 1) * ga % spg) // ga
-    return rows, held_out, held_out_before
+    task_name = getattr(task, "__name__", type(task).__name__)
+    held_out_record = {"name": f"{task_name} test split", "size": eval_prompts, "seed": seed}
+    config = harness.resolved_config(trainer.args)
+    return rows, held_out, held_out_before, harness.provenance(config, held_out_record, clock, torch.get_num_threads())
 
 
 def write_data(results: dict, output_dir: str) -> tuple[str, str]:
@@ -160,6 +169,7 @@ def run(
     overrides=None,
     log=print,
     resume=False,
+    allow_mixed=False,
 ) -> dict:
     """Train every (model, variant, seed), write data and plots, return the summary. With `resume`, runs whose
     `runs/<name>/result.json` exists are read back instead of trained again."""
@@ -169,59 +179,88 @@ def run(
     os.makedirs(output_dir, exist_ok=True)
     task = load_task(task) if task is None or isinstance(task, str) else task
     overrides = {"max_steps": max_steps, **(overrides or {})}
-    plan = [("dense", s) for s in seeds] + [("moe", s) for s in (seeds if moe_seeds is None else moe_seeds)]
+    models = [("dense", s) for s in seeds] + [("moe", s) for s in (seeds if moe_seeds is None else moe_seeds)]
+    plan = [  # routing replay needs expert routers: no dense runs of its variants
+        (model, variant, seed)
+        for model, seed in models
+        for variant in variants
+        if not (model == "dense" and "routing_replay" in VARIANTS[variant])
+    ]
+
+    def produce(item, path):
+        model, variant, seed = item
+        start = time.perf_counter()
+        rows, held_out, before, provenance = train_one(
+            task, variant, seed, model == "moe", str(path.parent), num_prompts, eval_prompts, overrides
+        )
+        seconds = time.perf_counter() - start
+        log(f"{model} {variant} seed {seed}: trained in {seconds:.0f}s")
+        return dict(
+            seed=seed, rows=rows, held_out=held_out, held_out_before=before, seconds=seconds, provenance=provenance
+        )
+
+    def path_of(item):
+        model, variant, seed = item
+        return Path(output_dir) / "runs" / f"{model}-{variant}-{seed}" / "result.json"
+
     results = defaultdict(list)
-    for model, seed in plan:
-        for variant in variants:
-            if model == "dense" and "routing_replay" in VARIANTS[variant]:
-                continue  # routing replay needs expert routers
-            run_dir = os.path.join(output_dir, "runs", f"{model}-{variant}-{seed}")
-            saved = os.path.join(run_dir, "result.json")
-            if resume and os.path.exists(saved):
-                with open(saved) as f:
-                    result = json.load(f)
-            else:
-                start = time.perf_counter()
-                rows, held_out, before = train_one(
-                    task, variant, seed, model == "moe", run_dir, num_prompts, eval_prompts, overrides
-                )
-                result = {
-                    "seed": seed,
-                    "rows": rows,
-                    "held_out": held_out,
-                    "held_out_before": before,
-                    "seconds": time.perf_counter() - start,
-                }
-                os.makedirs(run_dir, exist_ok=True)
-                with open(saved, "w") as f:
-                    json.dump(result, f)
-            results[(model, variant)].append(result)
-            rows, held_out = result["rows"], result["held_out"]
-            clip = mean_of(r.get(CLIP_KEY) for r in rows)
-            clip = "n/a" if clip is None else f"{clip:.4g}"
-            held = "n/a" if held_out is None else f"{held_out:.3f}"
-            log(
-                f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {result['seconds']:.0f}s, mean token "
-                f"clip fraction {clip}, held-out reward {held}, collapsed {collapsed(rows)}"
-            )
+    for (model, variant, seed), result in zip(plan, harness.each_run(plan, path_of, produce, reuse=resume)):
+        results[(model, variant)].append(result)
+        rows, held_out = result["rows"], result["held_out"]
+        clip = mean_of(r.get(CLIP_KEY) for r in rows)
+        clip = "n/a" if clip is None else f"{clip:.4g}"
+        held = "n/a" if held_out is None else f"{held_out:.3f}"
+        log(
+            f"{model:5s} {variant:10s} seed {seed}: {len(rows)} steps in {result['seconds']:.0f}s, mean token "
+            f"clip fraction {clip}, held-out reward {held}, collapsed {collapsed(rows)}"
+        )
     write_data(results, output_dir)
     runs = [
-        {"model": m, "variant": v, **{k: run[k] for k in ("seed", "held_out", "held_out_before", "seconds")}}
+        {
+            "model": m,
+            "variant": v,
+            **{k: run[k] for k in ("seed", "held_out", "held_out_before", "seconds")},
+            "provenance": run.get("provenance"),
+        }
         for (m, v), group in results.items()
         for run in group
     ]
     with open(os.path.join(output_dir, "runs.json"), "w") as f:
         json.dump({"overrides": overrides, "runs": runs}, f, indent=2)
-    return report(results, output_dir, overrides)
+    return report(results, output_dir, overrides, allow_mixed)
 
 
-def report(results: dict, output_dir: str, overrides: dict) -> dict:
-    """summary.json and the plots from the per-run results (plus the routing-replay table when replay arms ran)."""
+def held_out_pairs(results: dict, allow_mixed: bool = False) -> dict:
+    """Per model, harness.pairs of the held-out reward after training between the variants, in VARIANTS' order;
+    none from runs without provenance, and a one-line refusal for runs of different training code (unless
+    `allow_mixed`)."""
+    runs = [dict(run, variant=v, model=m) for (m, v), group in results.items() for run in group]
+    code = harness.check_one_code(
+        runs, lambda r: f"{r['model']} {r['variant']} seed {r['seed']}", allow_mixed, "compare"
+    )
+    if code == harness.NOT_RECORDED and not allow_mixed:
+        return {}
+    scores = defaultdict(dict)
+    for (model, variant), group in results.items():
+        scores[model][variant] = {run["seed"]: run["held_out"] for run in group if run.get("held_out") is not None}
+    return {model: harness.pairs(by_variant, list(VARIANTS)) for model, by_variant in scores.items()}
+
+
+def report(results: dict, output_dir: str, overrides: dict, allow_mixed: bool = False) -> dict:
+    """summary.json and the plots from the per-run results (plus the routing-replay table when replay arms ran);
+    summary.json's `pairs` hold the paired intervals of the held-out reward (harness.py)."""
     if all(variant in async_experiment.ARMS for _, variant in results):
         return async_experiment.report(async_experiment.group_by_arm(results), output_dir)
     summary = summarize(results)
+    pairs = held_out_pairs(results, allow_mixed)
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
-        json.dump({"variants": VARIANTS, "overrides": overrides, "collapse": COLLAPSE, "results": summary}, f, indent=2)
+        json.dump(
+            {"variants": VARIANTS, "overrides": overrides, "collapse": COLLAPSE, "results": summary, "pairs": pairs},
+            f,
+            indent=2,
+        )
+    for model, found in pairs.items():
+        print(f"{model}: held-out reward after training, paired over seeds\n{harness.pairs_table(found)}")
     plot(results, output_dir)
     if any("routing_replay" in VARIANTS[v] for _, v in results):
         with open(os.path.join(output_dir, "routing_replay.md"), "w") as f:
@@ -230,7 +269,7 @@ def report(results: dict, output_dir: str, overrides: dict) -> dict:
     return summary
 
 
-def replot(output_dir: str) -> dict:
+def replot(output_dir: str, allow_mixed: bool = False) -> dict:
     """Rebuild summary.json and the plots from a finished comparison's metrics.json and runs.json (no training)."""
     with open(os.path.join(output_dir, "runs.json")) as f:
         meta = json.load(f)
@@ -245,7 +284,7 @@ def replot(output_dir: str) -> dict:
             if (row["model"], row["variant"], row["seed"]) == key
         ]
         results[(run["model"], run["variant"])].append({**run, "rows": rows})
-    return report(results, output_dir, meta["overrides"])
+    return report(results, output_dir, meta["overrides"], allow_mixed)
 
 
 def main(argv=None):
@@ -290,6 +329,9 @@ def main(argv=None):
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--tiny", action="store_true", help="smallest batches, for a smoke test")
     parser.add_argument("--replot", action="store_true", help="redo summary and plots of --output-dir, no training")
+    parser.add_argument(
+        "--allow-mixed-code", action="store_true", help="pair runs of different training code all the same"
+    )
     args = parser.parse_args(argv)
     if args.experiment == "dynamic-sampling":
         experiment = dynamic_sampling_experiment
@@ -309,7 +351,7 @@ def main(argv=None):
         print(json.dumps(summary, indent=2))
         return
     if args.replot:
-        print(json.dumps(replot(args.output_dir), indent=2))
+        print(json.dumps(replot(args.output_dir, args.allow_mixed_code), indent=2))
         return
     overrides = {"max_completion_length": args.max_completion_length}
     seeds, moe_seeds, variants, task = args.seeds, args.moe_seeds, args.variants, args.task
@@ -348,6 +390,7 @@ def main(argv=None):
         args.eval_prompts,
         overrides,
         resume=args.resume,
+        allow_mixed=args.allow_mixed_code,
     )
     print(json.dumps(summary, indent=2))
 

@@ -9,6 +9,12 @@
     python benchmarks/experiments/real_model_compare.py --study long     # answers with their working, ~70 tokens
     python benchmarks/experiments/real_model_compare.py --replot         # summary and plots from saved runs
 
+The regime studies (one training-code version each; every arm on trl_gspo.GSPOTrainer, 1,000 held-out problems):
+
+    python benchmarks/experiments/real_model_compare.py --study regime-short   # 32-token cap, 64 steps
+    python benchmarks/experiments/real_model_compare.py --study regime-long    # answers with their working, 32 steps
+    python benchmarks/experiments/real_model_compare.py --study regime-stale   # 16 updates per rollout batch
+
 Arms, at equal settings (the addition demo's: 8 prompts x 8 completions per rollout batch, 4 optimizer steps per
 rollout batch, 16-token completions, constant learning rate, fp32, beta 0, the same seed, data and initial weights):
 
@@ -17,6 +23,17 @@ rollout batch, 16-token completions, constant learning rate, fp32, beta 0, the s
                         range 3e-4 / 4e-4, loss_type="grpo"
     trl-gspo GSPO       trl_gspo.GSPOTrainer with GSPOConfig's defaults (the paper's GSPO)
     trl-gspo GSPO-token trl_gspo.GSPOTrainer, importance_sampling_level="sequence_token"
+
+The regime studies' arms (`REGIME_ARMS`): TRL's default GRPO (token ratio, clip 0.2, loss_type "dapo") and GRPO with
+GSPO's aggregation (loss_type "grpo"), both on GSPOTrainer at TRL's settings (tests/test_grpo_arms.py shows it
+draws stock TRL's rollouts one for one); GSPO with the paper's band, with the band 1e-2 / 1.3e-2, and with the band set
+from each update's own spread (`clip_spread_scale`, k = 1 and 2). They hold out 1,000 problems (`held_out`): the score
+before training is the same for every arm and seed (the same weights, greedy), so it is computed once per study into
+`<output-dir>/before.json`; the points during training score the first 200, the final score all 1,000. Seeds 0-7
+unless `--seeds` says.
+
+Every run file carries its provenance (harness.py: the commit, package versions, CPU, threads, the resolved config,
+the held-out set, wall and CPU time, and the hash of the training code it ran).
 
 Each run is a fresh process with one torch thread; `--jobs` runs that many at once (2 on a 2-core machine). A run
 scores the 200 held-out problems greedily before training, every `--eval-every` steps and at the end; evaluation
@@ -35,18 +52,23 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from trl_gspo.cli.demo import ADDITION_ARGS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (beside this file: provenance and paired intervals)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 GSPO_CLIP = dict(epsilon=3e-4, epsilon_high=4e-4)
+#: TRL's GRPOConfig defaults for the algorithm, written out so GSPOConfig's own defaults do not apply.
+GRPO_DEFAULTS = dict(importance_sampling_level="token", loss_type="dapo", epsilon=0.2, epsilon_high=0.2)
 #: name -> (trainer family, config overrides on top of the shared settings).
 ARMS = {
     "stock GRPO": ("stock", {}),
@@ -59,7 +81,16 @@ ARMS = {
     "trl-gspo GSPO band 1e-2": ("ours", dict(epsilon=1e-2, epsilon_high=1.3e-2)),
     # A band that follows a target clip fraction (clip_band.py), from the paper's band.
     "trl-gspo GSPO target 15%": ("ours", dict(clip_target_fraction=0.15)),
+    # The regime studies' arms, all on GSPOTrainer (REGIME_ARMS).
+    "GRPO dapo": ("ours", GRPO_DEFAULTS),
+    "GRPO grpo": ("ours", {**GRPO_DEFAULTS, "loss_type": "grpo"}),  # GSPO's aggregation: only the ratio's level differs
+    "GSPO paper band": ("ours", {}),
+    "GSPO band 1e-2": ("ours", dict(epsilon=1e-2, epsilon_high=1.3e-2)),
+    # the band set from each update's own spread of log s_i, k times it, the paper's band its floor (GSPOConfig)
+    "GSPO spread k=1": ("ours", dict(clip_spread_scale=1.0)),
+    "GSPO spread k=2": ("ours", dict(clip_spread_scale=2.0)),
 }
+REGIME_ARMS = ["GRPO dapo", "GRPO grpo", "GSPO paper band", "GSPO band 1e-2", "GSPO spread k=1", "GSPO spread k=2"]
 #: What every arm shares: the addition demo's settings (cli/demo.py ADDITION_ARGS, the one place they are written),
 #: less what each run sets itself (learning rate, steps, seed), logged every step.
 SHARED = {
@@ -94,8 +125,46 @@ STUDIES = {
         prompt="WORKING_PROMPT",
         steps=32,
     ),
+    # The regime studies: every arm of REGIME_ARMS, 1,000 held-out problems, seeds 0-7 unless --seeds says.
+    # Short answers: a 32-token cap most answers end within (the terminated ones average ~12 tokens; 70-80 % of the
+    # first rollout hit the old 16-token cap).
+    "regime-short": dict(
+        arms=REGIME_ARMS,
+        learning_rates=[5e-6],
+        folder="smollm2-regime-short",
+        settings=dict(max_completion_length=32),
+        held_out=1000,
+        seeds=list(range(8)),
+    ),
+    # Long answers: the working before the sum (~70 tokens, 128 at most), 32 steps.
+    "regime-long": dict(
+        arms=REGIME_ARMS,
+        learning_rates=[5e-6],
+        folder="smollm2-regime-long",
+        settings=dict(max_completion_length=128),
+        prompt="WORKING_PROMPT",
+        steps=32,
+        held_out=1000,
+        seeds=list(range(8)),
+    ),
+    # Stale rollouts: the short regime with 16 optimizer steps per rollout batch.
+    "regime-stale": dict(
+        arms=REGIME_ARMS,
+        learning_rates=[5e-6],
+        folder="smollm2-regime-stale",
+        settings=dict(max_completion_length=32, steps_per_generation=16),
+        held_out=1000,
+        seeds=list(range(8)),
+    ),
 }
 NUM_TRAIN_PROMPTS = 2000
+#: Held-out problems the points during training score (the first of the held-out set); the final score takes all.
+CURVE_PROBLEMS = 200
+#: Greedy evaluation's batch size (rows generated at once): the fastest measured on one thread. 1,000 problems, 32 new
+#: tokens, fp32, CPU seconds: 266 at 100, 275 at 250, 284 at 500, 320 at 1,000 (the same scores at each); a batch
+#: ends only when every row has, and a fifth of the greedy answers run to the cap, so every batch runs all 32 steps.
+EVAL_BATCH = 100
+BEFORE_FILE = "before.json"
 
 
 def run_name(arm: str, lr: float, seed: int) -> str:
@@ -123,17 +192,77 @@ class StepTimer:
         self.callback = Callback()
 
 
+def held_out_set(study: str, size: int | None = None):
+    """(the study's held-out problems, their record): the addition task's test split, in its fixed order."""
+    from trl_gspo.cli import addition
+
+    reserved = STUDIES[study].get("held_out", addition.NUM_HELD_OUT)
+    prompt = getattr(addition, STUDIES[study].get("prompt", "PROMPT"))
+    size = reserved if size is None else size
+    data = addition.make_addition_dataset(size, split="test", prompt=prompt, held_out=reserved)
+    record = dict(name="addition test split", shuffle_seed=4321, reserved=reserved, size=size, prompt=prompt)
+    return data, record
+
+
+def before_key(study: str, size: int) -> dict:
+    """What the score before training depends on: the weights, the question, the problems, the decoding."""
+    from trl_gspo.cli import addition, demo
+    from trl_gspo.common.model_store import SMOLLM2, resolve_model
+
+    _, record = held_out_set(study, size)
+    tokens = {**SHARED, **STUDIES[study].get("settings", {})}["max_completion_length"]
+    scoring = {module.__name__: module for module in (addition, demo)}  # the task and the greedy decoding
+    return dict(
+        model_source=resolve_model(SMOLLM2).record(),
+        held_out=record,
+        max_new_tokens=tokens,
+        batch_size=EVAL_BATCH,
+        versions=harness.versions(),
+        scoring_code=harness.training_code(scoring)["sha256"],
+    )
+
+
+def score_before(study: str, size: int, path: Path) -> None:
+    """The held-out scores of the initial weights, problem by problem, to `path` (one per study: every arm and seed
+    starts from the same weights and decodes greedily)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_gspo.cli.addition import addition_reward
+    from trl_gspo.cli.demo import greedy_scores
+    from trl_gspo.common.model_store import SMOLLM2, resolve_model
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    clock, key = harness.Clock(), before_key(study, size)
+    model = resolve_model(SMOLLM2)
+    policy = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    data, _ = held_out_set(study, size)
+    scores = greedy_scores(policy, tokenizer, data, addition_reward, key["max_new_tokens"], EVAL_BATCH)
+    harness.write_json(path, {"key": key, "scores": scores, **clock.seconds()})
+
+
+def cached_before(study: str, size: int, output_dir: Path) -> list[float] | None:
+    """The study's scores before training from `before.json`, or None when missing or made for other settings."""
+    path = output_dir / BEFORE_FILE
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    return saved["scores"] if saved["key"] == json.loads(json.dumps(before_key(study, size))) else None
+
+
 def train_one(
     study: str, arm: str, seed: int, lr: float, max_steps: int, eval_every: int, eval_prompts: int, path: Path
 ) -> None:
-    """One run of `study` in this process; writes its result file."""
+    """One run of `study` in this process; writes its result file (with its provenance)."""
+    clock = harness.Clock()
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_gspo import GSPOConfig, GSPOTrainer
     from trl_gspo.cli import addition
     from trl_gspo.cli.addition import addition_reward, make_addition_dataset
-    from trl_gspo.cli.demo import HeldOutCurve, greedy_score
+    from trl_gspo.cli.demo import HeldOutCurve, greedy_score, greedy_scores
     from trl_gspo.common.model_store import SMOLLM2, resolve_model
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -141,27 +270,37 @@ def train_one(
     overrides = {**STUDIES[study].get("settings", {}), **overrides}
     shared = {**SHARED, **overrides}
     prompt = getattr(addition, STUDIES[study].get("prompt", "PROMPT"))
+    reserved = STUDIES[study].get("held_out", addition.NUM_HELD_OUT)
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if family == "stock" else (GSPOConfig, GSPOTrainer)
     model = resolve_model(SMOLLM2)
     work = path.parent / f".{path.stem}"
     args = config_cls(output_dir=str(work), learning_rate=lr, max_steps=max_steps, seed=seed, **shared)
-    train_set = make_addition_dataset(NUM_TRAIN_PROMPTS, seed=seed, prompt=prompt)
-    eval_set = make_addition_dataset(eval_prompts, split="test", prompt=prompt)
+    train_set = make_addition_dataset(NUM_TRAIN_PROMPTS, seed=seed, prompt=prompt, held_out=reserved)
+    eval_set, held_out = held_out_set(study, eval_prompts)
+    # the points during training score the first CURVE_PROBLEMS problems when the final score takes more
+    curve_set = eval_set.select(range(min(CURVE_PROBLEMS, len(eval_set))))
     trainer = trainer_cls(model.path, addition_reward, args=args, train_dataset=train_set)
     tokenizer = trainer.processing_class
+    tokens = shared["max_completion_length"]
 
-    def score():
-        return greedy_score(trainer.model, tokenizer, eval_set, addition_reward, shared["max_completion_length"])
+    def score(data=curve_set):
+        return greedy_score(trainer.model, tokenizer, data, addition_reward, tokens, EVAL_BATCH)
 
     timer = StepTimer()
     trainer.add_callback(timer.callback)
     curve = HeldOutCurve(score, eval_every, "held-out accuracy", printer=lambda *a, **k: None)
-    curve.measure(0)
+    before = cached_before(study, eval_prompts, path.parent.parent) if len(eval_set) > len(curve_set) else None
+    if before is None:
+        before = greedy_scores(trainer.model, tokenizer, eval_set, addition_reward, tokens, EVAL_BATCH)
+    curve.points.append((0, statistics.fmean(before[: len(curve_set)])))
     trainer.add_callback(curve)
     started, evaluated_before = time.perf_counter(), curve.seconds
     trainer.train()
     train_wall = time.perf_counter() - started - (curve.seconds - evaluated_before)  # evaluation left out
-    curve.measure(trainer.state.global_step)
+    final_started = time.perf_counter()
+    after = greedy_scores(trainer.model, tokenizer, eval_set, addition_reward, tokens, EVAL_BATCH)
+    curve.seconds += time.perf_counter() - final_started
+    curve.points.append((trainer.state.global_step, statistics.fmean(after[: len(curve_set)])))
     rows = [dict(row) for row in trainer.state.log_history if "loss" in row]
     result = {
         "arm": arm,
@@ -172,7 +311,11 @@ def train_one(
         "study": study,
         "prompt": prompt,
         "settings": {**shared, "max_steps": max_steps, "trainer": trainer_cls.__name__},
-        "curve": curve.points,
+        "held_out_before": statistics.fmean(before),
+        "held_out_after": statistics.fmean(after),
+        "held_out_scores_after": after,  # problem by problem, in the held-out set's order
+        "curve": curve.points,  # on the first CURVE_PROBLEMS problems
+        "curve_problems": len(curve_set),
         "eval_seconds": curve.seconds,
         "step_seconds": [wall for wall, _ in timer.steps],
         "step_cpu_seconds": [cpu for _, cpu in timer.steps],
@@ -181,14 +324,17 @@ def train_one(
         "load_average": os.getloadavg(),
         "rows": rows,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result))
+    config = harness.resolved_config(trainer.args)
+    result["provenance"] = harness.provenance(config, held_out, clock, torch.get_num_threads())
+    harness.write_json(path, result)
+
+
+def child_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def launch(study: str, arm: str, seed: int, lr: float, steps: int, every: int, prompts: int, path: Path, log) -> None:
-    """`train_one` in a fresh one-thread process (skipped when its result file exists)."""
-    if path.exists():
-        return
+    """`train_one` in a fresh one-thread process, which writes the run file `path`."""
     command = [
         sys.executable,
         __file__,
@@ -197,65 +343,110 @@ def launch(study: str, arm: str, seed: int, lr: float, steps: int, every: int, p
         arm,
         *(str(x) for x in (seed, lr, steps, every, prompts, path)),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     started, console = time.perf_counter(), path.with_suffix(".log")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(console, "w") as out:  # a file, not a pipe: the run outlives an interrupted driver
-        code = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(command, env=child_env(), stdout=out, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise RuntimeError(f"{path.stem} failed ({code}); its console: {console}")
     log(f"{path.stem}: {time.perf_counter() - started:.0f} s")
+
+
+def launch_before(study: str, prompts: int, output_dir: Path, log) -> None:
+    """`score_before` in a fresh one-thread process, unless `before.json` holds it for these settings."""
+    if cached_before(study, prompts, output_dir) is not None:
+        return
+    path, started = output_dir / BEFORE_FILE, time.perf_counter()
+    command = [sys.executable, __file__, "--before", study, str(prompts), str(path)]
+    console = path.with_suffix(".log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(console, "w") as out:
+        code = subprocess.run(command, env=child_env(), stdout=out, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"the score before training failed ({code}); its console: {console}")
+    log(f"before training: {time.perf_counter() - started:.0f} s")
+
+
+def missing_fields(arms) -> list[str]:
+    """The config fields the arms set that their config class does not have (a field not landed yet)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from trl_gspo import GSPOConfig
+
+    out = []
+    for arm in arms:
+        family, overrides = ARMS[arm]
+        known = {f.name for f in dataclasses.fields(GRPOConfig if family == "stock" else GSPOConfig)}
+        out += [f"{arm!r}: {name}" for name in overrides if name not in known]
+    return out
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--study", choices=list(STUDIES), default="compare")
     parser.add_argument("--output-dir", type=Path, default=None, help="default: results/<the study's folder>")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="default: the study's (0 1 2 unless it says)"
+    )
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=None, help="default: the study's")
     parser.add_argument("--learning-rates", type=float, nargs="+", default=None, help="default: the study's")
     parser.add_argument("--max-steps", type=int, default=None, help="default: the study's (64 unless it says)")
     parser.add_argument("--eval-every", type=int, default=16)
-    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out problems (at most 200)")
+    parser.add_argument(
+        "--eval-prompts", type=int, default=None, help="held-out problems scored after training (default: the study's)"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     parser.add_argument("--replot", action="store_true", help="only the report, from the saved runs")
+    parser.add_argument(
+        "--allow-mixed-code", action="store_true", help="report runs of different training code side by side"
+    )
     parser.add_argument("--one", nargs=8, help=argparse.SUPPRESS)  # a single run, in the child process
+    parser.add_argument("--before", nargs=3, help=argparse.SUPPRESS)  # the score before training, in a child
     options = parser.parse_args(argv)
     if options.one:
         study, arm, seed, lr, steps, every, prompts, path = options.one
         train_one(study, arm, int(seed), float(lr), int(steps), int(every), int(prompts), Path(path))
+        return
+    if options.before:
+        study, prompts, path = options.before
+        score_before(study, int(prompts), Path(path))
         return
     import real_model_report
 
     study = STUDIES[options.study]
     options.output_dir = options.output_dir or RESULTS / study["folder"]
     options.max_steps = options.max_steps or study.get("steps", 64)
+    options.seeds = options.seeds or study.get("seeds", [0, 1, 2])
+    options.eval_prompts = options.eval_prompts or study.get("held_out", 200)
     if not options.replot:
         from trl_gspo.common.model_store import SMOLLM2, SOURCE_VARIABLE, resolve_model
 
+        arms = options.arms or study["arms"]
+        missing = missing_fields(arms)
+        if missing:
+            raise SystemExit(f"real_model_compare: config fields this trl-gspo does not have: {'; '.join(missing)}")
         # one source for every run, decided here: each child would otherwise ask the network on its own
         os.environ[SOURCE_VARIABLE] = resolve_model(SMOLLM2).source
-        plan = [
-            (arm, seed, lr)
+        plan = [  # (arm, lr, seed): run_name's order
+            (arm, lr, seed)
             for seed in options.seeds
             for lr in (options.learning_rates or study["learning_rates"])
-            for arm in (options.arms or study["arms"])
+            for arm in arms
         ]
         runs = options.output_dir / "runs"
-        with ThreadPoolExecutor(options.jobs) as pool:
-            jobs = [
-                pool.submit(
-                    launch,
-                    *(options.study, arm, seed, lr, options.max_steps, options.eval_every, options.eval_prompts),
-                    runs / f"{run_name(arm, lr, seed)}.json",
-                    print,
-                )
-                for arm, seed, lr in plan
-            ]
-            for job in jobs:
-                job.result()
+        if options.eval_prompts > CURVE_PROBLEMS:  # one score before training for the whole study
+            launch_before(options.study, options.eval_prompts, options.output_dir, print)
+
+        def produce(item, path):
+            arm, lr, seed = item
+            settings = (options.max_steps, options.eval_every, options.eval_prompts)
+            launch(options.study, arm, seed, lr, *settings, path, print)
+
+        harness.each_run(plan, lambda item: runs / f"{run_name(*item)}.json", produce, jobs=options.jobs)
     band_only = options.study != "compare" and not study.get("settings") and "prompt" not in study
-    real_model_report.report(options.output_dir, with_references=band_only)
+    real_model_report.report(options.output_dir, with_references=band_only, allow_mixed=options.allow_mixed_code)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,28 @@ the token clip fraction (TRL's `clip_ratio/region_mean`, logged by every arm), t
 seconds and CPU seconds of an optimizer step (generation included, evaluation not). Over seeds: mean, min and max.
 Runs that trained different copies of the model (`model_source`: the prepared GGUF copy or the Hub's, with its SHA-256
 or revision) are refused: arms compared must start from the same weights.
+
+The truncated fraction (TRL's `completions/clipped_ratio`: completions that hit the length cap) of the first rollout
+and over the last quarter of the rollouts, per run and per arm.
+
+Verdicts (harness.py `paired`): for every two arms at one learning rate, the paired per-seed differences of held-out
+accuracy after training, their mean and 95 % Student-t interval over seeds, and the word the interval supports
+("ahead", "behind", or "level within ±x"), in `summary.json` under `pairs` ("<arm A> vs <arm B>", A minus B; " at lr<lr>"
+appended when the study ran several rates) and in `comparison.md`. They are computed only among runs of one training
+code (`provenance.training_code`); runs of different code, or written without provenance (the studies before the
+regime studies), are refused in one line unless `allow_mixed` (`--allow-mixed-code`).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (beside this file)
 
 CLIP = "clip_ratio/region_mean"
 BAND = "clip_band/epsilon_low"
@@ -25,12 +39,25 @@ COMPARISON = "smollm2-addition"
 REFERENCE_ARMS = ("stock GRPO", "trl-gspo GSPO")
 SPREAD = "seq_ratio/std"
 LENGTH = "completions/mean_length"
+TRUNCATED = "completions/clipped_ratio"
 COLORS = {
     "stock GRPO": "tab:red",
     "stock GSPO": "tab:orange",
     "trl-gspo GSPO": "tab:blue",
     "trl-gspo GSPO-token": "tab:green",
+    # the regime studies' arms, in the order their pairs are formed
+    "GRPO dapo": "tab:red",
+    "GRPO grpo": "tab:orange",
+    "GSPO paper band": "tab:blue",
+    "GSPO band 1e-2": "tab:purple",
+    "GSPO spread k=1": "tab:green",
+    "GSPO spread k=2": "tab:olive",
 }
+#: The line the report prints (and comparison.md holds) for runs written without provenance.
+NO_PROVENANCE = (
+    "These runs carry no provenance (an older harness: no commit, versions or training-code hash): "
+    "no paired verdicts are computed from them, and none may be mixed with the regime studies'."
+)
 
 
 def values(rows, key):
@@ -41,15 +68,25 @@ def mean(xs):
     return statistics.fmean(xs) if xs else None
 
 
+def last_quarter(xs):
+    return mean(xs[-max(1, len(xs) // 4) :]) if xs else None
+
+
 def run_summary(run: dict) -> dict:
     rows = run["rows"]
     rewards = values(rows, "reward")
     tail = rewards[-max(1, len(rewards) // 4) :]
+    truncated = values(rows, TRUNCATED)  # logged at the steps that sampled a rollout batch
+    # the whole held-out set's scores where the run kept them apart from the curve's (regime studies), else the curve's
+    before = run.get("held_out_before", run["curve"][0][1])
+    after = run.get("held_out_after", run["curve"][-1][1])
     return {
         "seed": run["seed"],
-        "held_out_before": run["curve"][0][1],
-        "held_out_after": run["curve"][-1][1],
-        "held_out_gain": run["curve"][-1][1] - run["curve"][0][1],
+        "held_out_before": before,
+        "held_out_after": after,
+        "held_out_gain": after - before,
+        "truncated_first_rollout": truncated[0] if truncated else None,
+        "truncated_last_quarter": last_quarter(truncated),
         "reward_first_rollout": rewards[0] if rewards else None,
         "reward_last_quarter": mean(tail),
         "reward_best_rollout": max(rewards) if rewards else None,
@@ -93,6 +130,23 @@ def check_one_source(groups: dict) -> None:
     if len(sources) > 1:
         listed = "; ".join(f"{key}: {', '.join(names)}" for key, names in sources.items())
         raise SystemExit(f"real_model_report: the runs trained different copies of the model ({listed}); rerun them")
+
+
+def run_label(run: dict) -> str:
+    return f"{run['arm']} lr{run['learning_rate']:g} seed {run['seed']}"
+
+
+def study_pairs(groups: dict) -> dict:
+    """harness.pairs of held-out accuracy after training, per learning rate, the arms in COLORS' order."""
+    by_lr = defaultdict(dict)
+    for (arm, lr), runs in groups.items():
+        by_lr[lr][arm] = {run["seed"]: run_summary(run)["held_out_after"] for run in runs}
+    order = sorted({arm for arm, _ in groups}, key=lambda arm: (list(COLORS).index(arm) if arm in COLORS else 99, arm))
+    out = {}
+    for lr, scores in sorted(by_lr.items()):
+        suffix = f" at lr{lr:g}" if len(by_lr) > 1 else ""
+        out.update({f"{name}{suffix}": p for name, p in harness.pairs(scores, order).items()})
+    return out
 
 
 def load_runs(output_dir: Path) -> dict:
@@ -194,8 +248,9 @@ def fmt(stat, digits=3, percent=False):
 def table(summary: dict) -> str:
     head = (
         "| arm | lr | seeds | held-out before | held-out after | gain | rollout reward, first -> last quarter | "
+        "truncated, first rollout -> last quarter | "
         "clip fraction (tokens) | seq-ratio std | completion length | s / step | CPU s / step |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     lines = []
     for name, s in summary.items():
@@ -203,6 +258,7 @@ def table(summary: dict) -> str:
             f"| {s['arm']} | {s['learning_rate']:g} | {len(s['seeds'])} | {fmt(s.get('held_out_before'))} | "
             f"{fmt(s.get('held_out_after'))} | {fmt(s.get('held_out_gain'))} | "
             f"{fmt(s.get('reward_first_rollout'))} -> {fmt(s.get('reward_last_quarter'))} | "
+            f"{fmt(s.get('truncated_first_rollout'))} -> {fmt(s.get('truncated_last_quarter'))} | "
             f"{fmt(s.get('clip_fraction_tokens'), 4)} | {fmt(s.get('seq_ratio_std'), 5)} | "
             f"{fmt(s.get('completion_length'), 1)} | {fmt(s.get('seconds_per_step'), 2)} | "
             f"{fmt(s.get('cpu_seconds_per_step'), 2)} |"
@@ -235,7 +291,7 @@ def references(output_dir: Path, lrs) -> dict:
     return {
         f"{name} (comparison study)": {**s, "arm": f"{s['arm']} (comparison study)"}
         for name, s in saved.items()
-        if s["arm"] in REFERENCE_ARMS and s["learning_rate"] in lrs
+        if isinstance(s, dict) and s.get("arm") in REFERENCE_ARMS and s["learning_rate"] in lrs
     }
 
 
@@ -256,11 +312,19 @@ def band_table(summary: dict) -> str:
     return "\nThe band clip_target_fraction moved to (paper's: 0.0003):\n\n" + head + "\n".join(lines) + "\n"
 
 
-def report(output_dir: Path, with_references: bool = False) -> dict:
+def report(output_dir: Path, with_references: bool = False, allow_mixed: bool = False) -> dict:
     """Summary, tables and plots of the runs in `output_dir/runs`; `with_references`: the study ran at the comparison
-    study's settings but for the clip band, so its stock GRPO and GSPO rows are quoted beside (marked as such)."""
+    study's settings but for the clip band, so its stock GRPO and GSPO rows are quoted beside (marked as such).
+    `allow_mixed`: compare arms run by different training code (or without provenance) all the same."""
     groups = load_runs(output_dir)
     check_one_source(groups)
+    everything = [run for runs in groups.values() for run in runs]
+    code = harness.check_one_code(everything, run_label, allow_mixed, what="real_model_report")
+    note = NO_PROVENANCE if code == harness.NOT_RECORDED else ""
+    if note:
+        print(note)
+    pairs = study_pairs(groups) if code != harness.NOT_RECORDED or allow_mixed else {}
+    commits = sorted({str((run.get("provenance") or {}).get("git", {}).get("commit")) for run in everything})
     summary = {}
     for (arm, lr), runs in sorted(
         groups.items(),
@@ -277,16 +341,31 @@ def report(output_dir: Path, with_references: bool = False) -> dict:
             s["cpu_seconds_per_step_over_stock_gspo"] = (
                 s["cpu_seconds_per_step"]["mean"] / stock["cpu_seconds_per_step"]["mean"]
             )
+    arms = dict(summary)
+    if code != harness.NOT_RECORDED:
+        by_code = defaultdict(list)  # which runs ran which training code (one entry unless --allow-mixed-code)
+        for run in everything:
+            by_code[harness.code_of(run)].append(run_label(run))
+        summary["provenance"] = {"training_code": code, "commits": commits, "runs_by_training_code": by_code}
+    if pairs:
+        summary["pairs"] = pairs
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     quoted = references(output_dir, {lr for _, lr in groups}) if with_references else {}
     (output_dir / "comparison.md").write_text(
-        "Mean over seeds [min, max]; every run in summary.json"
+        (f"{note}\n\n" if note else f"Training code {code[:12]} (commits {', '.join(commits)}).\n\n")
+        + "Mean over seeds [min, max]; every run in summary.json"
         + (f" (rows marked 'comparison study': ../{COMPARISON}/summary.json)" if quoted else "")
         + ".\n\n"
-        + table({**summary, **quoted})
+        + table({**arms, **quoted})
         + "\nHeld-out accuracy (greedy, 200 problems) by optimizer step:\n\n"
-        + curve_table({**summary, **quoted})
-        + band_table(summary)
+        + curve_table({**arms, **quoted})
+        + band_table(arms)
+        + (
+            "\nPaired per-seed differences of held-out accuracy after training (A minus B), 95 % t interval over "
+            "seeds:\n\n" + harness.pairs_table(pairs)
+            if pairs
+            else ""
+        )
     )
     at = defaultdict(dict)
     for (arm, lr), runs in groups.items():
@@ -308,5 +387,7 @@ def report(output_dir: Path, with_references: bool = False) -> dict:
             lambda lr: cmap(lrs.index(lr) / max(1, len(lrs) - 1)),
             "trl-gspo GSPO by learning rate",
         )
-    print(table(summary))
+    print(table(arms))
+    if pairs:
+        print(harness.pairs_table(pairs))
     return summary

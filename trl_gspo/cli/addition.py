@@ -21,25 +21,34 @@ PROMPT = "What is {a} + {b}? Reply with only the number."
 #: The long-answer form (the clip-band experiments' `--study long`): SmolLM2-135M-Instruct writes ~100 tokens of
 #: working before the sum; the reward still reads the reply's last integer.
 WORKING_PROMPT = "What is {a} + {b}? Work it out step by step, then give the answer on the last line."
-#: Problems held out of training, drawn once with a fixed seed.
+#: Problems held out of training, drawn once with a fixed seed (the demo's and the first studies' evaluation).
 NUM_HELD_OUT = 200
+#: The larger held-out set the experiments may reserve instead (`held_out=`): its first `NUM_HELD_OUT` problems are the
+#: same, in the same order; training then draws from the rest, so the two settings train on different draws.
+MAX_HELD_OUT = 1000
 OPERANDS = range(10, 100)
 _INTEGER = re.compile(r"-?\d+")
 
 
-def _problems(split: str) -> list[tuple[int, int]]:
+def _problems(split: str, held_out: int = NUM_HELD_OUT) -> list[tuple[int, int]]:
     pairs = [(a, b) for a in OPERANDS for b in OPERANDS]
     random.Random(4321).shuffle(pairs)  # fixed split, independent of the sampling seed
-    return pairs[:NUM_HELD_OUT] if split == "test" else pairs[NUM_HELD_OUT:]
+    return pairs[:held_out] if split == "test" else pairs[held_out:]
 
 
-def make_addition_dataset(num_prompts: int, seed: int = 0, split: str = "train", prompt: str = PROMPT) -> Dataset:
+def make_addition_dataset(
+    num_prompts: int, seed: int = 0, split: str = "train", prompt: str = PROMPT, held_out: int = NUM_HELD_OUT
+) -> Dataset:
     """`num_prompts` chat prompts (columns `prompt`, a one-message conversation, and `answer`, the sum). `split="test"`
-    gives the held-out problems in a fixed order (at most `NUM_HELD_OUT`); `"train"` draws from the rest. `prompt`:
-    the question's form, with `{a}` and `{b}` (`PROMPT`, or `WORKING_PROMPT` for answers with their working)."""
+    gives the held-out problems in a fixed order (at most `held_out`); `"train"` draws from the rest. `prompt`:
+    the question's form, with `{a}` and `{b}` (`PROMPT`, or `WORKING_PROMPT` for answers with their working).
+    `held_out`: how many problems are reserved, `NUM_HELD_OUT` (200) or `MAX_HELD_OUT` (1000); a run must pass the
+    same value for both splits, which keeps them disjoint."""
     if split not in ("train", "test"):
         raise ValueError(f"split={split!r}; allowed: 'train', 'test'.")
-    pool = _problems(split)
+    if held_out not in (NUM_HELD_OUT, MAX_HELD_OUT):
+        raise ValueError(f"held_out={held_out!r}; allowed: {NUM_HELD_OUT} or {MAX_HELD_OUT}.")
+    pool = _problems(split, held_out)
     if split == "test":
         if num_prompts > len(pool):
             raise ValueError(f"num_eval_prompts={num_prompts}: the addition task holds out {len(pool)} problems.")

@@ -138,11 +138,18 @@ def build_demo_model(seed: int = 0, moe: bool = False, head_dim: int | None = No
     return build_tiny_model(tokenizer, moe=moe, seed=seed, **overrides), tokenizer
 
 
-@torch.no_grad()
 def greedy_score(model, tokenizer, dataset, reward, max_new_tokens: int, batch_size: int = 100) -> float:
-    """Mean `reward` over `dataset` with greedy decoding; chat prompts (lists of messages) go through the tokenizer's
-    chat template with the generation prompt, as TRL renders them for training. torch's random state is put back
-    afterwards, so evaluating inside a run leaves its sampling unchanged."""
+    """Mean `reward` over `dataset` with greedy decoding (`greedy_scores`, averaged)."""
+    scores = greedy_scores(model, tokenizer, dataset, reward, max_new_tokens, batch_size)
+    return sum(scores) / len(scores)
+
+
+@torch.no_grad()
+def greedy_scores(model, tokenizer, dataset, reward, max_new_tokens: int, batch_size: int = 100) -> list[float]:
+    """`reward` of each row of `dataset` with greedy decoding, in order; chat prompts (lists of messages) go through
+    the tokenizer's chat template with the generation prompt, as TRL renders them for training. A batch stops
+    generating once every row has ended (transformers' `generate`). torch's random state is put back afterwards, so
+    evaluating inside a run leaves its sampling unchanged."""
     was_training, rng = model.training, torch.random.get_rng_state()
     model.eval()
     tokenizer.padding_side = "left"
@@ -168,7 +175,7 @@ def greedy_score(model, tokenizer, dataset, reward, max_new_tokens: int, batch_s
         scores += reward(texts, **batch)
     model.train(was_training)
     torch.random.set_rng_state(rng)
-    return sum(scores) / len(scores)
+    return scores
 
 
 def evaluate(model, tokenizer, dataset, batch_size: int = 100) -> float:
