@@ -175,6 +175,8 @@ def test_the_training_code_hash_follows_training_sources_only(modules, tmp_path)
     Path(loaded["trl_gspo.common.model_store"].__file__).write_text("where = 'gguf'\n")  # locating the model only
     Path(loaded["trl"].__file__).write_text("x = 2\n")  # not trl-gspo's code (its version is recorded)
     assert harness.training_code(loaded) == first
+    Path(loaded["trl_gspo.trainer"].__file__).write_text('"""A docstring."""\n\n# a comment\na = 1  # why\n')
+    assert harness.training_code(loaded) == first  # docstrings and comments are not code
     Path(loaded["trl_gspo.trainer"].__file__).write_text("a = 2\n")
     assert harness.training_code(loaded)["sha256"] != first["sha256"]
     assert harness.training_code(sys.modules)["sha256"] != first["sha256"]

@@ -3,7 +3,7 @@ reports refuse to mix across, and the paired per-seed intervals the verdict word
 
 Provenance (`provenance`): the commit and whether the tree had changes, the versions of the packages a run imports,
 the CPU and torch's CPU capability, threads, the run's full resolved config, the held-out set, wall and CPU time, and
-`training_code`: a SHA-256 over the source of every trl_gspo module loaded in the run's process when it ends (sorted
+`training_code`: a SHA-256 over the code (docstrings and comments left out) of every trl_gspo module loaded in the run's process when it ends (sorted
 by name), less the modules that only locate the model (`LOCATING_MODULES`: their effect is the weights' hash,
 `model_source`). Two runs with the same `training_code` ran the same training path, whatever else the commit changed.
 
@@ -17,6 +17,7 @@ otherwise "level within ±x" (x the half-width).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
@@ -36,6 +37,7 @@ LOCATING_MODULES = frozenset(
     {
         "trl_gspo.common.model_store",
         "trl_gspo.common.model_prepare",
+        "trl_gspo.common.prepared_copy",
         "trl_gspo.common.hub_files",
         "trl_gspo.cli.models",
     }
@@ -92,9 +94,23 @@ def cpu() -> dict:
     return {"model": name or platform.processor() or None, "torch_capability": capability}
 
 
+def code_text(source: str) -> str:
+    """What a module's source runs: its syntax tree without docstrings, comments, layout or line numbers, so that a
+    comment or docstring edit does not split a study's runs into two training-code versions."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or not body:
+            continue
+        first = body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False)
+
+
 def training_code(modules=None) -> dict:
-    """{"sha256", "modules"}: the hash over the source of the trl_gspo modules loaded (`modules`: name -> module,
-    default `sys.modules`), sorted by name, less `LOCATING_MODULES`."""
+    """{"sha256", "modules"}: the hash over the code (`code_text`) of the trl_gspo modules loaded (`modules`: name ->
+    module, default `sys.modules`), sorted by name, less `LOCATING_MODULES`."""
     modules = sys.modules if modules is None else modules
     digest, names = hashlib.sha256(), []
     for name in sorted(modules):
@@ -103,7 +119,7 @@ def training_code(modules=None) -> dict:
         path = getattr(modules[name], "__file__", None)
         if not path or not path.endswith(".py"):
             continue
-        digest.update(name.encode() + b"\0" + Path(path).read_bytes() + b"\0")
+        digest.update(name.encode() + b"\0" + code_text(Path(path).read_text()).encode() + b"\0")
         names.append(name)
     return {"sha256": digest.hexdigest(), "modules": names}
 

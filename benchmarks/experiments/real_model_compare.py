@@ -11,7 +11,7 @@
 
 The regime studies (one training-code version each; every arm on trl_gspo.GSPOTrainer, 1,000 held-out problems):
 
-    python benchmarks/experiments/real_model_compare.py --study regime-short   # 32-token cap, 64 steps
+    python benchmarks/experiments/real_model_compare.py --study regime-short   # 48-token cap, 64 steps
     python benchmarks/experiments/real_model_compare.py --study regime-long    # answers with their working, 32 steps
     python benchmarks/experiments/real_model_compare.py --study regime-stale   # 16 updates per rollout batch
 
@@ -29,8 +29,8 @@ GSPO's aggregation (loss_type "grpo"), both on GSPOTrainer at TRL's settings (te
 draws stock TRL's rollouts one for one); GSPO with the paper's band, with the band 1e-2 / 1.3e-2, and with the band set
 from each update's own spread (`clip_spread_scale`, k = 1 and 2). They hold out 1,000 problems (`held_out`): the score
 before training is the same for every arm and seed (the same weights, greedy), so it is computed once per study into
-`<output-dir>/before.json`; the points during training score the first 200, the final score all 1,000. Seeds 0-7
-unless `--seeds` says.
+`<output-dir>/before.json`; the points during training score the first 200, the final score all 1,000 (long answers: 500). Seeds, arms and
+held-out sizes per regime: docs/real-model.md, the studies' design; `--seeds` adds seeds.
 
 Every run file carries its provenance (harness.py: the commit, package versions, CPU, threads, the resolved config,
 the held-out set, wall and CPU time, and the hash of the training code it ran).
@@ -91,6 +91,8 @@ ARMS = {
     "GSPO spread k=2": ("ours", dict(clip_spread_scale=2.0)),
 }
 REGIME_ARMS = ["GRPO dapo", "GRPO grpo", "GSPO paper band", "GSPO band 1e-2", "GSPO spread k=1", "GSPO spread k=2"]
+#: The long and stale regimes: k = 2 runs on the short task only (docs/real-model.md, the studies' design).
+REGIME_ARMS_K1 = REGIME_ARMS[:5]
 #: What every arm shares: the addition demo's settings (cli/demo.py ADDITION_ARGS, the one place they are written),
 #: less what each run sets itself (learning rate, steps, seed), logged every step.
 SHARED = {
@@ -125,36 +127,41 @@ STUDIES = {
         prompt="WORKING_PROMPT",
         steps=32,
     ),
-    # The regime studies: every arm of REGIME_ARMS, 1,000 held-out problems, seeds 0-7 unless --seeds says.
-    # Short answers: a 32-token cap most answers end within (the terminated ones average ~12 tokens; 70-80 % of the
-    # first rollout hit the old 16-token cap).
+    # The regime studies (docs/real-model.md has their design: arms, seeds, held-out size), 1,000 problems held out.
+    # Short answers: a 48-token cap most answers end within (58 % of the base model's sampled answers end within 48
+    # tokens, 42 % within 32; the old 16-token cap cut 68-80 % of the first rollout). Seeds 0-7 for every arm, then
+    # 8-11 for the close pairs' arms (`--seeds`).
     "regime-short": dict(
         arms=REGIME_ARMS,
         learning_rates=[5e-6],
         folder="smollm2-regime-short",
-        settings=dict(max_completion_length=32),
+        settings=dict(max_completion_length=48),
         held_out=1000,
+        eval_every=32,
         seeds=list(range(8)),
     ),
-    # Long answers: the working before the sum (~70 tokens, 128 at most), 32 steps.
+    # Long answers: the working before the sum (~70 tokens, 128 at most), 32 steps; the final score on the first 500
+    # held-out problems (1,000 at 128 tokens would cost ~13.5 CPU minutes a run).
     "regime-long": dict(
-        arms=REGIME_ARMS,
+        arms=REGIME_ARMS_K1,
         learning_rates=[5e-6],
         folder="smollm2-regime-long",
         settings=dict(max_completion_length=128),
         prompt="WORKING_PROMPT",
         steps=32,
         held_out=1000,
-        seeds=list(range(8)),
+        eval_prompts=500,
+        seeds=list(range(4)),
     ),
     # Stale rollouts: the short regime with 16 optimizer steps per rollout batch.
     "regime-stale": dict(
-        arms=REGIME_ARMS,
+        arms=REGIME_ARMS_K1,
         learning_rates=[5e-6],
         folder="smollm2-regime-stale",
-        settings=dict(max_completion_length=32, steps_per_generation=16),
+        settings=dict(max_completion_length=48, steps_per_generation=16),
         held_out=1000,
-        seeds=list(range(8)),
+        eval_every=32,
+        seeds=list(range(6)),
     ),
 }
 NUM_TRAIN_PROMPTS = 2000
@@ -393,7 +400,7 @@ def main(argv=None) -> None:
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=None, help="default: the study's")
     parser.add_argument("--learning-rates", type=float, nargs="+", default=None, help="default: the study's")
     parser.add_argument("--max-steps", type=int, default=None, help="default: the study's (64 unless it says)")
-    parser.add_argument("--eval-every", type=int, default=16)
+    parser.add_argument("--eval-every", type=int, default=None, help="default: the study's (16 unless it says)")
     parser.add_argument(
         "--eval-prompts", type=int, default=None, help="held-out problems scored after training (default: the study's)"
     )
@@ -419,7 +426,8 @@ def main(argv=None) -> None:
     options.output_dir = options.output_dir or RESULTS / study["folder"]
     options.max_steps = options.max_steps or study.get("steps", 64)
     options.seeds = options.seeds or study.get("seeds", [0, 1, 2])
-    options.eval_prompts = options.eval_prompts or study.get("held_out", 200)
+    options.eval_prompts = options.eval_prompts or study.get("eval_prompts", study.get("held_out", 200))
+    options.eval_every = options.eval_every if options.eval_every is not None else study.get("eval_every", 16)
     if not options.replot:
         from trl_gspo.common.model_store import SMOLLM2, SOURCE_VARIABLE, resolve_model
 
