@@ -42,6 +42,8 @@ TABLE_START, TABLE_END = "<!-- seam table: built from the code by tests/test_sea
 ASSIGNMENTS_ALLOWED = {
     ("cli/commands.py", "args.model_init_kwargs"): "the CLI's own parsed arguments",
     ("cli/commands.py", "model_args.model_name_or_path"): "the CLI's own parsed arguments (a known Hub id resolved)",
+    ("cli/commands.py", "model_args.model_revision"): "the CLI's own parsed arguments (the Hub snapshot resolved)",
+    ("cli/demo.py", "args.model_init_kwargs"): "the demo's own config (the Hub snapshot resolved)",
     ("common/model_prepare.py", "config._name_or_path"): "the converted model's own config, named by its Hub id",
     ("common/model_prepare.py", "model.config._name_or_path"): "the converted model's own config, named by its Hub id",
     ("common/model_prepare.py", "model.generation_config"): "the converted model's own: the GGUF model's settings",

@@ -59,7 +59,7 @@ import torch
 from transformers import TrainerCallback
 
 from .common.metrics import masked_sum_and_count
-from .losses import LossSettings
+from .losses import SEQUENCE_LEVELS, LossSettings
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +215,14 @@ class ClipBand(TrainerCallback):
         self._counts = None  # device tensor [clipped, counted] of this optimizer step's measured micro-batches
         if self.enabled and accelerator.is_main_process:
             logger.warning(self.start_line())  # once at start: the band is not the configured one
+
+    @classmethod
+    def for_config(cls, args, epsilons: tuple[float, float], accelerator, run) -> ClipBand:
+        """The band a `GSPOConfig` asks for, around TRL's resolved (`epsilon_low`, `epsilon_high`)."""
+        settings = LossSettings(*epsilons, args.delta, args.sapo_temperature_pos, args.sapo_temperature_neg)
+        per_sequence = args.importance_sampling_level in SEQUENCE_LEVELS
+        target, scale = args.clip_target_fraction, args.clip_spread_scale
+        return cls(settings, accelerator, run, target=target, spread_scale=scale, per_sequence=per_sequence)
 
     @property
     def enabled(self) -> bool:

@@ -107,17 +107,7 @@ class GSPOTrainer(GRPOTrainer):
         if self.accelerator.is_main_process:
             log_differences_from_grpo(args)  # what switching the import changed, said once
         self.loss_fn = losses.POLICY_LOSSES[args.loss_type]
-        settings = losses.LossSettings(
-            self.epsilon_low, self.epsilon_high, args.delta, args.sapo_temperature_pos, args.sapo_temperature_neg
-        )
-        self.clip_band = ClipBand(  # the loss's knobs: the configured band, or one that moves
-            settings,
-            self.accelerator,
-            self.run,
-            target=args.clip_target_fraction,
-            spread_scale=args.clip_spread_scale,
-            per_sequence=args.importance_sampling_level in losses.SEQUENCE_LEVELS,
-        )
+        self.clip_band = ClipBand.for_config(args, (self.epsilon_low, self.epsilon_high), self.accelerator, self.run)
         self._build_parts(args)
         served_model.check_served_model(self)  # vLLM server mode: the server serves this model (before any step)
         colocate_cpu_sync.enable_cpu_colocate_sync(self)  # vLLM colocate on its CPU build: syncs that reach the engine
@@ -422,9 +412,8 @@ class GSPOTrainer(GRPOTrainer):
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
 
         advantages = checked_advantages(self.token_advantages(inputs), mask, self.importance_sampling_level)
-        # Without off-policy mini-batches TRL skips the old-policy forward: pi_old == sg[pi_theta].
+        # pi_old = sg[pi_theta] where TRL skips its pass; all ratios are 1 there and where it ran at this step's weights
         old_logps = inputs.get("old_per_token_logps")
-        # Every ratio is 1 by construction: pi_old is this policy, or was computed at this very step's weights.
         ratios_one = mode == "train" and (old_logps is None or self.rollout.pi_old_at == self.state.global_step)
         old_logps = logps.detach() if old_logps is None else old_logps
 
