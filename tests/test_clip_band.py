@@ -214,12 +214,11 @@ def test_resume_restores_the_band_exactly(tmp_path):
     assert control.clip_band.band != straight.clip_band.band
 
 
-@pytest.mark.launch
-def test_two_processes_hold_the_same_band_every_step(tmp_path):
-    """2 processes (gloo), each training on its own micro-batches: the pooled fraction gives both one band after
-    every optimizer step, and the band moves."""
+def _bands_of_two_processes(tmp_path, steps: int, *option) -> dict[int, dict[int, tuple[float, float]]]:
+    """{step: {rank: the band that rank holds after the step}} of a 2-process (gloo) run of `steps` steps with
+    `option` (the band's flag and value), each rank on its own micro-batches (tests/helpers/fault_utils.py)."""
     script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
-    command = two_processes(script, "--output_dir", tmp_path / "run", "--max_steps", 8, "--clip_target_fraction", 0.15)
+    command = two_processes(script, "--output_dir", tmp_path / "run", "--max_steps", steps, *option)
     result = subprocess.run(command, capture_output=True, text=True, env=launch_env(), timeout=300)
     log = result.stdout + result.stderr
     assert log.count("DONE") == 2, log[-4000:]
@@ -228,7 +227,15 @@ def test_two_processes_hold_the_same_band_every_step(tmp_path):
         for line in (tmp_path / "run" / f"bands-rank{rank}.txt").read_text().splitlines():
             step, low, high = line.split()
             bands.setdefault(int(step), {})[rank] = (float(low), float(high))
-    assert sorted(bands) == list(range(1, 9)), log[-4000:]
+    assert sorted(bands) == list(range(1, steps + 1)), log[-4000:]
+    return bands
+
+
+@pytest.mark.launch
+def test_two_processes_hold_the_same_band_every_step(tmp_path):
+    """2 processes (gloo), each training on its own micro-batches: the pooled fraction gives both one band after
+    every optimizer step, and the band moves."""
+    bands = _bands_of_two_processes(tmp_path, 8, "--clip_target_fraction", 0.15)
     assert all(per_rank[0] == per_rank[1] for per_rank in bands.values()), bands
     assert len({per_rank[0] for per_rank in bands.values()}) > 1, bands
 
@@ -449,16 +456,6 @@ def test_spread_band_resumes_exactly(tmp_path):
 @pytest.mark.launch
 def test_two_processes_hold_the_same_spread_band(tmp_path):
     """2 processes (gloo), each on its own micro-batches: the pooled spread gives both one band at every update."""
-    script = os.path.join(os.path.dirname(__file__), "helpers", "fault_utils.py")
-    command = two_processes(script, "--output_dir", tmp_path / "run", "--max_steps", 6, "--clip_spread_scale", 1.0)
-    result = subprocess.run(command, capture_output=True, text=True, env=launch_env(), timeout=300)
-    log = result.stdout + result.stderr
-    assert log.count("DONE") == 2, log[-4000:]
-    bands = {}
-    for rank in (0, 1):
-        for line in (tmp_path / "run" / f"bands-rank{rank}.txt").read_text().splitlines():
-            step, low, high = line.split()
-            bands.setdefault(int(step), {})[rank] = (float(low), float(high))
-    assert sorted(bands) == list(range(1, 7)), log[-4000:]
+    bands = _bands_of_two_processes(tmp_path, 6, "--clip_spread_scale", 1.0)
     assert all(per_rank[0] == per_rank[1] for per_rank in bands.values()), bands
     assert any(per_rank[0][0] > PAPER[0] for per_rank in bands.values()), bands
