@@ -1,7 +1,7 @@
-"""The experiments' report (benchmarks/experiments/harness.py, real_model_report.py) on made-up run files: the verdict
-words come from the paired per-seed intervals alone, runs of different training code (or without provenance) are not
-compared unless asked, every run file carries its provenance, and the docs' verdict words are checked against the
-report (benchmarks/quoted.py)."""
+"""The experiments' reports (benchmarks/experiments/harness.py, report_common.py, real_model_report.py and
+compare_report.py) on made-up run files: the verdict words come from the paired per-seed intervals alone, runs of
+different training code (or without provenance) are not compared unless asked, every run file carries its provenance,
+and the docs' verdict words are checked against the report (benchmarks/quoted.py)."""
 
 import json
 import math
@@ -138,6 +138,49 @@ def test_runs_without_provenance_are_reported_but_never_paired(modules, tmp_path
     )
     assert report.NO_PROVENANCE in capsys.readouterr().out.splitlines()
     assert (tmp_path / "comparison.md").read_text().startswith(report.NO_PROVENANCE)
+
+
+def compare_results(code_of=lambda variant, seed: "c0de"):
+    """compare.py's results ({(model, variant): runs}) with only what the verdicts read: the held-out reward after
+    training per seed (BASE plus a gap per variant) and the provenance. The dense variants against GRPO: the paper's
+    band behind, the spread ahead; the MoE's replay arm: both signs, level."""
+    gaps = {
+        ("dense", "GRPO"): [0.0] * 4,
+        ("dense", "GSPO"): GAPS["GSPO paper band"],
+        ("dense", "GSPO-token"): GAPS["GSPO spread k=1"],
+        ("moe", "GRPO"): [0.0] * 4,
+        ("moe", "GRPO+R3"): GAPS["GSPO band 1e-2"],
+    }
+    results = {}
+    for (model, variant), gap in gaps.items():
+        results[(model, variant)] = [
+            {"seed": s, "held_out": BASE[s] + gap[s], "rows": []}
+            | ({"provenance": {"training_code": code_of(variant, s)}} if code_of(variant, s) else {})
+            for s in range(4)
+        ]
+    return results
+
+
+def test_compare_report_pairs_the_held_out_reward_per_model(modules, capsys):
+    """compare.py's report (compare_report.py) gives the same verdicts from the same intervals as the real model's."""
+    import importlib
+
+    compare_report = importlib.import_module("compare_report")
+    pairs = compare_report.held_out_pairs(compare_results())
+    assert pairs["dense"]["GRPO vs GSPO"]["verdict"] == "ahead"
+    assert pairs["dense"]["GRPO vs GSPO-token"]["verdict"] == "behind"
+    level = pairs["moe"]["GRPO vs GRPO+R3"]
+    assert level["n"] == 4 and level["verdict"] == f"level within ±{level['half_width']:.3f}"
+    assert level["verdict"].startswith("level within ±") and level["low"] < 0 < level["high"]
+    text = compare_report.pairs_markdown(pairs)
+    assert "\nmoe:\n" in text and f"| GRPO vs GRPO+R3 | {level['mean']:+.3f} |" in text and level["verdict"] in text
+    # runs without provenance: reported, never paired unless asked; different training code: one line, unless asked
+    old = compare_results(lambda variant, seed: None)
+    assert compare_report.held_out_pairs(old) == {}
+    assert compare_report.report_common.NO_PROVENANCE in capsys.readouterr().out
+    assert compare_report.held_out_pairs(old, allow_mixed=True)["dense"]["GRPO vs GSPO"]["verdict"] == "ahead"
+    with pytest.raises(SystemExit, match="different training code"):
+        compare_report.held_out_pairs(compare_results(lambda variant, seed: "0ther" if variant == "GSPO" else "c0de"))
 
 
 def test_a_run_file_carries_its_provenance(modules, tmp_path):

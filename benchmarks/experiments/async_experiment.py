@@ -22,6 +22,8 @@ import os
 import statistics
 from collections import defaultdict
 
+from report_common import mean, number  # beside this file (compare.py, which runs this experiment, puts it on sys.path)
+
 GRPO = dict(importance_sampling_level="token", epsilon=0.2, epsilon_high=0.27)
 GSPO = dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
 STALENESS = (1, 2, 4)
@@ -58,11 +60,6 @@ DEGRADATION = (
     "its standard error (Welch, seeds as samples)"
 )
 COLORS = {"sync": "black", "s1": "tab:blue", "s2": "tab:orange", "s4": "tab:red"}
-
-
-def _mean(values):
-    values = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
-    return statistics.fmean(values) if values else None
 
 
 def _moving_average(values, window=20):
@@ -103,29 +100,29 @@ def summarize(results: dict) -> dict:
         held = [run["held_out"] for run in runs]
         summary[arm] = {
             "seeds": [run["seed"] for run in runs],
-            "held_out_reward": _mean(held),
+            "held_out_reward": mean(held),
             "held_out_reward_all": held,
-            "held_out_reward_before": _mean(run.get("held_out_before") for run in runs),
-            "train_reward_mean": _mean(v for c in curves for v in c[2]),  # area under the per-step curve
-            "train_reward_last10pct": _mean(last),
-            "steps_to_reward_0.5": _mean(_first_reaching(c[0], c[2], 0.5) for c in curves),
-            "seconds_to_reward_0.5": _mean(_first_reaching(c[1], c[2], 0.5) for c in curves),
+            "held_out_reward_before": mean(run.get("held_out_before") for run in runs),
+            "train_reward_mean": mean(v for c in curves for v in c[2]),  # area under the per-step curve
+            "train_reward_last10pct": mean(last),
+            "steps_to_reward_0.5": mean(_first_reaching(c[0], c[2], 0.5) for c in curves),
+            "seconds_to_reward_0.5": mean(_first_reaching(c[1], c[2], 0.5) for c in curves),
             "runs_reaching_0.5": sum(_first_reaching(c[0], c[2], 0.5) is not None for c in curves),
-            "train_seconds_per_step": _mean(c[1][-1] / len(c[1]) for c in curves if c[1]),
-            "clip_fraction_token_mean": _mean(r.get("clip_fraction/token/total") for r in rows),
-            "clip_fraction_sequence_mean": _mean(r.get("clip_fraction/sequence/total") for r in rows),
-            "staleness_mean": _mean(r.get("async/staleness/mean") for r in rows),
-            "behaviour_weight_mean": _mean(r.get("async/behaviour_weight/mean") for r in rows),
-            "behaviour_weight_p5_p95_spread_mean": _mean(spreads),
+            "train_seconds_per_step": mean(c[1][-1] / len(c[1]) for c in curves if c[1]),
+            "clip_fraction_token_mean": mean(r.get("clip_fraction/token/total") for r in rows),
+            "clip_fraction_sequence_mean": mean(r.get("clip_fraction/sequence/total") for r in rows),
+            "staleness_mean": mean(r.get("async/staleness/mean") for r in rows),
+            "behaviour_weight_mean": mean(r.get("async/behaviour_weight/mean") for r in rows),
+            "behaviour_weight_p5_p95_spread_mean": mean(spreads),
             "behaviour_weight_min": min(
                 (r["async/behaviour_weight/min"] for r in rows if "async/behaviour_weight/min" in r), default=None
             ),
             "behaviour_weight_max": max(
                 (r["async/behaviour_weight/max"] for r in rows if "async/behaviour_weight/max" in r), default=None
             ),
-            "behaviour_weight_outside_frac_mean": _mean(r.get("async/behaviour_weight/outside_frac") for r in rows),
+            "behaviour_weight_outside_frac_mean": mean(r.get("async/behaviour_weight/outside_frac") for r in rows),
             "nonfinite_skipped_steps": sum((r.get("nonfinite/skipped_steps") or 0) for r in rows),
-            "run_seconds_mean": _mean(run["seconds"] for run in runs),
+            "run_seconds_mean": mean(run["seconds"] for run in runs),
         }
     for arm, row in summary.items():
         method = arm.split()[0]
@@ -144,9 +141,7 @@ def summarize(results: dict) -> dict:
 
 
 def table(summary: dict) -> str:
-    def fmt(value, digits=3):
-        return "n/a" if value is None else f"{value:.{digits}f}"
-
+    fmt = number
     lines = [
         "| arm | held-out reward (mean over seeds) | gap vs sync (2 SE) | degraded | train reward: mean over steps "
         "/ last 10% | steps to 0.5 | training s to 0.5 | s/step | token clip fraction | staleness (steps) | "

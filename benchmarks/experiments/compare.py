@@ -36,7 +36,8 @@ averaged over the last 20% of steps ends below its average over the first 20 ste
 collapse count, routing shift, token clip fraction, replay coverage and, for R3, the sampler/trainer route mismatch;
 `routing_replay.md` holds the table and `routing_replay.png` the reward and shift curves.
 
-Summaries and plots are compare_report.py; the longer copy task of the experiments is copy_task.py.
+Summaries, plots and paired verdicts are compare_report.py (on report_common.py, shared with real_model_report.py);
+the longer copy task of the experiments is copy_task.py.
 """
 
 from __future__ import annotations
@@ -55,19 +56,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import async_experiment  # noqa: E402  (beside this file: the asynchronous-generation experiment's arms and report)
 import dynamic_sampling_experiment  # noqa: E402  (beside this file)
 import harness  # noqa: E402  (beside this file: provenance, the run store, paired intervals)
-from compare_report import (  # noqa: E402
-    CLIP_KEY,
-    COLLAPSE,
-    DEFAULT_VARIANTS,
-    UPDATES_KEY,
-    VARIANTS,
-    collapsed,
-    mean_of,
-    plot,
-    plot_routing,
-    routing_table,
-    summarize,
-)
+import report_common  # noqa: E402  (beside this file: statistics over seeds)
+from compare_report import CLIP_KEY, DEFAULT_VARIANTS, UPDATES_KEY, VARIANTS, collapsed, report  # noqa: E402
 from copy_task import CopyTask  # noqa: E402
 
 #: The routing-replay experiment's regime (see the module docstring). Fixed before looking at any reward or collapse.
@@ -207,7 +197,7 @@ def run(
     for (model, variant, seed), result in zip(plan, harness.each_run(plan, path_of, produce, reuse=resume)):
         results[(model, variant)].append(result)
         rows, held_out = result["rows"], result["held_out"]
-        clip = mean_of(r.get(CLIP_KEY) for r in rows)
+        clip = report_common.mean(r.get(CLIP_KEY) for r in rows)
         clip = "n/a" if clip is None else f"{clip:.4g}"
         held = "n/a" if held_out is None else f"{held_out:.3f}"
         log(
@@ -228,45 +218,6 @@ def run(
     with open(os.path.join(output_dir, "runs.json"), "w") as f:
         json.dump({"overrides": overrides, "runs": runs}, f, indent=2)
     return report(results, output_dir, overrides, allow_mixed)
-
-
-def held_out_pairs(results: dict, allow_mixed: bool = False) -> dict:
-    """Per model, harness.pairs of the held-out reward after training between the variants, in VARIANTS' order;
-    none from runs without provenance, and a one-line refusal for runs of different training code (unless
-    `allow_mixed`)."""
-    runs = [dict(run, variant=v, model=m) for (m, v), group in results.items() for run in group]
-    code = harness.check_one_code(
-        runs, lambda r: f"{r['model']} {r['variant']} seed {r['seed']}", allow_mixed, "compare"
-    )
-    if code == harness.NOT_RECORDED and not allow_mixed:
-        return {}
-    scores = defaultdict(dict)
-    for (model, variant), group in results.items():
-        scores[model][variant] = {run["seed"]: run["held_out"] for run in group if run.get("held_out") is not None}
-    return {model: harness.pairs(by_variant, list(VARIANTS)) for model, by_variant in scores.items()}
-
-
-def report(results: dict, output_dir: str, overrides: dict, allow_mixed: bool = False) -> dict:
-    """summary.json and the plots from the per-run results (plus the routing-replay table when replay arms ran);
-    summary.json's `pairs` hold the paired intervals of the held-out reward (harness.py)."""
-    if all(variant in async_experiment.ARMS for _, variant in results):
-        return async_experiment.report(async_experiment.group_by_arm(results), output_dir)
-    summary = summarize(results)
-    pairs = held_out_pairs(results, allow_mixed)
-    with open(os.path.join(output_dir, "summary.json"), "w") as f:
-        json.dump(
-            {"variants": VARIANTS, "overrides": overrides, "collapse": COLLAPSE, "results": summary, "pairs": pairs},
-            f,
-            indent=2,
-        )
-    for model, found in pairs.items():
-        print(f"{model}: held-out reward after training, paired over seeds\n{harness.pairs_table(found)}")
-    plot(results, output_dir)
-    if any("routing_replay" in VARIANTS[v] for _, v in results):
-        with open(os.path.join(output_dir, "routing_replay.md"), "w") as f:
-            f.write(routing_table(summary, results))
-        plot_routing(results, output_dir)
-    return summary
 
 
 def replot(output_dir: str, allow_mixed: bool = False) -> dict:

@@ -1,10 +1,19 @@
 """What a comparison compares and reports: the variants (`VARIANTS`, GSPOConfig overrides per name), the collapse
-rule, per-variant summaries (`summarize`), the log-ratio dispersion by length, the plots (`plot`, `plot_routing`)
-and the routing-replay table, from the per-run rows `compare.py` collects.
+rule, per-variant summaries (`summarize`), the log-ratio dispersion by length, the plots (`plot`, `plot_routing`),
+the routing-replay table, and the paired verdicts of the held-out reward (`held_out_pairs`), from the per-run rows
+`compare.py` collects; `report` writes them.
+
+Statistics over seeds, the min..max bands and the training-code check are report_common.py's, shared with
+real_model_report.py. Verdicts: per model, for every two variants run on the same seeds, the paired per-seed
+differences of the held-out reward after training, their 95 % t interval and the word it supports (harness.py
+`paired`), in `summary.json` under `pairs` (`{model: {"<A> vs <B>": ...}}`, A minus B, VARIANTS' order), printed, and
+in `routing_replay.md` when replay arms ran. Runs of different training code are refused in one line, and runs
+without provenance are not paired, unless `allow_mixed` (`--allow-mixed-code`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -14,6 +23,9 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import async_experiment  # noqa: E402  (beside this file: the asynchronous-generation experiment's arms and report)
+import harness  # noqa: E402  (beside this file)
+import report_common  # noqa: E402  (beside this file: statistics over seeds, bands, verdicts)
+from report_common import mean, number  # noqa: E402
 
 #: name -> GSPOConfig overrides. Clip ranges are the paper's for each method.
 GRPO = dict(importance_sampling_level="token", epsilon=0.2, epsilon_high=0.27)
@@ -60,23 +72,36 @@ def collapsed(rows) -> bool:
 
 
 def _by_step(rows, key):
-    """{step: [values over seeds]} for one metric."""
+    """{step: [values]} of one metric in `rows` (one run's, or every seed's pooled)."""
     out = defaultdict(list)
     for row in rows:
-        value = row.get(key)
-        if isinstance(value, (int, float)) and not math.isnan(value):
-            out[row["step"]].append(value)
-    return dict(sorted(out.items()))
+        out[row["step"]].extend(report_common.numbers([row.get(key)]))
+    return {step: values for step, values in sorted(out.items()) if values}
 
 
-def _min_max(values):
-    values = [v for v in values if isinstance(v, (int, float))]
-    return [min(values), max(values)] if values else None
+def block_means(run, key, block: int, off_policy: bool = False) -> dict:
+    """{block index: the run's mean of `key` over the block's `block` steps}: hundreds of noisy steps read as a
+    curve once averaged in blocks. `off_policy` drops each rollout's first mini-batch, where the policy still equals
+    the rollout policy."""
+    rows = [r for r in run["rows"] if r[UPDATES_KEY]] if off_policy else run["rows"]
+    blocks = defaultdict(list)
+    for step, values in _by_step(rows, key).items():
+        blocks[(step - 1) // block].extend(values)
+    return {b: statistics.fmean(v) for b, v in blocks.items()}
 
 
-def mean_of(values):
-    values = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
-    return statistics.fmean(values) if values else None
+def block_band(ax, runs, key, block: int, color, label, log=False, off_policy=False, band_alpha=0.2) -> None:
+    """Mean over seeds of each seed's block means (`block_means`), band = min..max over seeds, at each block's middle
+    step. On a log axis a block where nothing clipped in any seed has no place, and a zero seed runs off the bottom
+    (LOG_FLOOR)."""
+    steps, mid, low, high = report_common.by_step([block_means(run, key, block, off_policy) for run in runs])
+    if log:
+        keep = [i for i, m in enumerate(mid) if m > 0]
+        steps, mid, high = [steps[i] for i in keep], [mid[i] for i in keep], [high[i] for i in keep]
+        low = [low[i] if low[i] > 0 else LOG_FLOOR for i in keep]
+    if steps:
+        middle = [b * block + (block + 1) / 2 for b in steps]
+        report_common.band(ax, middle, mid, low, high, color, label, band_alpha=band_alpha, lw=1.2)
 
 
 def by_updates_since_rollout(runs, key) -> dict:
@@ -86,6 +111,12 @@ def by_updates_since_rollout(runs, key) -> dict:
         if isinstance(row.get(key), (int, float)):
             acc[row[UPDATES_KEY]].append(row[key])
     return {n: statistics.fmean(v) for n, v in sorted(acc.items())}
+
+
+def min_max(values):
+    """[min, max] of a `report_common.spread` (the summary's shape for the held-out reward); None without numbers."""
+    stat = report_common.spread(values)
+    return [stat["min"], stat["max"]] if stat else None
 
 
 def summarize(results: dict) -> dict:
@@ -98,27 +129,27 @@ def summarize(results: dict) -> dict:
         last = list(reward_steps)[-max(1, len(reward_steps) // 10) :]  # last 10% of generation steps
         summary[f"{model}/{variant}"] = {
             "seeds": [run["seed"] for run in runs],
-            "clip_fraction_token_mean": mean_of(r.get(CLIP_KEY) for r in rows),
-            "clip_fraction_token_mean_off_policy": mean_of(r.get(CLIP_KEY) for r in on_policy_free),
-            "clip_fraction_sequence_mean": mean_of(r.get("clip_fraction/sequence/total") for r in rows),
-            "seq_ratio_std_mean": mean_of(r.get("seq_ratio/std") for r in on_policy_free),
-            "token_logratio_std_mean": mean_of(r.get("ratio_dispersion/token_logratio_std") for r in on_policy_free),
-            "seq_logratio_abs_mean": mean_of(r.get("ratio_dispersion/seq_logratio_abs") for r in on_policy_free),
-            "routing_shift_mean_off_policy": mean_of(r.get(SHIFT_KEY) for r in on_policy_free),
-            "expert_change_mean_off_policy": mean_of(r.get("moe/expert_change") for r in on_policy_free),
+            "clip_fraction_token_mean": mean(r.get(CLIP_KEY) for r in rows),
+            "clip_fraction_token_mean_off_policy": mean(r.get(CLIP_KEY) for r in on_policy_free),
+            "clip_fraction_sequence_mean": mean(r.get("clip_fraction/sequence/total") for r in rows),
+            "seq_ratio_std_mean": mean(r.get("seq_ratio/std") for r in on_policy_free),
+            "token_logratio_std_mean": mean(r.get("ratio_dispersion/token_logratio_std") for r in on_policy_free),
+            "seq_logratio_abs_mean": mean(r.get("ratio_dispersion/seq_logratio_abs") for r in on_policy_free),
+            "routing_shift_mean_off_policy": mean(r.get(SHIFT_KEY) for r in on_policy_free),
+            "expert_change_mean_off_policy": mean(r.get("moe/expert_change") for r in on_policy_free),
             "clip_fraction_token_by_updates_since_rollout": by_updates_since_rollout(runs, CLIP_KEY),
             "routing_shift_by_updates_since_rollout": by_updates_since_rollout(runs, SHIFT_KEY),
             "expert_change_by_updates_since_rollout": by_updates_since_rollout(runs, "moe/expert_change"),
-            "train_reward_first": mean_of(next(iter(reward_steps.values()), [])),
-            "train_reward_last10pct": mean_of([v for s in last for v in reward_steps[s]]),
-            "held_out_reward": mean_of(run["held_out"] for run in runs),
-            "held_out_reward_before": mean_of(run.get("held_out_before") for run in runs),
-            "held_out_reward_min_max": _min_max(run["held_out"] for run in runs),
+            "train_reward_first": mean(next(iter(reward_steps.values()), [])),
+            "train_reward_last10pct": mean([v for s in last for v in reward_steps[s]]),
+            "held_out_reward": mean(run["held_out"] for run in runs),
+            "held_out_reward_before": mean(run.get("held_out_before") for run in runs),
+            "held_out_reward_min_max": min_max(run["held_out"] for run in runs),
             "collapsed": sum(collapsed(run["rows"]) for run in runs),
-            "replay_coverage_mean": mean_of(r.get("moe/replay/coverage") for r in rows),
-            "r3_sampler_mismatch_mean": mean_of(r.get("moe/r3/sampler_mismatch") for r in rows),
-            "r3_sampler_mismatch_any_layer_mean": mean_of(r.get("moe/r3/sampler_mismatch_any_layer") for r in rows),
-            "train_seconds_mean": mean_of(run["seconds"] for run in runs),
+            "replay_coverage_mean": mean(r.get("moe/replay/coverage") for r in rows),
+            "r3_sampler_mismatch_mean": mean(r.get("moe/r3/sampler_mismatch") for r in rows),
+            "r3_sampler_mismatch_any_layer_mean": mean(r.get("moe/r3/sampler_mismatch_any_layer") for r in rows),
+            "train_seconds_mean": mean(run["seconds"] for run in runs),
         }
     return summary
 
@@ -146,26 +177,7 @@ def plot(results: dict, output_dir: str) -> list[str]:
     written = []
 
     def band(ax, runs, key, variant, log=False, label=None, off_policy=False):
-        """Mean over seeds of each seed's block average (blocks of `block` steps), band = min..max over seeds.
-        `off_policy` drops each rollout's first mini-batch, where the policy still equals the rollout policy."""
-        per_seed = []
-        for run in runs:
-            blocks = defaultdict(list)
-            rows = [r for r in run["rows"] if r[UPDATES_KEY]] if off_policy else run["rows"]
-            for step, values in _by_step(rows, key).items():
-                blocks[(step - 1) // block].extend(values)
-            per_seed.append({b: statistics.fmean(v) for b, v in blocks.items()})
-        xs = sorted({b for seed in per_seed for b in seed})
-        values = [[seed[b] for seed in per_seed if b in seed] for b in xs]
-        if log:  # a block where nothing clipped in any seed has no place on a log axis; a zero seed runs off the bottom
-            keep = [i for i, v in enumerate(values) if statistics.fmean(v) > 0]
-            xs, values = [xs[i] for i in keep], [values[i] for i in keep]
-        if not xs:
-            return
-        steps = [b * block + (block + 1) / 2 for b in xs]
-        lower = [min(v) if min(v) > 0 or not log else LOG_FLOOR for v in values]
-        ax.plot(steps, [statistics.fmean(v) for v in values], color=colors.get(variant), label=label or variant, lw=1.2)
-        ax.fill_between(steps, lower, [max(v) for v in values], color=colors.get(variant), alpha=0.2)
+        block_band(ax, runs, key, block, colors.get(variant), label or variant, log, off_policy)
 
     def save(fig, name):
         path = os.path.join(output_dir, name)
@@ -200,8 +212,8 @@ def plot(results: dict, output_dir: str) -> list[str]:
         for variant in VARIANTS:
             if (model, variant) in rows_of:
                 rows = rows_of[(model, variant)]
-                mean = mean_of(r.get(CLIP_KEY) for r in rows)
-                label = f"{variant} (mean {mean:.2g})" if mean is not None else variant
+                clip = mean(r.get(CLIP_KEY) for r in rows)
+                label = f"{variant} (mean {clip:.2g})" if clip is not None else variant
                 band(ax, results[(model, variant)], CLIP_KEY, variant, log=True, label=label)
         ax.set_yscale("log")
         ax.set_ylim(bottom=10 * LOG_FLOOR)
@@ -255,10 +267,7 @@ def plot(results: dict, output_dir: str) -> list[str]:
 
 def routing_table(summary: dict, results: dict) -> str:
     """Markdown table of the routing-replay arms (MoE runs)."""
-
-    def fmt(value, digits=3):
-        return "n/a" if value is None else f"{value:.{digits}f}"
-
+    fmt = number
     lines = [
         "| arm | seeds | collapsed | held-out reward before -> after (min..max) | train reward first -> last 10% "
         "| token clip fraction | routing shift (mini-batches 2-8) | shift 1 / 4 / 7 updates after rollout "
@@ -298,22 +307,8 @@ def plot_routing(results: dict, output_dir: str) -> str:
         (axes[1], SHIFT_KEY, "routing shift vs pi_old's routes", True),
     ):
         for variant in arms:
-            per_seed = []
-            for run in results[("moe", variant)]:
-                rows = [r for r in run["rows"] if r[UPDATES_KEY]] if off_policy else run["rows"]
-                blocks = defaultdict(list)
-                for step, values in _by_step(rows, key).items():
-                    blocks[(step - 1) // block].extend(values)
-                per_seed.append({b: statistics.fmean(v) for b, v in blocks.items()})
-            xs = sorted({b for seed in per_seed for b in seed})
-            if not xs:
-                continue
-            values = [[seed[b] for seed in per_seed if b in seed] for b in xs]
-            steps = [b * block + (block + 1) / 2 for b in xs]
-            ax.plot(steps, [statistics.fmean(v) for v in values], color=COLORS[variant], label=variant, lw=1.2)
-            ax.fill_between(
-                steps, [min(v) for v in values], [max(v) for v in values], color=COLORS[variant], alpha=0.15
-            )
+            runs = results[("moe", variant)]
+            block_band(ax, runs, key, block, COLORS[variant], variant, off_policy=off_policy, band_alpha=0.15)
         ax.set(
             xlabel="optimizer step",
             ylabel=label,
@@ -326,3 +321,53 @@ def plot_routing(results: dict, output_dir: str) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------------------------------------------- verdicts
+def run_label(run: dict) -> str:
+    return f"{run['model']} {run['variant']} seed {run['seed']}"
+
+
+def held_out_pairs(results: dict, allow_mixed: bool = False) -> dict:
+    """{model: harness.pairs of the held-out reward after training between its variants, in VARIANTS' order}; {} for
+    runs without provenance, and a one-line refusal for runs of different training code, unless `allow_mixed`
+    (report_common.checked_code)."""
+    runs = [dict(run, variant=v, model=m) for (m, v), group in results.items() for run in group]
+    _, pairable = report_common.checked_code(runs, run_label, allow_mixed, "compare")
+    if not pairable:
+        print(report_common.NO_PROVENANCE)
+        return {}
+    scores = defaultdict(dict)
+    for (model, variant), group in results.items():
+        scores[model][variant] = {run["seed"]: run["held_out"] for run in group if run.get("held_out") is not None}
+    found = {model: harness.pairs(by_variant, list(VARIANTS)) for model, by_variant in scores.items()}
+    return {model: pairs for model, pairs in found.items() if pairs}
+
+
+def pairs_markdown(pairs: dict) -> str:
+    """Each model's paired intervals (report_common.pairs_text) under its name."""
+    score = "the held-out reward after training"
+    return "".join(f"\n{model}:\n" + report_common.pairs_text(found, score) for model, found in pairs.items())
+
+
+def report(results: dict, output_dir: str, overrides: dict, allow_mixed: bool = False) -> dict:
+    """summary.json and the plots from the per-run results (plus the routing-replay table when replay arms ran);
+    summary.json's `pairs` hold the paired intervals of the held-out reward. The asynchronous-generation experiment's
+    arms alone: its own report (async_experiment.py)."""
+    if all(variant in async_experiment.ARMS for _, variant in results):
+        return async_experiment.report(async_experiment.group_by_arm(results), output_dir)
+    summary = summarize(results)
+    pairs = held_out_pairs(results, allow_mixed)
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(
+            {"variants": VARIANTS, "overrides": overrides, "collapse": COLLAPSE, "results": summary, "pairs": pairs},
+            f,
+            indent=2,
+        )
+    print(pairs_markdown(pairs), end="")
+    plot(results, output_dir)
+    if any("routing_replay" in VARIANTS[v] for _, v in results):
+        with open(os.path.join(output_dir, "routing_replay.md"), "w") as f:
+            f.write(routing_table(summary, results) + pairs_markdown({m: p for m, p in pairs.items() if m == "moe"}))
+        plot_routing(results, output_dir)
+    return summary

@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 
 from copy_task import CopyTask  # beside this file (compare.py, which runs this experiment, puts it on sys.path)
+from report_common import mean, number  # beside this file (statistics shared by the experiments' reports)
 
 #: The experiment, fixed before any result was looked at.
 EXPERIMENT = dict(
@@ -157,9 +158,6 @@ def train_one(
 
 
 # ----------------------------------------------------------------------------------------------- summary
-def _mean(values):
-    values = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
-    return statistics.fmean(values) if values else None
 
 
 def first_reaching(points, threshold: float, key: str):
@@ -194,33 +192,31 @@ def summarize(runs: list[dict], thresholds, arms) -> dict:
         rows = [row for run in group for row in run["rows"]]
         entry = {
             "seeds": [run["seed"] for run in group],
-            "steps": _mean(run["points"][-1]["step"] for run in group),
-            "held_out_final": _mean(finals),
+            "steps": mean(run["points"][-1]["step"] for run in group),
+            "held_out_final": mean(finals),
             "held_out_final_min_max": [min(finals), max(finals)],
-            "held_out_mean_over_run": _mean(_mean(p["held_out"] for p in run["points"][1:]) for run in group),
-            "held_out_at_baseline_seconds": _mean(
+            "held_out_mean_over_run": mean(mean(p["held_out"] for p in run["points"][1:]) for run in group),
+            "held_out_at_baseline_seconds": mean(
                 held_out_at(run["points"], baseline[run["seed"]]) for run in group if run["seed"] in baseline
             ),
-            "held_out_at_baseline_cpu_seconds": _mean(
+            "held_out_at_baseline_cpu_seconds": mean(
                 held_out_at(run["points"], baseline_cpu[run["seed"]], "cpu_seconds")
                 for run in group
                 if baseline_cpu.get(run["seed"]) is not None and "cpu_seconds" in run["points"][-1]
             ),
-            "cpu_seconds_per_step": _mean(
+            "cpu_seconds_per_step": mean(
                 run["points"][-1].get("cpu_seconds", math.nan) / max(run["points"][-1]["step"], 1) for run in group
             ),
-            "train_seconds": _mean(run["train_seconds"] for run in group),
-            "seconds_per_step": _mean(run["train_seconds"] / max(run["points"][-1]["step"], 1) for run in group),
-            "generated_per_trained_token": _mean(
+            "train_seconds": mean(run["train_seconds"] for run in group),
+            "seconds_per_step": mean(run["train_seconds"] / max(run["points"][-1]["step"], 1) for run in group),
+            "generated_per_trained_token": mean(
                 r["tokens"]["generated"] / max(r["tokens"]["trained"], 1) for r in group
             ),
-            "generated_per_signal_token": _mean(
-                r["tokens"]["generated"] / max(r["tokens"]["signal"], 1) for r in group
-            ),
-            "frac_reward_zero_std": _mean(row.get("frac_reward_zero_std") for row in rows),
-            "rounds": _mean(row.get("dynamic_sampling/rounds") for row in rows),
-            "underfilled": _mean(row.get("dynamic_sampling/underfilled") for row in rows),
-            "batch_fill": _mean(row.get("dynamic_sampling/batch_fill") for row in rows),
+            "generated_per_signal_token": mean(r["tokens"]["generated"] / max(r["tokens"]["signal"], 1) for r in group),
+            "frac_reward_zero_std": mean(row.get("frac_reward_zero_std") for row in rows),
+            "rounds": mean(row.get("dynamic_sampling/rounds") for row in rows),
+            "underfilled": mean(row.get("dynamic_sampling/underfilled") for row in rows),
+            "batch_fill": mean(row.get("dynamic_sampling/batch_fill") for row in rows),
         }
         for threshold in thresholds:
             for key, name in (("step", "steps"), ("seconds", "seconds"), ("cpu_seconds", "cpu_seconds")):
@@ -237,9 +233,7 @@ def summarize(runs: list[dict], thresholds, arms) -> dict:
 
 
 def table(summary: dict, thresholds) -> str:
-    def fmt(value, digits=3):
-        return "n/a" if value is None else f"{value:.{digits}f}"
-
+    fmt = number
     head = [
         "task",
         "arm",

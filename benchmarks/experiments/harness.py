@@ -13,6 +13,9 @@ that exists is read back instead of run again, so an interrupted study resumes w
 Verdicts (`paired`): for two arms of a study, the per-seed differences of one score over the seeds both ran, their
 mean and a 95 % Student-t interval over seeds; the word is "ahead" or "behind" only where the interval excludes 0,
 otherwise "level within ±x" (x the half-width).
+
+What the two reports make of the runs (statistics over seeds, per-step bands, which runs may be paired, the verdicts'
+table) is report_common.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Per run: held-out accuracy before and after (greedy, 200 problems), the rollout 
 a rollout batch's 64 sampled completions) of the first rollout and averaged over the last quarter of the rollouts,
 the token clip fraction (TRL's `clip_ratio/region_mean`, logged by every arm), trl-gspo's sequence-ratio spread
 (`seq_ratio/std`, trl-gspo's arms only: stock TRL has no such metric), the completion length, and the median
-seconds and CPU seconds of an optimizer step (generation included, evaluation not). Over seeds: mean, min and max.
+seconds and CPU seconds of an optimizer step (generation included, evaluation not). Over seeds: mean, min and max
+(report_common.py, shared with compare_report.py, as are the per-step bands of the plots and the verdicts' checks).
 Runs that trained different copies of the model (`model_source`: the prepared GGUF copy or the Hub's, with its SHA-256
 or revision) are refused: arms compared must start from the same weights.
 
@@ -30,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (beside this file)
+import report_common  # noqa: E402  (beside this file: statistics over seeds, bands, verdicts)
+from report_common import mean, spread_text  # noqa: E402
 
 CLIP = "clip_ratio/region_mean"
 BAND = "clip_band/epsilon_low"
@@ -62,10 +65,6 @@ NO_PROVENANCE = (
 
 def values(rows, key):
     return [row[key] for row in rows if isinstance(row.get(key), (int, float))]
-
-
-def mean(xs):
-    return statistics.fmean(xs) if xs else None
 
 
 def last_quarter(xs):
@@ -109,13 +108,13 @@ def run_summary(run: dict) -> dict:
 
 
 def over_seeds(summaries: list[dict]) -> dict:
+    """Each per-run number's mean, min and max over the seeds that have it (a length bucket may appear in some runs
+    only), beside the per-run summaries."""
     out = {"seeds": [s["seed"] for s in summaries], "runs": summaries}
-    for key in dict.fromkeys(key for s in summaries for key in s):  # a length bucket may appear in some runs only
-        if key in ("seed",):
-            continue
-        xs = [s[key] for s in summaries if s.get(key) is not None]
-        if xs:
-            out[key] = {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
+    for key in dict.fromkeys(key for s in summaries for key in s if key != "seed"):
+        stat = report_common.spread(s.get(key) for s in summaries)
+        if stat:
+            out[key] = stat
     return out
 
 
@@ -169,24 +168,14 @@ def per_rollout(run, key) -> dict:
     return {step: statistics.fmean(values) for step, values in groups.items()}
 
 
-def by_step(runs, key, rollout_means: bool = False):
-    """steps and (mean, min, max) over seeds of `key` at each step every run logged it (per rollout batch: its mean)."""
-    per_run = [
-        per_rollout(run, key)
-        if rollout_means
-        else {row["step"]: row[key] for row in run["rows"] if isinstance(row.get(key), (int, float))}
-        for run in runs
-    ]
-    steps = sorted(set.intersection(*(set(r) for r in per_run))) if per_run else []
-    stats = [[r[s] for r in per_run] for s in steps]
-    return steps, [statistics.fmean(x) for x in stats], [min(x) for x in stats], [max(x) for x in stats]
-
-
-def curve_by_step(runs):
-    per_run = [dict((step, value) for step, value in run["curve"]) for run in runs]
-    steps = sorted(set.intersection(*(set(r) for r in per_run)))
-    stats = [[r[s] for r in per_run] for s in steps]
-    return steps, [statistics.fmean(x) for x in stats], [min(x) for x in stats], [max(x) for x in stats]
+def per_step(run, key, rollout_means: bool = False) -> dict:
+    """{step: value of `key`} in one run: for `key` None, the held-out curve's points; with `rollout_means`, each
+    rollout batch's mean (`per_rollout`)."""
+    if key is None:
+        return dict(run["curve"])
+    if rollout_means:
+        return per_rollout(run, key)
+    return {row["step"]: row[key] for row in run["rows"] if isinstance(row.get(key), (int, float))}
 
 
 def plot(groups: dict, path: Path, label_of, color_of, title: str) -> None:
@@ -206,17 +195,13 @@ def plot(groups: dict, path: Path, label_of, color_of, title: str) -> None:
     axes = axes.ravel()
     for ax, (name, key) in zip(axes, panels):
         for group, runs in groups.items():
-            if key is None:
-                steps, mid, low, high = curve_by_step(runs)
-            else:
-                steps, mid, low, high = by_step(runs, key, rollout_means=key in (CLIP, SPREAD))
-            if not steps:
+            stats = report_common.by_step([per_step(run, key, key in (CLIP, SPREAD)) for run in runs])
+            if not stats[0]:
                 continue
             wide = group == "stock GSPO"  # drawn wide underneath: trl-gspo GSPO retraces it rollout for rollout
-            style = dict(lw=4, alpha=0.45) if wide else dict(lw=1.5)
+            line = dict(lw=4, alpha=0.45) if wide else dict(lw=1.5)
             marker = "o-" if key is None else "-"
-            ax.plot(steps, mid, marker, ms=3, color=color_of(group), label=label_of(group), **style)
-            ax.fill_between(steps, low, high, color=color_of(group), alpha=0.15, lw=0)
+            report_common.band(ax, *stats, color_of(group), label_of(group), marker, ms=3, **line)
         ax.set(title=name, xlabel="optimizer step")
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
@@ -236,15 +221,6 @@ def plot(groups: dict, path: Path, label_of, color_of, title: str) -> None:
     plt.close(fig)
 
 
-def fmt(stat, digits=3, percent=False):
-    if stat is None:
-        return "n/a"
-    scale, unit = (100, "") if percent else (1, "")
-    return (
-        f"{stat['mean'] * scale:.{digits}f} [{stat['min'] * scale:.{digits}f}, {stat['max'] * scale:.{digits}f}]{unit}"
-    )
-
-
 def table(summary: dict) -> str:
     head = (
         "| arm | lr | seeds | held-out before | held-out after | gain | rollout reward, first -> last quarter | "
@@ -255,13 +231,13 @@ def table(summary: dict) -> str:
     lines = []
     for name, s in summary.items():
         lines.append(
-            f"| {s['arm']} | {s['learning_rate']:g} | {len(s['seeds'])} | {fmt(s.get('held_out_before'))} | "
-            f"{fmt(s.get('held_out_after'))} | {fmt(s.get('held_out_gain'))} | "
-            f"{fmt(s.get('reward_first_rollout'))} -> {fmt(s.get('reward_last_quarter'))} | "
-            f"{fmt(s.get('truncated_first_rollout'))} -> {fmt(s.get('truncated_last_quarter'))} | "
-            f"{fmt(s.get('clip_fraction_tokens'), 4)} | {fmt(s.get('seq_ratio_std'), 5)} | "
-            f"{fmt(s.get('completion_length'), 1)} | {fmt(s.get('seconds_per_step'), 2)} | "
-            f"{fmt(s.get('cpu_seconds_per_step'), 2)} |"
+            f"| {s['arm']} | {s['learning_rate']:g} | {len(s['seeds'])} | {spread_text(s.get('held_out_before'))} | "
+            f"{spread_text(s.get('held_out_after'))} | {spread_text(s.get('held_out_gain'))} | "
+            f"{spread_text(s.get('reward_first_rollout'))} -> {spread_text(s.get('reward_last_quarter'))} | "
+            f"{spread_text(s.get('truncated_first_rollout'))} -> {spread_text(s.get('truncated_last_quarter'))} | "
+            f"{spread_text(s.get('clip_fraction_tokens'), 4)} | {spread_text(s.get('seq_ratio_std'), 5)} | "
+            f"{spread_text(s.get('completion_length'), 1)} | {spread_text(s.get('seconds_per_step'), 2)} | "
+            f"{spread_text(s.get('cpu_seconds_per_step'), 2)} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -275,7 +251,7 @@ def curve_table(summary: dict) -> str:
     head += "| --- | --- | " + " | ".join("---" for _ in steps) + " |\n"
     lines = [
         f"| {s['arm']} | {s['learning_rate']:g} | "
-        + " | ".join(fmt(s.get(f"held_out_at_{step}")) for step in steps)
+        + " | ".join(spread_text(s.get(f"held_out_at_{step}")) for step in steps)
         + " |"
         for s in summary.values()
     ]
@@ -298,8 +274,8 @@ def references(output_dir: Path, lrs) -> dict:
 def band_table(summary: dict) -> str:
     """Where clip_target_fraction's band ended (epsilon, the last quarter of the steps) and what it clipped."""
     lines = [
-        f"| {s['arm']} | {s['learning_rate']:g} | {fmt(s['epsilon_low_last_quarter'], 4)} | "
-        f"{fmt(s.get('clip_band_fraction'), 3)} | {fmt(s.get('clip_fraction_tokens'), 3)} |"
+        f"| {s['arm']} | {s['learning_rate']:g} | {spread_text(s['epsilon_low_last_quarter'], 4)} | "
+        f"{spread_text(s.get('clip_band_fraction'), 3)} | {spread_text(s.get('clip_fraction_tokens'), 3)} |"
         for s in summary.values()
         if s.get("epsilon_low_last_quarter")
     ]
@@ -319,11 +295,11 @@ def report(output_dir: Path, with_references: bool = False, allow_mixed: bool = 
     groups = load_runs(output_dir)
     check_one_source(groups)
     everything = [run for runs in groups.values() for run in runs]
-    code = harness.check_one_code(everything, run_label, allow_mixed, what="real_model_report")
+    code, pairable = report_common.checked_code(everything, run_label, allow_mixed, what="real_model_report")
     note = NO_PROVENANCE if code == harness.NOT_RECORDED else ""
     if note:
         print(note)
-    pairs = study_pairs(groups) if code != harness.NOT_RECORDED or allow_mixed else {}
+    pairs = study_pairs(groups) if pairable else {}
     commits = sorted({str((run.get("provenance") or {}).get("git", {}).get("commit")) for run in everything})
     summary = {}
     for (arm, lr), runs in sorted(
@@ -360,12 +336,7 @@ def report(output_dir: Path, with_references: bool = False, allow_mixed: bool = 
         + "\nHeld-out accuracy (greedy, 200 problems) by optimizer step:\n\n"
         + curve_table({**arms, **quoted})
         + band_table(arms)
-        + (
-            "\nPaired per-seed differences of held-out accuracy after training (A minus B), 95 % t interval over "
-            "seeds:\n\n" + harness.pairs_table(pairs)
-            if pairs
-            else ""
-        )
+        + report_common.pairs_text(pairs, "held-out accuracy after training")
     )
     at = defaultdict(dict)
     for (arm, lr), runs in groups.items():
