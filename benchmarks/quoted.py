@@ -15,6 +15,8 @@ A verdict word is quoted the same way from an experiment report's paired interva
     GRPO is [level within ±0.028](benchmarks/experiments/results/s/summary.json "pairs.GRPO dapo vs GRPO grpo.verdict")
 
 A "level within ±x" written anywhere in the docs without such a link is reported too: the word must come from a report.
+In the docs that give verdicts (README.md and docs/choosing.md, `VERDICT_DOCS`) so is a bare "ahead", "behind" or
+"level with".
 
     python benchmarks/quoted.py            # list every quoted number that differs from its file (exit 1 if any)
     python benchmarks/quoted.py --write    # rewrite them from the files (after `python benchmarks/run.py`)
@@ -42,33 +44,45 @@ VERDICT = re.compile(
     r"\[(?P<word>ahead|behind|level within ±\d+\.\d+)\]\((?P<path>[^)\s]+\.json) \"(?P<key>pairs\.[^\"|]+\.verdict)\"\)"
 )
 LEVEL_WORDS = re.compile(r"level within ±\d+(?:\.\d+)?")
+#: In the docs that give verdicts, every comparative word must be a verdict link: "ahead" or "behind" written by hand
+#: is a reading of means, not of an interval.
+#: A word in quotation marks ("ahead") is named, not used; one inside a hyphenated name (an anchor) is not a word.
+COMPARATIVE_WORDS = re.compile(r'(?<![-\w"])(?:ahead|behind|level with(?:in)?)(?![-\w"])', re.IGNORECASE)
+VERDICT_DOCS = (REPO_ROOT / "README.md", REPO_ROOT / "docs" / "choosing.md")
 
 
 @dataclass
 class Quote:
+    """One quote in a doc: a number (`kind` "number", with its `unit`) or a verdict word (`kind` "verdict")."""
+
     doc: Path
     line: int
-    number: str
+    text: str  # as the doc shows it
     path: str
     key: str
     unit: str | None
     span: tuple[int, int]
+    kind: str = "number"
 
     def file(self) -> Path:
         return (self.doc.parent / self.path).resolve()
 
     def value(self) -> float:
-        """The value the quote stands for, in the quoted unit; raises (KeyError, ...) naming what is missing."""
+        """The value a number quote stands for, in the quoted unit; raises (KeyError, ...) naming what is missing."""
         node = lookup(self.file(), self.key)
         if not isinstance(node, (int, float)) or isinstance(node, bool):
             raise TypeError(f"{self.key} is {node!r}, not a number")
         return node * UNITS[self.unit]
 
-    def decimals(self) -> int:
-        return len(self.number.split(".")[1]) if "." in self.number else 0
-
-    def formatted(self) -> str:
-        return f"{self.value():{',' if ',' in self.number else ''}.{self.decimals()}f}"
+    def shown(self) -> str:
+        """What the doc should show: the number formatted as quoted, or the report's verdict word."""
+        if self.kind == "number":
+            decimals = len(self.text.split(".")[1]) if "." in self.text else 0
+            return f"{self.value():{',' if ',' in self.text else ''}.{decimals}f}"
+        word = lookup(self.file(), self.key)
+        if not isinstance(word, str):
+            raise TypeError(f"{self.key} is {word!r}, not a verdict")
+        return word
 
     def where(self) -> str:
         return where(self.doc, self.line)
@@ -93,78 +107,56 @@ def lookup(path: Path, key: str):
     return node
 
 
-@dataclass
-class VerdictQuote:
-    doc: Path
-    line: int
-    word: str
-    path: str
-    key: str
-    span: tuple[int, int]
-
-    def file(self) -> Path:
-        return (self.doc.parent / self.path).resolve()
-
-    def value(self) -> str:
-        """The report's word; raises (KeyError, ...) naming what is missing."""
-        node = lookup(self.file(), self.key)
-        if not isinstance(node, str):
-            raise TypeError(f"{self.key} is {node!r}, not a verdict")
-        return node
-
-    def where(self) -> str:
-        return where(self.doc, self.line)
-
-
-def verdict_quotes(doc: Path) -> list[VerdictQuote]:
+def quotes(doc: Path, kinds=("number", "verdict")) -> list[Quote]:
+    """The quotes of `doc` of the given kinds, in the order they appear."""
     text = doc.read_text()
-    return [
-        VerdictQuote(doc, text.count("\n", 0, m.start()) + 1, m["word"], m["path"], m["key"], m.span())
-        for m in VERDICT.finditer(text)
+    patterns = {"number": (QUOTE, "number"), "verdict": (VERDICT, "word")}
+    found = [
+        Quote(
+            doc,
+            text.count("\n", 0, m.start()) + 1,
+            m[group],
+            m["path"],
+            m["key"],
+            m.groupdict().get("unit"),
+            m.span(),
+            kind,
+        )
+        for kind in kinds
+        for pattern, group in [patterns[kind]]
+        for m in pattern.finditer(text)
     ]
+    return sorted(found, key=lambda q: q.span)
 
 
-def unlinked_verdicts(doc: Path) -> list[str]:
-    """One line per "level within ±x" in `doc` that is not the text of a verdict link."""
+def unlinked_verdicts(doc: Path, strict: bool = False) -> list[str]:
+    """One line per verdict word in `doc` that is not the text of a verdict link: "level within ±x" in any doc, and
+    with `strict` (the docs that give verdicts, `VERDICT_DOCS`) also a bare "ahead", "behind" or "level with"."""
     text = doc.read_text()
-    linked = [q.span for q in verdict_quotes(doc)]
+    linked = [q.span for q in quotes(doc, kinds=("verdict",))]
+    words = COMPARATIVE_WORDS if strict else LEVEL_WORDS
     return [
         f"{where(doc, text.count(chr(10), 0, m.start()) + 1)}: '{m[0]}' links to no report"
-        for m in LEVEL_WORDS.finditer(text)
+        for m in words.finditer(text)
         if not any(start <= m.start() < end for start, end in linked)
     ]
 
 
-def quotes(doc: Path) -> list[Quote]:
-    text = doc.read_text()
-    found = []
-    for match in QUOTE.finditer(text):
-        line = text.count("\n", 0, match.start()) + 1
-        found.append(Quote(doc, line, match["number"], match["path"], match["key"], match["unit"], match.span()))
-    return found
-
-
-def problems(docs) -> list[str]:
-    """One line per quoted number that does not match its file (or whose file or key is missing)."""
+def problems(docs, verdict_docs=None) -> list[str]:
+    """One line per quote that does not match its file (or whose file or key is missing), and per verdict word
+    written without its link (bare comparative words too in `verdict_docs`, default `VERDICT_DOCS`)."""
+    strict = {Path(d).resolve() for d in (VERDICT_DOCS if verdict_docs is None else verdict_docs)}
     out = []
-    for doc in docs:
-        for quote in quotes(Path(doc)):
+    for doc in map(Path, docs):
+        for quote in quotes(doc):
             try:
-                shown = quote.formatted()
+                shown = quote.shown()
             except (OSError, KeyError, IndexError, TypeError, ValueError) as err:
-                out.append(f"{quote.where()}: {quote.number} <- {quote.path} {quote.key}: {type(err).__name__} {err}")
+                out.append(f"{quote.where()}: '{quote.text}' <- {quote.path} {quote.key}: {type(err).__name__} {err}")
                 continue
-            if shown != quote.number:
-                out.append(f"{quote.where()}: quotes {quote.number}, {quote.path} {quote.key} gives {shown}")
-        for quote in verdict_quotes(Path(doc)):
-            try:
-                word = quote.value()
-            except (OSError, KeyError, IndexError, TypeError, ValueError) as err:
-                out.append(f"{quote.where()}: '{quote.word}' <- {quote.path} {quote.key}: {type(err).__name__} {err}")
-                continue
-            if word != quote.word:
-                out.append(f"{quote.where()}: says '{quote.word}', {quote.path} {quote.key} gives '{word}'")
-        out += unlinked_verdicts(Path(doc))
+            if shown != quote.text:
+                out.append(f"{quote.where()}: quotes '{quote.text}', {quote.path} {quote.key} gives '{shown}'")
+        out += unlinked_verdicts(doc, strict=doc.resolve() in strict)
     return out
 
 
@@ -173,11 +165,11 @@ def write(docs) -> int:
     changed = 0
     for doc in map(Path, docs):
         text = doc.read_text()
-        found = [(q.span, q.number, q.formatted()) for q in quotes(doc)]
-        found += [(q.span, q.word, q.value()) for q in verdict_quotes(doc)]
-        for (start, end), quoted, shown in sorted(found, reverse=True):  # from the end: earlier spans stay valid
-            if shown != quoted:
-                text = text[:start] + text[start:end].replace(f"[{quoted}]", f"[{shown}]", 1) + text[end:]
+        for quote in reversed(quotes(doc)):  # from the end: earlier spans stay valid
+            shown = quote.shown()
+            if shown != quote.text:
+                start, end = quote.span
+                text = text[:start] + text[start:end].replace(f"[{quote.text}]", f"[{shown}]", 1) + text[end:]
                 changed += 1
         doc.write_text(text)
     return changed

@@ -14,6 +14,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = ROOT / "benchmarks" / "experiments"
+#: Student-t 97.5 % points by degrees of freedom (tables), for an interval computed apart from scipy.
+T975 = dict(
+    enumerate(
+        [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131],
+        start=1,
+    )
+)
 SOURCE = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "source": "gguf", "sha256": "ab"}
 
 
@@ -98,6 +105,14 @@ def test_verdict_words_come_from_the_interval_alone(modules, tmp_path):
     # only the seeds both arms ran are paired; one seed gives no interval, and no word claims one
     assert harness.paired({0: 0.5, 1: 0.6, 2: 0.7}, {1: 0.5, 2: 0.5, 3: 0.1})["n"] == 2
     assert harness.paired({0: 0.5}, {0: 0.4})["verdict"] == "no interval (1 paired seed)"
+    # where to put seeds: the fewest n with t(0.975, n - 1) x SD / sqrt(n) <= 0.03 at the SD seen so far
+    assert level["sd"] == pytest.approx(sd)
+    assert level["seeds_for_target"] == next(
+        n for n in range(2, 16) if T975[n - 1] * sd / math.sqrt(n) <= harness.TARGET_HALF_WIDTH
+    )
+    assert harness.seeds_needed(0.045, 0.03) == 12  # the design's plan: t(11) x 0.045 / sqrt(12) = 0.0286
+    assert harness.seeds_needed(0.045, 0.03, most=11) is None
+    assert f"| {level['seeds_for_target']} |" in table
 
 
 def test_the_truncated_fraction_is_reported_per_run_and_per_arm(modules, tmp_path):
@@ -247,7 +262,7 @@ def test_a_verdict_word_that_disagrees_with_the_report_fails_the_check(modules, 
     assert quoted.problems([doc]) == []
     doc.write_text(text.replace("[ahead]", "[behind]"))  # a word changed
     found = quoted.problems([doc])
-    assert len(found) == 1 and "says 'behind'" in found[0] and "gives 'ahead'" in found[0]
+    assert len(found) == 1 and "quotes 'behind'" in found[0] and "gives 'ahead'" in found[0]
     assert quoted.write([doc]) == 1 and doc.read_text() == text  # rewritten from the report
     doc.write_text(text.replace(level, "level within ±0.001"))  # the half-width changed
     assert len(quoted.problems([doc])) == 1
@@ -257,6 +272,16 @@ def test_a_verdict_word_that_disagrees_with_the_report_fails_the_check(modules, 
     doc.write_text(text + "\nGSPO is level within ±0.05 of GRPO.\n")  # a verdict written, not quoted
     found = quoted.problems([doc])
     assert len(found) == 1 and "'level within ±0.05' links to no report" in found[0]
+    doc.write_text(text + "\nGRPO is ahead of GSPO, and band 1e-2 level with it.\n")  # bare comparative words
+    assert quoted.problems([doc], verdict_docs=[]) == []  # allowed in a doc that gives no verdicts
+    found = quoted.problems([doc], verdict_docs=[doc])
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "'ahead' links to no report",
+        "'level with' links to no report",
+    ]
+    named = 'The words "ahead" and "behind" come from [the design](real-model.md#the-studies-behind-this-guide).\n'
+    doc.write_text(text + named)  # a word named in quotation marks, or part of an anchor, is not a verdict
+    assert quoted.problems([doc], verdict_docs=[doc]) == []
 
 
 def test_each_run_makes_the_missing_run_files_and_reads_back_the_rest(modules, tmp_path):
@@ -287,3 +312,20 @@ def test_a_quoted_key_may_hold_a_dot(modules, tmp_path):
     assert quoted.lookup(path, "runs.0.n") == 3
     with pytest.raises(KeyError):
         quoted.lookup(path, "pairs.A vs C.verdict")
+
+
+def test_the_short_study_plans_the_seeds_its_design_gives_each_arm(modules):
+    """docs/real-model.md's design: seeds 0-11 for the close pairs' arms, 0-7 for the paper's band, 0-3 for k = 2,
+    seed by seed; seeds asked for by name run for every arm asked for."""
+    import importlib
+
+    compare = importlib.import_module("real_model_compare")
+    study = compare.STUDIES["regime-short"]
+    plan = compare.study_plan(study, study["arms"])
+    per_arm = {arm: [seed for a, _, seed in plan if a == arm] for arm in study["arms"]}
+    assert per_arm["GRPO dapo"] == per_arm["GSPO spread k=1"] == list(range(12))
+    assert per_arm["GSPO paper band"] == list(range(8)) and per_arm["GSPO spread k=2"] == list(range(4))
+    assert len(plan) == 4 * 12 + 8 + 4
+    assert [seed for _, _, seed in plan] == sorted(seed for _, _, seed in plan)  # whole seeds first
+    asked = compare.study_plan(study, ["GSPO spread k=2"], seeds=[5, 6])
+    assert asked == [("GSPO spread k=2", 5e-6, 5), ("GSPO spread k=2", 5e-6, 6)]

@@ -22,7 +22,7 @@ def test_every_quoted_number_matches_its_result_file():
     results = ROOT / "benchmarks" / "results"  # one file per scenario, and the GPU check's (docs/gpu-check.md)
     experiments = ROOT / "benchmarks" / "experiments" / "results"  # docs/real-model.md, docs/choosing.md
     real_model = {experiments / name for name in ("smollm2-addition", "smollm2-band", "smollm2-target")}
-    real_model |= {experiments / name for name in ("smollm2-stale", "smollm2-long")}
+    real_model |= {experiments / name for name in ("smollm2-stale", "smollm2-long", "smollm2-regime-short")}
     allowed = {results, results / "cuda", results / "gpu-check", *real_model}
     assert all(path.parent in allowed for path in files), files
 
@@ -53,7 +53,7 @@ def test_a_quote_that_differs_from_its_file_is_reported_and_rewritten(tmp_path):
         'wrong [0.990](results/s.json "result.ratio"), missing [1.0](results/s.json "result.nope")\n'
     )
     found = quoted.problems([doc])
-    assert len(found) == 2 and "quotes 0.990" in found[0] and "gives 0.988" in found[0], found
+    assert len(found) == 2 and "quotes '0.990'" in found[0] and "gives '0.988'" in found[0], found
     assert "KeyError" in found[1]
     (results / "s.json").write_text(
         json.dumps({"result": {"ratio": 0.5, "peak": 2**20, "share": 0.5, "runs": [{"n": 1}], "nope": 2}})

@@ -50,6 +50,8 @@ NOT_RECORDED = "not recorded"
 #: Config fields that hold the run's own folders: machine paths, not settings (kept out of tracked run files).
 PATH_FIELDS = ("output_dir", "logging_dir")
 CONFIDENCE = 0.95
+#: The half-width the short study plans its close pairs to reach (docs/real-model.md, the studies' design).
+TARGET_HALF_WIDTH = 0.03
 
 
 # ------------------------------------------------------------------------------------------------- provenance
@@ -226,8 +228,9 @@ def verdict(low: float, high: float, half_width: float) -> str:
 
 def paired(a: dict, b: dict, confidence: float = CONFIDENCE) -> dict:
     """`a` against `b` (seed -> score each): the differences a - b over the seeds both have, their mean, the
-    Student-t interval over seeds, its half-width, n and the verdict word. With fewer than two seeds there is no
-    interval: low, high and half_width are None and the verdict says so."""
+    Student-t interval over seeds, its half-width, n and the verdict word, the differences' SD and the seeds that SD
+    would need for TARGET_HALF_WIDTH (`seeds_needed`). With fewer than two seeds there is no interval: low, high and
+    half_width are None and the verdict says so."""
     import numpy as np
     from scipy import stats
 
@@ -243,10 +246,30 @@ def paired(a: dict, b: dict, confidence: float = CONFIDENCE) -> dict:
             "half_width": None,
             "verdict": f"no interval ({len(seeds)} paired seed{'s' * (len(seeds) != 1)})",
         }
-    mean = float(diffs.mean())
-    half = float(stats.t.ppf(0.5 + confidence / 2, len(seeds) - 1) * diffs.std(ddof=1) / math.sqrt(len(seeds)))
+    mean, sd = float(diffs.mean()), float(diffs.std(ddof=1))
+    half = float(stats.t.ppf(0.5 + confidence / 2, len(seeds) - 1) * sd / math.sqrt(len(seeds)))
     low, high = mean - half, mean + half
-    return {**out, "mean": mean, "low": low, "high": high, "half_width": half, "verdict": verdict(low, high, half)}
+    return {
+        **out,
+        "mean": mean,
+        "low": low,
+        "high": high,
+        "half_width": half,
+        "verdict": verdict(low, high, half),
+        "sd": sd,
+        "seeds_for_target": seeds_needed(sd, TARGET_HALF_WIDTH, confidence),
+    }
+
+
+def seeds_needed(sd: float, target: float, confidence: float = CONFIDENCE, most: int = 1000) -> int | None:
+    """The fewest seeds whose interval would have half-width <= `target` if the differences kept this SD: where
+    to put the next seeds (an SD from few seeds is itself rough, so this is a plan, not a promise); None past `most`."""
+    from scipy import stats
+
+    for n in range(2, most + 1):
+        if stats.t.ppf(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n) <= target:
+            return n
+    return None
 
 
 def pairs(scores: dict, order) -> dict:
@@ -256,17 +279,19 @@ def pairs(scores: dict, order) -> dict:
 
 
 def pairs_table(found: dict) -> str:
-    """Markdown: one row per pair, the mean difference, its 95 % interval, n and the verdict."""
+    """Markdown: one row per pair, the mean difference, its 95 % interval, n, the verdict and the seeds the pair
+    would need for a half-width of TARGET_HALF_WIDTH at its SD so far."""
     if not found:
         return ""
     lines = [
-        "| pair | mean difference | 95 % interval | n seeds | verdict |",
-        "| --- | --- | --- | --- | --- |",
+        f"| pair | mean difference | 95 % interval | n seeds | verdict | seeds for ±{TARGET_HALF_WIDTH} at this SD |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, p in found.items():
         interval = "n/a" if p["low"] is None else f"[{p['low']:+.3f}, {p['high']:+.3f}]"
         mean = "n/a" if p["mean"] is None else f"{p['mean']:+.3f}"
-        lines.append(f"| {name} | {mean} | {interval} | {p['n']} | {p['verdict']} |")
+        needed = p.get("seeds_for_target") or ("n/a" if p["low"] is None else "over 1000")
+        lines.append(f"| {name} | {mean} | {interval} | {p['n']} | {p['verdict']} | {needed} |")
     return "\n".join(lines) + "\n"
 
 

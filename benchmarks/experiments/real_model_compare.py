@@ -129,8 +129,8 @@ STUDIES = {
     ),
     # The regime studies (docs/real-model.md has their design: arms, seeds, held-out size), 1,000 problems held out.
     # Short answers: a 48-token cap most answers end within (58 % of the base model's sampled answers end within 48
-    # tokens, 42 % within 32; the old 16-token cap cut 68-80 % of the first rollout). Seeds 0-7 for every arm, then
-    # 8-11 for the close pairs' arms (`--seeds`).
+    # tokens, 42 % within 32; the old 16-token cap cut 68-80 % of the first rollout). Seeds 0-11 for the close pairs'
+    # arms; `arm_seeds` holds the arms the design gives fewer (it applies where `--seeds` is not given).
     "regime-short": dict(
         arms=REGIME_ARMS,
         learning_rates=[5e-6],
@@ -138,7 +138,8 @@ STUDIES = {
         settings=dict(max_completion_length=48),
         held_out=1000,
         eval_every=32,
-        seeds=list(range(8)),
+        seeds=list(range(12)),
+        arm_seeds={"GSPO paper band": list(range(8)), "GSPO spread k=2": list(range(4))},
     ),
     # Long answers: the working before the sum (~70 tokens, 128 at most), 32 steps; the final score on the first 500
     # held-out problems (1,000 at 128 tokens would cost ~13.5 CPU minutes a run).
@@ -336,6 +337,20 @@ def train_one(
     harness.write_json(path, result)
 
 
+def study_plan(study: dict, arms, learning_rates=None, seeds=None) -> list[tuple]:
+    """The (arm, lr, seed) runs of a study, seed by seed (so a study stopped early holds whole seeds): `seeds` as
+    asked, else the study's, each arm at the seeds its `arm_seeds` gives it where the design gives it fewer."""
+    arm_seeds = {} if seeds else study.get("arm_seeds", {})
+    seeds = seeds or study.get("seeds", [0, 1, 2])
+    return [
+        (arm, lr, seed)
+        for seed in seeds
+        for lr in (learning_rates or study["learning_rates"])
+        for arm in arms
+        if seed in arm_seeds.get(arm, seeds)
+    ]
+
+
 def child_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -425,6 +440,7 @@ def main(argv=None) -> None:
     study = STUDIES[options.study]
     options.output_dir = options.output_dir or RESULTS / study["folder"]
     options.max_steps = options.max_steps or study.get("steps", 64)
+    seeds_asked = options.seeds
     options.seeds = options.seeds or study.get("seeds", [0, 1, 2])
     options.eval_prompts = options.eval_prompts or study.get("eval_prompts", study.get("held_out", 200))
     options.eval_every = options.eval_every if options.eval_every is not None else study.get("eval_every", 16)
@@ -437,12 +453,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"real_model_compare: config fields this trl-gspo does not have: {'; '.join(missing)}")
         # one source for every run, decided here: each child would otherwise ask the network on its own
         os.environ[SOURCE_VARIABLE] = resolve_model(SMOLLM2).source
-        plan = [  # (arm, lr, seed): run_name's order
-            (arm, lr, seed)
-            for seed in options.seeds
-            for lr in (options.learning_rates or study["learning_rates"])
-            for arm in arms
-        ]
+        plan = study_plan(study, arms, options.learning_rates, seeds_asked)
         runs = options.output_dir / "runs"
         if options.eval_prompts > CURVE_PROBLEMS:  # one score before training for the whole study
             launch_before(options.study, options.eval_prompts, options.output_dir, print)

@@ -83,6 +83,7 @@ def pairs_text(pairs: dict, score: str) -> str:
     if not pairs:
         return ""
     return (
-        f"\nPaired per-seed differences of {score} (A minus B), 95 % t interval over seeds:\n\n"
-        + harness.pairs_table(pairs)
+        f"\nPaired per-seed differences of {score} (A minus B), 95 % t interval over seeds; the last column is the "
+        f"seeds a pair would need for a half-width of ±{harness.TARGET_HALF_WIDTH} if its differences kept the SD "
+        "seen so far (a rough plan where few seeds are in):\n\n" + harness.pairs_table(pairs)
     )
