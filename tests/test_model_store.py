@@ -345,7 +345,7 @@ def test_the_comparison_decides_the_source_once_for_every_run(cache, monkeypatch
 
 
 def test_the_comparison_runs_the_arms_and_learning_rates_asked_for(cache, monkeypatch, capsys):
-    """`--arms` and `--learning-rates` replace the study's (GRPO at lr 1e-5 beside the target study); a rate that is
+    """`--arms` and `--learning-rates` replace the study's (the learning-rate study's GRPO at lr 1e-5); a rate that is
     not a number is refused by name."""
     compare = experiment("real_model_compare", monkeypatch)
     report = experiment("real_model_report", monkeypatch)
@@ -353,13 +353,13 @@ def test_the_comparison_runs_the_arms_and_learning_rates_asked_for(cache, monkey
     planned = []
     monkeypatch.setattr(compare, "launch", lambda study, arm, seed, lr, *rest: planned.append((study, arm, seed, lr)))
     monkeypatch.setattr(report, "report", lambda output_dir, **kwargs: None)
-    arguments = ["--study", "target", "--arms", "stock GRPO", "--seeds", "0", "1", "--output-dir", str(cache / "out")]
+    arguments = ["--study", "lr", "--arms", "stock GRPO", "--seeds", "0", "1", "--output-dir", str(cache / "out")]
     arguments += ["--jobs", "1"]  # in plan order (two jobs would record them in the order their threads ran)
     compare.main([*arguments, "--learning-rates", "1e-5"])
-    assert planned == [("target", "stock GRPO", 0, 1e-5), ("target", "stock GRPO", 1, 1e-5)]
+    assert planned == [("lr", "stock GRPO", 0, 1e-5), ("lr", "stock GRPO", 1, 1e-5)]
     planned.clear()
     compare.main(arguments)  # the study's own rates
-    assert [lr for *_, lr in planned] == [5e-6, 1e-5] * 2
+    assert [lr for *_, lr in planned] == [2e-6, 5e-6, 1e-5] * 2
     with pytest.raises(SystemExit) as err:
         compare.main([*arguments, "--learning-rates", "fast"])
     assert err.value.code == 2 and "--learning-rates" in capsys.readouterr().err

@@ -36,10 +36,6 @@ from report_common import mean, spread_text  # noqa: E402
 
 CLIP = "clip_ratio/region_mean"
 BAND = "clip_band/epsilon_low"
-#: The comparison study's folder: a study at its settings that changes only the clip band quotes its arms
-#: (`REFERENCE_ARMS`, at the study's learning rates) beside its own.
-COMPARISON = "smollm2-addition"
-REFERENCE_ARMS = ("stock GRPO", "trl-gspo GSPO")
 SPREAD = "seq_ratio/std"
 LENGTH = "completions/mean_length"
 TRUNCATED = "completions/clipped_ratio"
@@ -258,19 +254,6 @@ def curve_table(summary: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def references(output_dir: Path, lrs) -> dict:
-    """The comparison study's summaries of `REFERENCE_ARMS` at `lrs`, each arm named with where it comes from."""
-    path = output_dir.parent / COMPARISON / "summary.json"
-    if output_dir.name == COMPARISON or not path.exists():
-        return {}
-    saved = json.loads(path.read_text())
-    return {
-        f"{name} (comparison study)": {**s, "arm": f"{s['arm']} (comparison study)"}
-        for name, s in saved.items()
-        if isinstance(s, dict) and s.get("arm") in REFERENCE_ARMS and s["learning_rate"] in lrs
-    }
-
-
 def band_table(summary: dict) -> str:
     """Where clip_target_fraction's band ended (epsilon, the last quarter of the steps) and what it clipped."""
     lines = [
@@ -288,10 +271,9 @@ def band_table(summary: dict) -> str:
     return "\nThe band clip_target_fraction moved to (paper's: 0.0003):\n\n" + head + "\n".join(lines) + "\n"
 
 
-def report(output_dir: Path, with_references: bool = False, allow_mixed: bool = False) -> dict:
-    """Summary, tables and plots of the runs in `output_dir/runs`; `with_references`: the study ran at the comparison
-    study's settings but for the clip band, so its stock GRPO and GSPO rows are quoted beside (marked as such).
-    `allow_mixed`: compare arms run by different training code (or without provenance) all the same."""
+def report(output_dir: Path, allow_mixed: bool = False) -> dict:
+    """Summary, tables and plots of the runs in `output_dir/runs`; `allow_mixed`: compare arms run by different
+    training code (or without provenance) all the same."""
     groups = load_runs(output_dir)
     check_one_source(groups)
     everything = [run for runs in groups.values() for run in runs]
@@ -326,15 +308,12 @@ def report(output_dir: Path, with_references: bool = False, allow_mixed: bool = 
     if pairs:
         summary["pairs"] = pairs
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    quoted = references(output_dir, {lr for _, lr in groups}) if with_references else {}
     (output_dir / "comparison.md").write_text(
         (f"{note}\n\n" if note else f"Training code {code[:12]} (commits {', '.join(commits)}).\n\n")
-        + "Mean over seeds [min, max]; every run in summary.json"
-        + (f" (rows marked 'comparison study': ../{COMPARISON}/summary.json)" if quoted else "")
-        + ".\n\n"
-        + table({**arms, **quoted})
+        + "Mean over seeds [min, max]; every run in summary.json.\n\n"
+        + table(arms)
         + "\nHeld-out accuracy (greedy, 200 problems) by optimizer step:\n\n"
-        + curve_table({**arms, **quoted})
+        + curve_table(arms)
         + band_table(arms)
         + report_common.pairs_text(pairs, "held-out accuracy after training")
     )
