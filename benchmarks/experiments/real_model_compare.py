@@ -433,8 +433,6 @@ def main(argv=None) -> None:
     study = STUDIES[options.study]
     options.output_dir = options.output_dir or RESULTS / study["folder"]
     options.max_steps = options.max_steps or study.get("steps", 64)
-    seeds_asked = options.seeds
-    options.seeds = options.seeds or study.get("seeds", [0, 1, 2])
     options.eval_prompts = options.eval_prompts or study.get("eval_prompts", study.get("held_out", 200))
     options.eval_every = options.eval_every if options.eval_every is not None else study.get("eval_every", 16)
     if not options.replot:
@@ -446,7 +444,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"real_model_compare: config fields this trl-gspo does not have: {'; '.join(missing)}")
         # one source for every run, decided here: each child would otherwise ask the network on its own
         os.environ[SOURCE_VARIABLE] = resolve_model(SMOLLM2).source
-        plan = study_plan(study, arms, options.learning_rates, seeds_asked)
+        plan = study_plan(study, arms, options.learning_rates, options.seeds)
         runs = options.output_dir / "runs"
         if options.eval_prompts > CURVE_PROBLEMS:  # one score before training for the whole study
             launch_before(options.study, options.eval_prompts, options.output_dir, print)
