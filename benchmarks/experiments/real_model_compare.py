@@ -2,8 +2,6 @@
 
     python benchmarks/experiments/real_model_compare.py                  # the comparison: 4 arms x 3 seeds
     python benchmarks/experiments/real_model_compare.py --study lr       # GSPO's learning-rate study
-    python benchmarks/experiments/real_model_compare.py --study stale    # 16 optimizer steps per rollout batch
-    python benchmarks/experiments/real_model_compare.py --study long     # answers with their working, ~70 tokens
     python benchmarks/experiments/real_model_compare.py --replot         # summary and plots from saved runs
 
 The regime studies (one training-code version each; every arm on trl_gspo.GSPOTrainer, 1,000 held-out problems):
@@ -72,10 +70,6 @@ ARMS = {
     "stock GSPO": ("stock", dict(importance_sampling_level="sequence", loss_type="grpo", **GSPO_CLIP)),
     "trl-gspo GSPO": ("ours", {}),
     "trl-gspo GSPO-token": ("ours", dict(importance_sampling_level="sequence_token")),
-    # A wider fixed band (the best of an earlier band study: 1e-3, 3e-3, 1e-2), the paper's 4:3 shape.
-    "trl-gspo GSPO band 1e-2": ("ours", dict(epsilon=1e-2, epsilon_high=1.3e-2)),
-    # A band that follows a target clip fraction (clip_band.py), from the paper's band.
-    "trl-gspo GSPO target 15%": ("ours", dict(clip_target_fraction=0.15)),
     # The regime studies' arms, all on GSPOTrainer (REGIME_ARMS).
     "GRPO dapo": ("ours", GRPO_DEFAULTS),
     "GRPO grpo": ("ours", {**GRPO_DEFAULTS, "loss_type": "grpo"}),  # GSPO's aggregation: only the ratio's level differs
@@ -101,25 +95,6 @@ SHARED = {
 STUDIES = {
     "compare": dict(arms=list(ARMS)[:4], learning_rates=[5e-6], folder="smollm2-addition"),
     "lr": dict(arms=["trl-gspo GSPO"], learning_rates=[2e-6, 5e-6, 1e-5], folder="smollm2-addition"),
-    # Stale rollouts: 16 optimizer steps per rollout batch (the same completions per step; 4x fewer, 4x larger
-    # rollouts), the off-policy regime the paper's argument is about.
-    "stale": dict(
-        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 15%"],
-        learning_rates=[5e-6],
-        folder="smollm2-stale",
-        settings=dict(steps_per_generation=16),
-    ),
-    # Long answers: the working before the sum, ~70 tokens on average (128 at most), 32 steps (a 64-step run would cost over
-    # an hour of CPU); token ratios are noisier the longer the answer, which is where the paper puts GSPO's case.
-    "long": dict(
-        # the paper's band, the band that followed a target, and the best fixed band of the clip-band study
-        arms=["stock GRPO", "trl-gspo GSPO", "trl-gspo GSPO target 15%", "trl-gspo GSPO band 1e-2"],
-        learning_rates=[5e-6],
-        folder="smollm2-long",
-        settings=dict(max_completion_length=128),
-        prompt="WORKING_PROMPT",
-        steps=32,
-    ),
     # The regime studies (docs/real-model.md has their design: arms, seeds, held-out size), 1,000 problems held out.
     # Short answers: a 48-token cap most answers end within (58 % of the base model's sampled answers end within 48
     # tokens, 42 % within 32; the old 16-token cap cut 68-80 % of the first rollout). Seeds 0-11 for the close pairs'
