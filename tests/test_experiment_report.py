@@ -315,7 +315,8 @@ def test_a_quoted_key_may_hold_a_dot(modules, tmp_path):
 
 def test_the_short_study_plans_the_seeds_its_design_gives_each_arm(modules):
     """docs/real-model.md's design: seeds 0-11 for the close pairs' arms, 0-7 for the paper's band, 0-3 for k = 2,
-    seed by seed; seeds asked for by name run for every arm asked for."""
+    seed 0 for stock TRL's GSPO (the parity check), seed by seed; seeds asked for by name run for every arm asked
+    for. The long and stale studies run the controller (clip_target_fraction) at seed 0 only."""
     import importlib
 
     compare = importlib.import_module("real_model_compare")
@@ -324,7 +325,45 @@ def test_the_short_study_plans_the_seeds_its_design_gives_each_arm(modules):
     per_arm = {arm: [seed for a, _, seed in plan if a == arm] for arm in study["arms"]}
     assert per_arm["GRPO dapo"] == per_arm["GSPO spread k=1"] == list(range(12))
     assert per_arm["GSPO paper band"] == list(range(8)) and per_arm["GSPO spread k=2"] == list(range(4))
-    assert len(plan) == 4 * 12 + 8 + 4
+    assert per_arm["stock GSPO"] == [0]
+    assert len(plan) == 4 * 12 + 8 + 4 + 1
     assert [seed for _, _, seed in plan] == sorted(seed for _, _, seed in plan)  # whole seeds first
     asked = compare.study_plan(study, ["GSPO spread k=2"], seeds=[5, 6])
     assert asked == [("GSPO spread k=2", 5e-6, 5), ("GSPO spread k=2", 5e-6, 6)]
+    for name, seeds in (("regime-stale", 6), ("regime-long", 4)):
+        other = compare.STUDIES[name]
+        plan = compare.study_plan(other, other["arms"])
+        assert [seed for arm, _, seed in plan if arm == "GSPO target 0.15"] == [0]
+        assert [seed for arm, _, seed in plan if arm == "GRPO dapo"] == list(range(seeds))
+
+
+def test_stock_trl_and_its_trl_gspo_arm_are_checked_for_identity_not_paired(modules, tmp_path):
+    """`parity`: the same logs and held-out answers give identical; one step's reward, one held-out answer or a
+    missing step is found and measured; stock's arm stays out of the paired verdicts."""
+    _, report, _ = modules
+    ours = [made_up_run("GSPO paper band", s, 0.5 + 0.01 * s) for s in range(3)]
+    stock = [made_up_run("stock GSPO", s, 0.5 + 0.01 * s) for s in range(2)]
+    for run in ours + stock:
+        run["held_out_scores_after"] = [1.0, 0.0, 1.0, 1.0]
+    stock[1]["step_cpu_seconds"] = [2.0] * 16
+    others = [made_up_run("GRPO dapo", s, 0.6) for s in range(3)]
+    summary = report.report(write_runs(tmp_path / "same", ours + stock + others))
+    same = summary["parity"]["GSPO paper band vs stock GSPO at lr5e-06"]
+    assert same["identical"] and same["seeds"] == [0, 1] and same["steps_compared"] == 32
+    assert same["held_out_problems_scored_differently"] == 0
+    assert same["cpu_seconds_per_step_ratio"] == pytest.approx((1.0 + 0.5) / 2)
+    assert list(summary["pairs"]) == ["GRPO dapo vs GSPO paper band"]
+    assert (
+        "| GSPO paper band vs stock GSPO at lr5e-06 | 0, 1 | yes |" in (tmp_path / "same" / "comparison.md").read_text()
+    )
+
+    stock[0]["rows"][5]["reward"] += 0.25
+    stock[1]["held_out_scores_after"][2] = 0.0
+    summary = report.report(write_runs(tmp_path / "differ", ours + stock))
+    differ = summary["parity"]["GSPO paper band vs stock GSPO at lr5e-06"]
+    assert not differ["identical"] and differ["held_out_problems_scored_differently"] == 1
+    assert differ["largest_step_difference"]["reward"] == pytest.approx(0.25)
+    assert differ["largest_step_difference"]["loss"] == 0.0
+    del stock[0]["rows"][-1]
+    differ = report.report(write_runs(tmp_path / "short", ours + stock))["parity"]
+    assert differ["GSPO paper band vs stock GSPO at lr5e-06"]["largest_step_difference"]["loss"] == "inf"

@@ -22,7 +22,9 @@ rollout batch, 16-token completions, constant learning rate, fp32, beta 0, the s
 The regime studies' arms (`REGIME_ARMS`): TRL's default GRPO (token ratio, clip 0.2, loss_type "dapo") and GRPO with
 GSPO's aggregation (loss_type "grpo"), both on GSPOTrainer at TRL's settings (tests/test_grpo_arms.py shows it
 draws stock TRL's rollouts one for one); GSPO with the paper's band, with the band 1e-2 / 1.3e-2, and with the band set
-from each update's own spread (`clip_spread_scale`, k = 1 and 2). They hold out 1,000 problems (`held_out`): the score
+from each update's own spread (`clip_spread_scale`, k = 1 and 2); at one seed each, unpaired, stock TRL's GSPO on the
+short task (checked for identity with GSPOTrainer's paper band: the report's `parity`) and clip_target_fraction's
+controller on long answers and stale rollouts (where its band goes). They hold out 1,000 problems (`held_out`): the score
 before training is the same for every arm and seed (the same weights, greedy), so it is computed once per study into
 `<output-dir>/before.json`; the points during training score the first 200, the final score all 1,000 (long answers: 500). Seeds, arms and
 held-out sizes per regime: docs/real-model.md, the studies' design; `--seeds` adds seeds.
@@ -78,6 +80,8 @@ ARMS = {
     # the band set from each update's own spread of log s_i, k times it, the paper's band its floor (GSPOConfig)
     "GSPO spread k=1": ("ours", dict(clip_spread_scale=1.0)),
     "GSPO spread k=2": ("ours", dict(clip_spread_scale=2.0)),
+    # clip_target_fraction's controller (GSPOConfig): where its band goes under stale rollouts and long answers
+    "GSPO target 0.15": ("ours", dict(clip_target_fraction=0.15)),
 }
 REGIME_ARMS = ["GRPO dapo", "GRPO grpo", "GSPO paper band", "GSPO band 1e-2", "GSPO spread k=1", "GSPO spread k=2"]
 #: The long and stale regimes: k = 2 runs on the short task only (docs/real-model.md, the studies' design).
@@ -100,19 +104,19 @@ STUDIES = {
     # tokens, 42 % within 32; the old 16-token cap cut 68-80 % of the first rollout). Seeds 0-11 for the close pairs'
     # arms; `arm_seeds` holds the arms the design gives fewer (it applies where `--seeds` is not given).
     "regime-short": dict(
-        arms=REGIME_ARMS,
+        arms=[*REGIME_ARMS, "stock GSPO"],  # stock GSPO: is GSPOTrainer's run of the paper's band TRL's own (parity)
         learning_rates=[5e-6],
         folder="smollm2-regime-short",
         settings=dict(max_completion_length=48),
         held_out=1000,
         eval_every=32,
         seeds=list(range(12)),
-        arm_seeds={"GSPO paper band": list(range(8)), "GSPO spread k=2": list(range(4))},
+        arm_seeds={"GSPO paper band": list(range(8)), "GSPO spread k=2": list(range(4)), "stock GSPO": [0]},
     ),
     # Long answers: the working before the sum (~70 tokens, 128 at most), 32 steps; the final score on the first 500
     # held-out problems (1,000 at 128 tokens would cost ~13.5 CPU minutes a run).
     "regime-long": dict(
-        arms=REGIME_ARMS_K1,
+        arms=[*REGIME_ARMS_K1, "GSPO target 0.15"],
         learning_rates=[5e-6],
         folder="smollm2-regime-long",
         settings=dict(max_completion_length=128),
@@ -121,16 +125,18 @@ STUDIES = {
         held_out=1000,
         eval_prompts=500,
         seeds=list(range(4)),
+        arm_seeds={"GSPO target 0.15": [0]},  # the controller's band, described from one run, not paired
     ),
     # Stale rollouts: the short regime with 16 optimizer steps per rollout batch.
     "regime-stale": dict(
-        arms=REGIME_ARMS_K1,
+        arms=[*REGIME_ARMS_K1, "GSPO target 0.15"],
         learning_rates=[5e-6],
         folder="smollm2-regime-stale",
         settings=dict(max_completion_length=48, steps_per_generation=16),
         held_out=1000,
         eval_every=32,
         seeds=list(range(6)),
+        arm_seeds={"GSPO target 0.15": [0]},
     ),
 }
 NUM_TRAIN_PROMPTS = 2000

@@ -51,7 +51,13 @@ COLORS = {
     "GSPO band 1e-2": "tab:purple",
     "GSPO spread k=1": "tab:green",
     "GSPO spread k=2": "tab:olive",
+    "GSPO target 0.15": "tab:brown",
 }
+#: stock TRL's arm -> the trl-gspo arms that run the same algorithm at the same settings: each such pair is checked for
+#: identity (`parity`: the same per-step logs, the same held-out answers scored alike) instead of paired for a gap.
+PARITY = {"stock GSPO": ("trl-gspo GSPO", "trl-gspo GSPO-token", "GSPO paper band")}
+#: The per-step logs `parity` compares: what the rollouts scored and how long they were, and the loss.
+PARITY_KEYS = ("reward", "completions/mean_length", "loss")
 #: The line the report prints (and comparison.md holds) for runs written without provenance.
 NO_PROVENANCE = (
     "These runs carry no provenance (an older harness: no commit, versions or training-code hash): "
@@ -135,6 +141,8 @@ def study_pairs(groups: dict) -> dict:
     """harness.pairs of held-out accuracy after training, per learning rate, the arms in COLORS' order."""
     by_lr = defaultdict(dict)
     for (arm, lr), runs in groups.items():
+        if arm in PARITY and any((ours, lr) in groups for ours in PARITY[arm]):
+            continue  # checked for identity by `parity`, not paired for a gap
         by_lr[lr][arm] = {run["seed"]: run_summary(run)["held_out_after"] for run in runs}
     order = sorted({arm for arm, _ in groups}, key=lambda arm: (list(COLORS).index(arm) if arm in COLORS else 99, arm))
     out = {}
@@ -142,6 +150,74 @@ def study_pairs(groups: dict) -> dict:
         suffix = f" at lr{lr:g}" if len(by_lr) > 1 else ""
         out.update({f"{name}{suffix}": p for name, p in harness.pairs(scores, order).items()})
     return out
+
+
+def step_gap(a, b) -> float:
+    """|a - b| of one logged value in two runs; 0 where neither logged it, infinite where one did not."""
+    if a is None and b is None:
+        return 0.0
+    numbers = isinstance(a, (int, float)) and isinstance(b, (int, float))
+    return abs(a - b) if numbers else float("inf")
+
+
+def parity(groups: dict) -> dict:
+    """{"<ours> vs <stock> at lr<lr>": ...} for each trl-gspo arm and the stock arm of `PARITY` that ran it, over the
+    seeds both ran: whether every seed's per-step logs (`PARITY_KEYS`) and held-out scores are the same, the largest
+    per-step difference of each key (infinite where a step is missing from one), the held-out problems scored
+    differently, and ours' CPU seconds per step over stock's (the mean over seeds of each run's median; the runs ran two
+    at a time on a shared machine, so the speed to read is the benchmark's, docs/speed-and-memory.md)."""
+    out = {}
+    for (stock, lr), stock_runs in groups.items():
+        for ours in PARITY.get(stock, ()):
+            mine = {run["seed"]: run for run in groups.get((ours, lr), [])}
+            theirs = {run["seed"]: run for run in stock_runs}
+            seeds = sorted(set(mine) & set(theirs))
+            if not seeds:
+                continue
+            largest, differing, ratios = dict.fromkeys(PARITY_KEYS, 0.0), 0, []
+            for seed in seeds:
+                a_rows = {row["step"]: row for row in mine[seed]["rows"]}
+                b_rows = {row["step"]: row for row in theirs[seed]["rows"]}
+                for step in set(a_rows) | set(b_rows):
+                    a, b = a_rows.get(step, {}), b_rows.get(step, {})
+                    for key in PARITY_KEYS:
+                        largest[key] = max(largest[key], step_gap(a.get(key), b.get(key)))
+                a, b = mine[seed].get("held_out_scores_after", []), theirs[seed].get("held_out_scores_after", [])
+                differing += sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+                cpu = [statistics.median(run["step_cpu_seconds"]) for run in (mine[seed], theirs[seed])]
+                ratios.append(cpu[0] / cpu[1])
+            out[f"{ours} vs {stock} at lr{lr:g}"] = {
+                "seeds": seeds,
+                "identical": differing == 0 and not any(largest.values()),
+                "steps_compared": sum(len(mine[seed]["rows"]) for seed in seeds),
+                "largest_step_difference": {key: harness.json_safe(gap) for key, gap in largest.items()},
+                "held_out_problems_scored_differently": differing,
+                "cpu_seconds_per_step_ratio": statistics.fmean(ratios),
+            }
+    return out
+
+
+def parity_text(found: dict) -> str:
+    if not found:
+        return ""
+    lines = [
+        "\nIdentity of trl-gspo's arm with stock TRL's at the same settings (per-step "
+        + ", ".join(PARITY_KEYS)
+        + "; held-out answers scored):\n",
+        "| pair | seeds | identical | largest per-step difference | held-out problems scored differently | "
+        "CPU s / step, ours over stock |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, p in found.items():
+        gaps = ", ".join(
+            f"{key} {gap:.3g}" if isinstance(gap, float) else f"{key} {gap}"
+            for key, gap in p["largest_step_difference"].items()
+        )
+        lines.append(
+            f"| {name} | {', '.join(map(str, p['seeds']))} | {'yes' if p['identical'] else 'no'} | {gaps} | "
+            f"{p['held_out_problems_scored_differently']} | {p['cpu_seconds_per_step_ratio']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def load_runs(output_dir: Path) -> dict:
@@ -293,13 +369,8 @@ def report(output_dir: Path, allow_mixed: bool = False) -> dict:
         ),
     ):
         summary[f"{arm} lr{lr:g}"] = {"arm": arm, "learning_rate": lr, **over_seeds([run_summary(r) for r in runs])}
-    for name, s in summary.items():  # trl-gspo's CPU cost per step against stock TRL's GSPO setting at the same lr
-        stock = summary.get(f"stock GSPO lr{s['learning_rate']:g}")
-        if s["arm"].startswith("trl-gspo") and stock and "cpu_seconds_per_step" in s:
-            s["cpu_seconds_per_step_over_stock_gspo"] = (
-                s["cpu_seconds_per_step"]["mean"] / stock["cpu_seconds_per_step"]["mean"]
-            )
     arms = dict(summary)
+    same = parity(groups) if pairable else {}
     if code != harness.NOT_RECORDED:
         by_code = defaultdict(list)  # which runs ran which training code (one entry unless --allow-mixed-code)
         for run in everything:
@@ -307,6 +378,8 @@ def report(output_dir: Path, allow_mixed: bool = False) -> dict:
         summary["provenance"] = {"training_code": code, "commits": commits, "runs_by_training_code": by_code}
     if pairs:
         summary["pairs"] = pairs
+    if same:
+        summary["parity"] = same
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (output_dir / "comparison.md").write_text(
         (f"{note}\n\n" if note else f"Training code {code[:12]} (commits {', '.join(commits)}).\n\n")
@@ -316,6 +389,7 @@ def report(output_dir: Path, allow_mixed: bool = False) -> dict:
         + curve_table(arms)
         + band_table(arms)
         + report_common.pairs_text(pairs, "held-out accuracy after training")
+        + parity_text(same)
     )
     at = defaultdict(dict)
     for (arm, lr), runs in groups.items():
