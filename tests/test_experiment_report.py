@@ -338,19 +338,25 @@ def test_the_short_study_plans_the_seeds_its_design_gives_each_arm(modules):
 
 
 def test_stock_trl_and_its_trl_gspo_arm_are_checked_for_identity_not_paired(modules, tmp_path):
-    """`parity`: the same logs and held-out answers give identical; one step's reward, one held-out answer or a
-    missing step is found and measured; stock's arm stays out of the paired verdicts."""
+    """`parity`: the same per-step rewards and lengths are the same rollouts, a loss that differs by rounding is
+    measured but does not make them differ; one step's reward, one held-out answer or a missing step is found and
+    measured; stock's arm stays out of the paired verdicts."""
     _, report, _ = modules
     ours = [made_up_run("GSPO paper band", s, 0.5 + 0.01 * s) for s in range(3)]
     stock = [made_up_run("stock GSPO", s, 0.5 + 0.01 * s) for s in range(2)]
     for run in ours + stock:
         run["held_out_scores_after"] = [1.0, 0.0, 1.0, 1.0]
     stock[1]["step_cpu_seconds"] = [2.0] * 16
+    for step, row in enumerate(stock[0]["rows"]):
+        row["loss"] = ours[0]["rows"][step]["loss"] = 0.1 * step
+    stock[0]["rows"][3]["loss"] += 3e-7
     others = [made_up_run("GRPO dapo", s, 0.6) for s in range(3)]
     summary = report.report(write_runs(tmp_path / "same", ours + stock + others))
     same = summary["parity"]["GSPO paper band vs stock GSPO at lr5e-06"]
-    assert same["identical"] and same["seeds"] == [0, 1] and same["steps_compared"] == 32
+    assert same["same_rollouts"] and same["same_held_out_scores"]
+    assert same["seeds"] == [0, 1] and same["steps_compared"] == 32
     assert same["held_out_problems_scored_differently"] == 0
+    assert same["largest_step_difference"]["loss"] == pytest.approx(3e-7) and same["median_abs_loss"] == 0.0
     assert same["cpu_seconds_per_step_ratio"] == pytest.approx((1.0 + 0.5) / 2)
     assert list(summary["pairs"]) == ["GRPO dapo vs GSPO paper band"]
     assert (
@@ -361,9 +367,10 @@ def test_stock_trl_and_its_trl_gspo_arm_are_checked_for_identity_not_paired(modu
     stock[1]["held_out_scores_after"][2] = 0.0
     summary = report.report(write_runs(tmp_path / "differ", ours + stock))
     differ = summary["parity"]["GSPO paper band vs stock GSPO at lr5e-06"]
-    assert not differ["identical"] and differ["held_out_problems_scored_differently"] == 1
+    assert not differ["same_rollouts"] and not differ["same_held_out_scores"]
+    assert differ["held_out_problems_scored_differently"] == 1
     assert differ["largest_step_difference"]["reward"] == pytest.approx(0.25)
-    assert differ["largest_step_difference"]["loss"] == 0.0
+    assert differ["largest_step_difference"]["completions/mean_length"] == 0.0
     del stock[0]["rows"][-1]
     differ = report.report(write_runs(tmp_path / "short", ours + stock))["parity"]
     assert differ["GSPO paper band vs stock GSPO at lr5e-06"]["largest_step_difference"]["loss"] == "inf"

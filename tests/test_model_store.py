@@ -339,27 +339,29 @@ def test_the_comparison_decides_the_source_once_for_every_run(cache, monkeypatch
     fake_prepared(cache)
     seen = []
     monkeypatch.setattr(compare, "launch", lambda *args: seen.append(os.environ[model_store.SOURCE_VARIABLE]))
+    monkeypatch.setattr(compare, "launch_before", lambda *args: seen.append(os.environ[model_store.SOURCE_VARIABLE]))
     monkeypatch.setattr(report, "report", lambda output_dir, **kwargs: None)
-    compare.main(["--seeds", "0", "--output-dir", str(cache / "out")])
-    assert seen == ["gguf"] * len(compare.STUDIES["compare"]["arms"])
+    compare.main(["--seeds", "0", "--output-dir", str(cache / "out")])  # the short study, every arm at seed 0
+    assert seen == ["gguf"] * (1 + len(compare.STUDIES["regime-short"]["arms"]))
 
 
 def test_the_comparison_runs_the_arms_and_learning_rates_asked_for(cache, monkeypatch, capsys):
-    """`--arms` and `--learning-rates` replace the study's (the learning-rate study's GRPO at lr 1e-5); a rate that is
+    """`--arms` and `--learning-rates` replace the study's (the short study's GRPO at lr 2e-6 and 1e-5); a rate that is
     not a number is refused by name."""
     compare = experiment("real_model_compare", monkeypatch)
     report = experiment("real_model_report", monkeypatch)
     fake_prepared(cache)
     planned = []
     monkeypatch.setattr(compare, "launch", lambda study, arm, seed, lr, *rest: planned.append((study, arm, seed, lr)))
+    monkeypatch.setattr(compare, "launch_before", lambda *args: None)
     monkeypatch.setattr(report, "report", lambda output_dir, **kwargs: None)
-    arguments = ["--study", "lr", "--arms", "stock GRPO", "--seeds", "0", "1", "--output-dir", str(cache / "out")]
-    arguments += ["--jobs", "1"]  # in plan order (two jobs would record them in the order their threads ran)
-    compare.main([*arguments, "--learning-rates", "1e-5"])
-    assert planned == [("lr", "stock GRPO", 0, 1e-5), ("lr", "stock GRPO", 1, 1e-5)]
+    arguments = ["--study", "regime-short", "--arms", "GRPO dapo", "--seeds", "0", "1"]
+    arguments += ["--output-dir", str(cache / "out"), "--jobs", "1"]  # plan order (two jobs: their threads' order)
+    compare.main([*arguments, "--learning-rates", "2e-6", "1e-5"])
+    assert planned == [("regime-short", "GRPO dapo", seed, lr) for seed in (0, 1) for lr in (2e-6, 1e-5)]
     planned.clear()
-    compare.main(arguments)  # the study's own rates
-    assert [lr for *_, lr in planned] == [2e-6, 5e-6, 1e-5] * 2
+    compare.main(arguments)  # the study's own rate
+    assert [lr for *_, lr in planned] == [5e-6] * 2
     with pytest.raises(SystemExit) as err:
         compare.main([*arguments, "--learning-rates", "fast"])
     assert err.value.code == 2 and "--learning-rates" in capsys.readouterr().err
@@ -388,7 +390,7 @@ def test_the_regime_studies_score_before_training_once_and_refuse_a_field_not_la
 def test_the_report_refuses_arms_trained_on_different_copies(tmp_path, monkeypatch):
     report = experiment("real_model_report", monkeypatch)
     (tmp_path / "runs").mkdir()
-    sources = {"stock GRPO": {"source": "gguf", "sha256": "ab"}, "trl-gspo GSPO": {"source": "hub", "revision": "c"}}
+    sources = {"GRPO dapo": {"source": "gguf", "sha256": "ab"}, "GSPO paper band": {"source": "hub", "revision": "c"}}
     for arm, source in sources.items():
         run = {"arm": arm, "learning_rate": 5e-6, "seed": 0, "model_source": {"model": SMOLLM2, **source}}
         (tmp_path / "runs" / f"{arm.replace(' ', '_')}.json").write_text(json.dumps(run))

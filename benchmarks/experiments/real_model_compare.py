@@ -1,39 +1,32 @@
-"""Stock TRL vs trl-gspo on a real model: SmolLM2-135M-Instruct learning two-digit addition on CPU.
+"""GRPO and GSPO on a real model: SmolLM2-135M-Instruct learning two-digit addition on CPU, arms x seeds.
 
-    python benchmarks/experiments/real_model_compare.py                  # the comparison: 4 arms x 3 seeds
-    python benchmarks/experiments/real_model_compare.py --study lr       # GSPO's learning-rate study
-    python benchmarks/experiments/real_model_compare.py --replot         # summary and plots from saved runs
-
-The regime studies (one training-code version each; every arm on trl_gspo.GSPOTrainer, 1,000 held-out problems):
+The regime studies (one training-code version each; every arm on trl_gspo.GSPOTrainer but stock TRL's GSPO, 1,000
+held-out problems):
 
     python benchmarks/experiments/real_model_compare.py --study regime-short   # 48-token cap, 64 steps
     python benchmarks/experiments/real_model_compare.py --study regime-long    # answers with their working, 32 steps
     python benchmarks/experiments/real_model_compare.py --study regime-stale   # 16 updates per rollout batch
+    python benchmarks/experiments/real_model_compare.py --study regime-short --replot   # the report from saved runs
 
-Arms, at equal settings (the addition demo's: 8 prompts x 8 completions per rollout batch, 4 optimizer steps per
-rollout batch, 16-token completions, constant learning rate, fp32, beta 0, the same seed, data and initial weights):
-
-    stock GRPO          trl.GRPOTrainer, TRL's defaults for the algorithm (token ratio, clip 0.2, loss_type "dapo")
-    stock GSPO          trl.GRPOTrainer, TRL's GSPO setting: importance_sampling_level="sequence", the paper's clip
-                        range 3e-4 / 4e-4, loss_type="grpo"
-    trl-gspo GSPO       trl_gspo.GSPOTrainer with GSPOConfig's defaults (the paper's GSPO)
-    trl-gspo GSPO-token trl_gspo.GSPOTrainer, importance_sampling_level="sequence_token"
-
-The regime studies' arms (`REGIME_ARMS`): TRL's default GRPO (token ratio, clip 0.2, loss_type "dapo") and GRPO with
-GSPO's aggregation (loss_type "grpo"), both on GSPOTrainer at TRL's settings (tests/test_grpo_arms.py shows it
-draws stock TRL's rollouts one for one); GSPO with the paper's band, with the band 1e-2 / 1.3e-2, and with the band set
-from each update's own spread (`clip_spread_scale`, k = 1 and 2); at one seed each, unpaired, stock TRL's GSPO on the
-short task (checked for identity with GSPOTrainer's paper band: the report's `parity`) and clip_target_fraction's
-controller on long answers and stale rollouts (where its band goes). They hold out 1,000 problems (`held_out`): the score
-before training is the same for every arm and seed (the same weights, greedy), so it is computed once per study into
-`<output-dir>/before.json`; the points during training score the first 200, the final score all 1,000 (long answers: 500). Seeds, arms and
-held-out sizes per regime: docs/real-model.md, the studies' design; `--seeds` adds seeds.
+Arms (`ARMS`), at the addition demo's settings (8 prompts x 8 completions per rollout batch, 4 optimizer steps per
+rollout batch, constant learning rate, fp32, beta 0, the same seed, data and initial weights) with what the study
+changes: TRL's default GRPO (token ratio, clip 0.2, loss_type "dapo") and GRPO with GSPO's aggregation (loss_type
+"grpo"), both on GSPOTrainer at TRL's settings (tests/test_grpo_arms.py shows it draws stock TRL's rollouts one for
+one); GSPO with the paper's band, with the band 1e-2 / 1.3e-2, and with the band set from each update's own spread
+(`clip_spread_scale`, k = 1 and 2); at one seed each, unpaired, stock TRL's GSPO (`trl.GRPOTrainer`,
+importance_sampling_level="sequence", the paper's band, loss_type "grpo") on the short task, checked for identity with
+GSPOTrainer's paper band (the report's `parity`), and clip_target_fraction's controller on long answers and stale
+rollouts (where its band goes). The studies hold out 1,000 problems (`held_out`): the score before training is the
+same for every arm and seed (the same weights, greedy), so it is computed once per study into
+`<output-dir>/before.json`; the points during training score the first 200, the final score all 1,000 (long answers:
+500). Seeds, arms and held-out sizes per regime: docs/real-model.md, the studies' design; `--seeds`, `--arms` and
+`--learning-rates` run other cells of the same study.
 
 Every run file carries its provenance (harness.py: the commit, package versions, CPU, threads, the resolved config,
 the held-out set, wall and CPU time, and the hash of the training code it ran).
 
 Each run is a fresh process with one torch thread; `--jobs` runs that many at once (2 on a 2-core machine). A run
-scores the 200 held-out problems greedily before training, every `--eval-every` steps and at the end; evaluation
+scores held-out problems greedily every `--eval-every` steps and at the end; evaluation
 restores torch's random state, so it does not change what a run samples, and its time is kept out of the step
 times. The model's source (the prepared GGUF copy or the Hub's) is decided once, before any run starts, and every
 run is given it (`TRL_GSPO_MODEL_SOURCE`). Every run's logged metrics, curve, times and model source go to
@@ -68,10 +61,8 @@ GSPO_CLIP = dict(epsilon=3e-4, epsilon_high=4e-4)
 GRPO_DEFAULTS = dict(importance_sampling_level="token", loss_type="dapo", epsilon=0.2, epsilon_high=0.2)
 #: name -> (trainer family, config overrides on top of the shared settings).
 ARMS = {
-    "stock GRPO": ("stock", {}),
+    # stock TRL's own GSPO setting, for the parity check against GSPOTrainer's "GSPO paper band"
     "stock GSPO": ("stock", dict(importance_sampling_level="sequence", loss_type="grpo", **GSPO_CLIP)),
-    "trl-gspo GSPO": ("ours", {}),
-    "trl-gspo GSPO-token": ("ours", dict(importance_sampling_level="sequence_token")),
     # The regime studies' arms, all on GSPOTrainer (REGIME_ARMS).
     "GRPO dapo": ("ours", GRPO_DEFAULTS),
     "GRPO grpo": ("ours", {**GRPO_DEFAULTS, "loss_type": "grpo"}),  # GSPO's aggregation: only the ratio's level differs
@@ -97,8 +88,6 @@ SHARED = {
 #: changes in every arm's settings (`settings`: config fields over SHARED; `prompt`: the question's form, `steps`: the
 #: default number of optimizer steps).
 STUDIES = {
-    "compare": dict(arms=list(ARMS)[:4], learning_rates=[5e-6], folder="smollm2-addition"),
-    "lr": dict(arms=["trl-gspo GSPO"], learning_rates=[2e-6, 5e-6, 1e-5], folder="smollm2-addition"),
     # The regime studies (docs/real-model.md has their design: arms, seeds, held-out size), 1,000 problems held out.
     # Short answers: a 48-token cap most answers end within (58 % of the base model's sampled answers end within 48
     # tokens, 42 % within 32; the old 16-token cap cut 68-80 % of the first rollout). Seeds 0-11 for the close pairs'
@@ -381,7 +370,7 @@ def missing_fields(arms) -> list[str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--study", choices=list(STUDIES), default="compare")
+    parser.add_argument("--study", choices=list(STUDIES), default="regime-short")
     parser.add_argument("--output-dir", type=Path, default=None, help="default: results/<the study's folder>")
     parser.add_argument(
         "--seeds", type=int, nargs="+", default=None, help="default: the study's (0 1 2 unless it says)"

@@ -1,7 +1,7 @@
 """The report of `real_model_compare.py`: per run and per (arm, learning rate) over seeds, `summary.json`,
 `comparison.md` and the plots, from the run files in `<output-dir>/runs/`.
 
-Per run: held-out accuracy before and after (greedy, 200 problems), the rollout reward (TRL's `reward`, the mean over
+Per run: held-out accuracy before and after (greedy, the study's held-out set), the rollout reward (TRL's `reward`, the mean over
 a rollout batch's 64 sampled completions) of the first rollout and averaged over the last quarter of the rollouts,
 the token clip fraction (TRL's `clip_ratio/region_mean`, logged by every arm), trl-gspo's sequence-ratio spread
 (`seq_ratio/std`, trl-gspo's arms only: stock TRL has no such metric), the completion length, and the median
@@ -12,6 +12,10 @@ or revision) are refused: arms compared must start from the same weights.
 
 The truncated fraction (TRL's `completions/clipped_ratio`: completions that hit the length cap) of the first rollout
 and over the last quarter of the rollouts, per run and per arm.
+
+Parity (`parity`): stock TRL's arm of `PARITY` against the trl-gspo arm that runs the same algorithm at the same
+settings, seed by seed: the same per-step logs and held-out answers, or the largest difference; that arm is left out
+of the paired verdicts.
 
 Verdicts (harness.py `paired`): for every two arms at one learning rate, the paired per-seed differences of held-out
 accuracy after training, their mean and 95 % Student-t interval over seeds, and the word the interval supports
@@ -40,10 +44,6 @@ SPREAD = "seq_ratio/std"
 LENGTH = "completions/mean_length"
 TRUNCATED = "completions/clipped_ratio"
 COLORS = {
-    "stock GRPO": "tab:red",
-    "stock GSPO": "tab:orange",
-    "trl-gspo GSPO": "tab:blue",
-    "trl-gspo GSPO-token": "tab:green",
     # the regime studies' arms, in the order their pairs are formed
     "GRPO dapo": "tab:red",
     "GRPO grpo": "tab:orange",
@@ -52,12 +52,15 @@ COLORS = {
     "GSPO spread k=1": "tab:green",
     "GSPO spread k=2": "tab:olive",
     "GSPO target 0.15": "tab:brown",
+    "stock GSPO": "tab:gray",
 }
 #: stock TRL's arm -> the trl-gspo arms that run the same algorithm at the same settings: each such pair is checked for
 #: identity (`parity`: the same per-step logs, the same held-out answers scored alike) instead of paired for a gap.
-PARITY = {"stock GSPO": ("trl-gspo GSPO", "trl-gspo GSPO-token", "GSPO paper band")}
-#: The per-step logs `parity` compares: what the rollouts scored and how long they were, and the loss.
-PARITY_KEYS = ("reward", "completions/mean_length", "loss")
+PARITY = {"stock GSPO": ("GSPO paper band",)}
+#: The per-step logs `parity` compares: what the rollouts scored and how long they were (the same rollouts give the
+#: same values, exactly), then the loss and the gradient norm (the same math summed in another order differs by rounding).
+ROLLOUT_KEYS = ("reward", "completions/mean_length")
+PARITY_KEYS = (*ROLLOUT_KEYS, "loss", "grad_norm")
 #: The line the report prints (and comparison.md holds) for runs written without provenance.
 NO_PROVENANCE = (
     "These runs carry no provenance (an older harness: no commit, versions or training-code hash): "
@@ -162,9 +165,9 @@ def step_gap(a, b) -> float:
 
 def parity(groups: dict) -> dict:
     """{"<ours> vs <stock> at lr<lr>": ...} for each trl-gspo arm and the stock arm of `PARITY` that ran it, over the
-    seeds both ran: whether every seed's per-step logs (`PARITY_KEYS`) and held-out scores are the same, the largest
-    per-step difference of each key (infinite where a step is missing from one), the held-out problems scored
-    differently, and ours' CPU seconds per step over stock's (the mean over seeds of each run's median; the runs ran two
+    seeds both ran: whether every step's rollouts scored the same (`ROLLOUT_KEYS` equal, exactly), whether the final
+    held-out answers scored the same, the largest per-step difference of each of `PARITY_KEYS` (infinite where a step
+    is missing from one) beside the median |loss| it compares with, and ours' CPU seconds per step over stock's (the mean over seeds of each run's median; the runs ran two
     at a time on a shared machine, so the speed to read is the benchmark's, docs/speed-and-memory.md)."""
     out = {}
     for (stock, lr), stock_runs in groups.items():
@@ -174,12 +177,13 @@ def parity(groups: dict) -> dict:
             seeds = sorted(set(mine) & set(theirs))
             if not seeds:
                 continue
-            largest, differing, ratios = dict.fromkeys(PARITY_KEYS, 0.0), 0, []
+            largest, differing, ratios, losses = dict.fromkeys(PARITY_KEYS, 0.0), 0, [], []
             for seed in seeds:
                 a_rows = {row["step"]: row for row in mine[seed]["rows"]}
                 b_rows = {row["step"]: row for row in theirs[seed]["rows"]}
                 for step in set(a_rows) | set(b_rows):
                     a, b = a_rows.get(step, {}), b_rows.get(step, {})
+                    losses += [abs(a["loss"])] if isinstance(a.get("loss"), (int, float)) else []
                     for key in PARITY_KEYS:
                         largest[key] = max(largest[key], step_gap(a.get(key), b.get(key)))
                 a, b = mine[seed].get("held_out_scores_after", []), theirs[seed].get("held_out_scores_after", [])
@@ -188,9 +192,11 @@ def parity(groups: dict) -> dict:
                 ratios.append(cpu[0] / cpu[1])
             out[f"{ours} vs {stock} at lr{lr:g}"] = {
                 "seeds": seeds,
-                "identical": differing == 0 and not any(largest.values()),
+                "same_rollouts": not any(largest[key] for key in ROLLOUT_KEYS),
+                "same_held_out_scores": differing == 0,
                 "steps_compared": sum(len(mine[seed]["rows"]) for seed in seeds),
                 "largest_step_difference": {key: harness.json_safe(gap) for key, gap in largest.items()},
+                "median_abs_loss": statistics.median(losses) if losses else None,
                 "held_out_problems_scored_differently": differing,
                 "cpu_seconds_per_step_ratio": statistics.fmean(ratios),
             }
@@ -201,12 +207,10 @@ def parity_text(found: dict) -> str:
     if not found:
         return ""
     lines = [
-        "\nIdentity of trl-gspo's arm with stock TRL's at the same settings (per-step "
-        + ", ".join(PARITY_KEYS)
-        + "; held-out answers scored):\n",
-        "| pair | seeds | identical | largest per-step difference | held-out problems scored differently | "
-        "CPU s / step, ours over stock |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "\ntrl-gspo's arm against stock TRL's at the same settings, step by step:\n",
+        "| pair | seeds | same rollouts | largest per-step difference | median abs loss | held-out problems scored "
+        "differently | CPU s / step, ours over stock |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, p in found.items():
         gaps = ", ".join(
@@ -214,8 +218,9 @@ def parity_text(found: dict) -> str:
             for key, gap in p["largest_step_difference"].items()
         )
         lines.append(
-            f"| {name} | {', '.join(map(str, p['seeds']))} | {'yes' if p['identical'] else 'no'} | {gaps} | "
-            f"{p['held_out_problems_scored_differently']} | {p['cpu_seconds_per_step_ratio']:.2f} |"
+            f"| {name} | {', '.join(map(str, p['seeds']))} | {'yes' if p['same_rollouts'] else 'no'} | {gaps} | "
+            f"{p['median_abs_loss']:.3g} | {p['held_out_problems_scored_differently']} | "
+            f"{p['cpu_seconds_per_step_ratio']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -399,18 +404,6 @@ def report(output_dir: Path, allow_mixed: bool = False) -> dict:
     plot(
         at[main_lr], output_dir / "comparison.png", str, COLORS.get, f"SmolLM2-135M-Instruct, addition, lr {main_lr:g}"
     )
-    gspo = {lr: at[lr]["trl-gspo GSPO"] for lr in lrs if "trl-gspo GSPO" in at[lr]}
-    if len(gspo) > 1:
-        import matplotlib
-
-        cmap = matplotlib.colormaps["viridis"]
-        plot(
-            gspo,
-            output_dir / "lr_study.png",
-            lambda lr: f"GSPO lr {lr:g}",
-            lambda lr: cmap(lrs.index(lr) / max(1, len(lrs) - 1)),
-            "trl-gspo GSPO by learning rate",
-        )
     print(table(arms))
     if pairs:
         print(harness.pairs_table(pairs))
