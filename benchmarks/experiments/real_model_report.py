@@ -99,6 +99,9 @@ def run_summary(run: dict) -> dict:
         "completion_length": mean(values(rows, LENGTH)),
         # clip_target_fraction's band (clip_band.py) over the last quarter of the steps; None with a fixed band
         "epsilon_low_last_quarter": mean(values(rows, BAND)[-max(1, len(rows) // 4) :]),
+        # how far a moving band went over the whole run (its narrowest and widest epsilon)
+        "epsilon_low_min": min(values(rows, BAND), default=None),
+        "epsilon_low_max": max(values(rows, BAND), default=None),
         "clip_band_fraction": mean(values(rows, "clip_band/fraction")),  # the off-policy steps' fractions it measured
         # the |log-ratio| spreads trl-gspo's diagnostics log by completion length (token std and sequence mean)
         **{
@@ -336,9 +339,11 @@ def curve_table(summary: dict) -> str:
 
 
 def band_table(summary: dict) -> str:
-    """Where clip_target_fraction's band ended (epsilon, the last quarter of the steps) and what it clipped."""
+    """Where a moving band (clip_target_fraction's, clip_spread_scale's) ended (epsilon, the last quarter of the
+    steps), its narrowest and widest over the run, and what it clipped."""
     lines = [
         f"| {s['arm']} | {s['learning_rate']:g} | {spread_text(s['epsilon_low_last_quarter'], 4)} | "
+        f"{spread_text(s.get('epsilon_low_min'), 5)} | {spread_text(s.get('epsilon_low_max'), 4)} | "
         f"{spread_text(s.get('clip_band_fraction'), 3)} | {spread_text(s.get('clip_fraction_tokens'), 3)} |"
         for s in summary.values()
         if s.get("epsilon_low_last_quarter")
@@ -346,10 +351,10 @@ def band_table(summary: dict) -> str:
     if not lines:
         return ""
     head = (
-        "| arm | lr | epsilon (low), last quarter | clip fraction of the off-policy steps (what it steers) | "
-        "clip fraction, every step |\n| --- | --- | --- | --- | --- |\n"
+        "| arm | lr | epsilon (low), last quarter | narrowest | widest | clip fraction of the off-policy steps (what "
+        "it steers) | clip fraction, every step |\n| --- | --- | --- | --- | --- | --- | --- |\n"
     )
-    return "\nThe band clip_target_fraction moved to (paper's: 0.0003):\n\n" + head + "\n".join(lines) + "\n"
+    return "\nWhere the moving bands went (the paper's epsilon: 0.0003):\n\n" + head + "\n".join(lines) + "\n"
 
 
 def report(output_dir: Path, allow_mixed: bool = False) -> dict:
