@@ -21,7 +21,7 @@ def test_every_quoted_number_matches_its_result_file():
     files = {quote.file() for doc in docs for quote in quoted.quotes(doc)}
     results = ROOT / "benchmarks" / "results"  # one file per scenario, and the GPU check's (docs/gpu-check.md)
     experiments = ROOT / "benchmarks" / "experiments" / "results"  # docs/real-model.md, docs/choosing.md
-    real_model = {experiments / "smollm2-regime-short"}
+    real_model = {experiments / f"smollm2-regime-{study}" for study in ("short", "stale", "long")}
     allowed = {results, results / "cuda", results / "gpu-check", *real_model}
     assert all(path.parent in allowed for path in files), files
 
