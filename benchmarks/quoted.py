@@ -20,6 +20,7 @@ In the docs that give verdicts (README.md and docs/choosing.md, `VERDICT_DOCS`) 
 
     python benchmarks/quoted.py            # list every quoted number that differs from its file (exit 1 if any)
     python benchmarks/quoted.py --write    # rewrite them from the files (after `python benchmarks/run.py`)
+    python benchmarks/quoted.py --write --flips   # a verdict word that changed too, once its sentence is reread
 
 tests/test_quoted_numbers.py runs the check on README.md, benchmarks/README.md and docs/*.md.
 """
@@ -160,19 +161,29 @@ def problems(docs, verdict_docs=None) -> list[str]:
     return out
 
 
-def write(docs) -> int:
-    """Rewrite every quoted number and verdict from its file; returns how many changed."""
+def write(docs, flips: bool = False) -> int:
+    """Rewrite every quoted number and verdict from its file; returns how many changed.
+
+    A verdict whose word changes ("ahead", "behind" or "level") is left as written unless `flips`: the sentence around
+    it was written for the old word (what it counts, which arm it names first), so it needs rereading, and the check
+    keeps reporting it until then. A "level within ±x" whose half-width alone changed is rewritten."""
     changed = 0
     for doc in map(Path, docs):
         text = doc.read_text()
         for quote in reversed(quotes(doc)):  # from the end: earlier spans stay valid
             shown = quote.shown()
-            if shown != quote.text:
-                start, end = quote.span
-                text = text[:start] + text[start:end].replace(f"[{quote.text}]", f"[{shown}]", 1) + text[end:]
-                changed += 1
+            if shown == quote.text or (quote.kind == "verdict" and not flips and _word(shown) != _word(quote.text)):
+                continue
+            start, end = quote.span
+            text = text[:start] + text[start:end].replace(f"[{quote.text}]", f"[{shown}]", 1) + text[end:]
+            changed += 1
         doc.write_text(text)
     return changed
+
+
+def _word(verdict: str) -> str:
+    """The verdict's word: "ahead", "behind" or "level" (of "level within ±x")."""
+    return verdict.split()[0]
 
 
 def user_docs() -> list[Path]:
@@ -183,11 +194,17 @@ def user_docs() -> list[Path]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the quoted numbers from their files")
+    parser.add_argument(
+        "--flips",
+        action="store_true",
+        help="with --write, also rewrite a verdict whose word changed (ahead, behind, level): its sentence was written "
+        "for the old word, so reread it first",
+    )
     parser.add_argument("docs", nargs="*", help="Markdown files (default: README.md and docs/*.md)")
     args = parser.parse_args(argv)
     docs = args.docs or user_docs()
     if args.write:
-        print(f"{write(docs)} quoted numbers rewritten")
+        print(f"{write(docs, flips=args.flips)} quoted numbers rewritten")
     found = problems(docs)
     print("\n".join(found) or f"every quoted number matches its file ({sum(len(quotes(Path(d))) for d in docs)})")
     return 1 if found else 0

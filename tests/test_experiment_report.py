@@ -262,9 +262,11 @@ def test_a_verdict_word_that_disagrees_with_the_report_fails_the_check(modules, 
     doc.write_text(text.replace("[ahead]", "[behind]"))  # a word changed
     found = quoted.problems([doc])
     assert len(found) == 1 and "quotes 'behind'" in found[0] and "gives 'ahead'" in found[0]
-    assert quoted.write([doc]) == 1 and doc.read_text() == text  # rewritten from the report
+    assert quoted.write([doc]) == 0 and len(quoted.problems([doc])) == 1  # a changed word waits for a reread
+    assert quoted.write([doc], flips=True) == 1 and doc.read_text() == text  # then rewritten from the report
     doc.write_text(text.replace(level, "level within ±0.001"))  # the half-width changed
     assert len(quoted.problems([doc])) == 1
+    assert quoted.write([doc]) == 1 and doc.read_text() == text  # the same word: rewritten without asking
     doc.write_text(text.replace("vs GSPO paper band.verdict", "vs GSPO nothing.verdict"))  # no such pair
     found = quoted.problems([doc])
     assert len(found) == 1 and "KeyError" in found[0] and "GSPO nothing" in found[0]
