@@ -114,6 +114,30 @@ def test_verdict_words_come_from_the_interval_alone(modules, tmp_path):
     assert f"| {level['seeds_for_target']} |" in table
 
 
+def test_each_pair_names_its_seeds_whose_runs_ran_on_two_cpus(modules, tmp_path):
+    """The CPU is part of a run's provenance; a seed whose two runs ran on different CPUs, or on one model with other
+    torch kernels, is listed under the pair (its rollouts differ), and only there."""
+    _, report, _ = modules
+    amd, intel = (
+        {"model": "AMD EPYC", "torch_capability": "AVX512"},
+        {"model": "Intel Xeon", "torch_capability": "AVX512"},
+    )
+    where = {("GSPO band 1e-2", 1): intel, ("GSPO spread k=1", 2): {**amd, "torch_capability": "AVX2"}}
+    runs = study()
+    for run in runs:
+        run["provenance"]["cpu"] = where.get((run["arm"], run["seed"]), amd)
+    pairs = report.report(write_runs(tmp_path, runs))["pairs"]
+    assert pairs["GRPO dapo vs GSPO band 1e-2"]["seeds_on_two_cpus"] == [1]
+    assert pairs["GSPO band 1e-2 vs GSPO spread k=1"]["seeds_on_two_cpus"] == [1, 2]
+    assert pairs["GRPO dapo vs GSPO paper band"]["seeds_on_two_cpus"] == []
+    table = (tmp_path / "comparison.md").read_text()
+    assert "seeds run on two CPUs |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| GSPO band 1e-2 vs GSPO spread k=1 |"))
+    assert row.endswith("| 1, 2 |")
+    row = next(line for line in table.splitlines() if line.startswith("| GRPO dapo vs GSPO paper band |"))
+    assert row.endswith("| none |")
+
+
 def test_the_truncated_fraction_is_reported_per_run_and_per_arm(modules, tmp_path):
     _, report, _ = modules
     summary = report.report(write_runs(tmp_path, study()))

@@ -272,26 +272,47 @@ def seeds_needed(sd: float, target: float, confidence: float = CONFIDENCE, most:
     return None
 
 
-def pairs(scores: dict, order) -> dict:
-    """{"A vs B": paired(scores[A], scores[B])} for every two arms of `order` (A before B) that have scores."""
+def cpu_label(run: dict) -> str | None:
+    """The CPU a run file says it ran on, "model (torch's CPU capability)"; None where it carries no provenance."""
+    found = (run.get("provenance") or {}).get("cpu")
+    return f"{found.get('model')} ({found.get('torch_capability')})" if found else None
+
+
+def pairs(scores: dict, order, cpus: dict | None = None) -> dict:
+    """{"A vs B": paired(scores[A], scores[B])} for every two arms of `order` (A before B) that have scores. With
+    `cpus` (arm -> seed -> cpu_label), each pair also lists its seeds whose two runs ran on different CPUs or kernels
+    (`seeds_on_two_cpus`): such a seed's runs drew different rollouts from the same seed, so it pairs less tightly
+    (its difference is still an unbiased one; the interval carries it like any other)."""
     arms = [arm for arm in order if arm in scores]
-    return {f"{a} vs {b}": paired(scores[a], scores[b]) for i, a in enumerate(arms) for b in arms[i + 1 :]}
+    found = {}
+    for i, a in enumerate(arms):
+        for b in arms[i + 1 :]:
+            p = found[f"{a} vs {b}"] = paired(scores[a], scores[b])
+            if cpus is not None:
+                p["seeds_on_two_cpus"] = [s for s in p["seeds"] if cpus[a].get(s) != cpus[b].get(s)]
+    return found
 
 
 def pairs_table(found: dict) -> str:
-    """Markdown: one row per pair, the mean difference, its 95 % interval, n, the verdict and the seeds the pair
-    would need for a half-width of TARGET_HALF_WIDTH at its SD so far."""
+    """Markdown: one row per pair, the mean difference, its 95 % interval, n, the verdict, the seeds the pair
+    would need for a half-width of TARGET_HALF_WIDTH at its SD so far, and (where `pairs` was given the CPUs) the seeds
+    whose two runs ran on different CPUs."""
     if not found:
         return ""
+    cpus = any("seeds_on_two_cpus" in p for p in found.values())  # the column where the runs' CPUs are known
     lines = [
-        f"| pair | mean difference | 95 % interval | n seeds | verdict | seeds for ±{TARGET_HALF_WIDTH} at this SD |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"| pair | mean difference | 95 % interval | n seeds | verdict | seeds for ±{TARGET_HALF_WIDTH} at this SD |"
+        + (" seeds run on two CPUs |" if cpus else ""),
+        "| --- | --- | --- | --- | --- | --- |" + (" --- |" if cpus else ""),
     ]
     for name, p in found.items():
         interval = "n/a" if p["low"] is None else f"[{p['low']:+.3f}, {p['high']:+.3f}]"
         mean = "n/a" if p["mean"] is None else f"{p['mean']:+.3f}"
         needed = p.get("seeds_for_target") or ("n/a" if p["low"] is None else "over 1000")
-        lines.append(f"| {name} | {mean} | {interval} | {p['n']} | {p['verdict']} | {needed} |")
+        row = f"| {name} | {mean} | {interval} | {p['n']} | {p['verdict']} | {needed} |"
+        if cpus:
+            row += f" {', '.join(map(str, p.get('seeds_on_two_cpus', []))) or 'none'} |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
