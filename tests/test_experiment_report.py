@@ -114,6 +114,15 @@ def test_verdict_words_come_from_the_interval_alone(modules, tmp_path):
     assert f"| {level['seeds_for_target']} |" in table
 
 
+def cell(table: str, pair: str, title: str) -> str:
+    """The pairs table's cell for `pair` under the column headed `title`."""
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("| pair |"))
+    row = next(line for line in lines if line.startswith(f"| {pair} |"))
+    titles = [c.strip() for c in header.strip("|").split("|")]
+    return [c.strip() for c in row.strip("|").split("|")][titles.index(title)]
+
+
 def test_each_pair_names_its_seeds_whose_runs_ran_on_two_cpus(modules, tmp_path):
     """The CPU is part of a run's provenance; a seed whose two runs ran on different CPUs, or on one model with other
     torch kernels, is listed under the pair (its rollouts differ), and only there."""
@@ -132,10 +141,29 @@ def test_each_pair_names_its_seeds_whose_runs_ran_on_two_cpus(modules, tmp_path)
     assert pairs["GRPO dapo vs GSPO paper band"]["seeds_on_two_cpus"] == []
     table = (tmp_path / "comparison.md").read_text()
     assert "seeds run on two CPUs |" in table
-    row = next(line for line in table.splitlines() if line.startswith("| GSPO band 1e-2 vs GSPO spread k=1 |"))
-    assert row.endswith("| 1, 2 |")
-    row = next(line for line in table.splitlines() if line.startswith("| GRPO dapo vs GSPO paper band |"))
-    assert row.endswith("| none |")
+    assert cell(table, "GSPO band 1e-2 vs GSPO spread k=1", "seeds run on two CPUs") == "1, 2"
+    assert cell(table, "GRPO dapo vs GSPO paper band", "seeds run on two CPUs") == "none"
+
+
+def test_each_pair_names_its_seeds_whose_runs_ran_with_two_package_sets(modules, tmp_path):
+    """Package versions are part of a run's provenance too; a seed whose two runs ran with different versions (a
+    newer transformers in a fresh venv, say) is listed under the pair, and only there, in its own column."""
+    _, report, _ = modules
+    runs = study()
+    for run in runs:
+        versions = {"torch": "2.13.0+cpu", "trl": "1.16.0", "transformers": "5.24.0"}
+        if (run["arm"], run["seed"]) == ("GSPO spread k=1", 0):
+            versions["transformers"] = "5.25.0"
+        run["provenance"]["versions"] = versions
+    pairs = report.report(write_runs(tmp_path, runs))["pairs"]
+    assert pairs["GRPO dapo vs GSPO spread k=1"]["seeds_on_two_package_sets"] == [0]
+    assert pairs["GSPO band 1e-2 vs GSPO spread k=1"]["seeds_on_two_package_sets"] == [0]
+    assert pairs["GRPO dapo vs GSPO band 1e-2"]["seeds_on_two_package_sets"] == []
+    table = (tmp_path / "comparison.md").read_text()
+    assert "seeds run on two package sets |" in table
+    assert cell(table, "GRPO dapo vs GSPO spread k=1", "seeds run on two package sets") == "0"
+    assert cell(table, "GRPO dapo vs GSPO band 1e-2", "seeds run on two package sets") == "none"
+    assert cell(table, "GRPO dapo vs GSPO spread k=1", "seeds run on two CPUs") == "none"
 
 
 def test_the_truncated_fraction_is_reported_per_run_and_per_arm(modules, tmp_path):

@@ -278,40 +278,53 @@ def cpu_label(run: dict) -> str | None:
     return f"{found.get('model')} ({found.get('torch_capability')})" if found else None
 
 
-def pairs(scores: dict, order, cpus: dict | None = None) -> dict:
+def versions_label(run: dict) -> str | None:
+    """The package versions a run file says it ran with, "name version, ..." in its order; None without provenance."""
+    found = (run.get("provenance") or {}).get("versions")
+    return ", ".join(f"{name} {version}" for name, version in found.items()) if found else None
+
+
+def pairs(scores: dict, order, cpus: dict | None = None, versions: dict | None = None) -> dict:
     """{"A vs B": paired(scores[A], scores[B])} for every two arms of `order` (A before B) that have scores. With
     `cpus` (arm -> seed -> cpu_label), each pair also lists its seeds whose two runs ran on different CPUs or kernels
-    (`seeds_on_two_cpus`): such a seed's runs drew different rollouts from the same seed, so it pairs less tightly
-    (its difference is still an unbiased one; the interval carries it like any other)."""
+    (`seeds_on_two_cpus`); with `versions` (arm -> seed -> versions_label), those whose two runs ran with different
+    package versions (`seeds_on_two_package_sets`). Such a seed's runs may draw different rollouts from the same seed,
+    so it pairs less tightly (its difference is still an unbiased one; the interval carries it like any other)."""
     arms = [arm for arm in order if arm in scores]
     found = {}
     for i, a in enumerate(arms):
         for b in arms[i + 1 :]:
             p = found[f"{a} vs {b}"] = paired(scores[a], scores[b])
-            if cpus is not None:
-                p["seeds_on_two_cpus"] = [s for s in p["seeds"] if cpus[a].get(s) != cpus[b].get(s)]
+            for key, labels in (("seeds_on_two_cpus", cpus), ("seeds_on_two_package_sets", versions)):
+                if labels is not None:
+                    p[key] = [s for s in p["seeds"] if labels[a].get(s) != labels[b].get(s)]
     return found
 
 
 def pairs_table(found: dict) -> str:
     """Markdown: one row per pair, the mean difference, its 95 % interval, n, the verdict, the seeds the pair
     would need for a half-width of TARGET_HALF_WIDTH at its SD so far, and (where `pairs` was given the CPUs) the seeds
-    whose two runs ran on different CPUs."""
+    whose two runs ran on different CPUs, and on different package versions."""
     if not found:
         return ""
-    cpus = any("seeds_on_two_cpus" in p for p in found.values())  # the column where the runs' CPUs are known
+    # a column where the runs' CPUs, or package versions, are known
+    columns = [
+        (key, title)
+        for key, title in (("seeds_on_two_cpus", "CPUs"), ("seeds_on_two_package_sets", "package sets"))
+        if any(key in p for p in found.values())
+    ]
     lines = [
         f"| pair | mean difference | 95 % interval | n seeds | verdict | seeds for ±{TARGET_HALF_WIDTH} at this SD |"
-        + (" seeds run on two CPUs |" if cpus else ""),
-        "| --- | --- | --- | --- | --- | --- |" + (" --- |" if cpus else ""),
+        + "".join(f" seeds run on two {title} |" for _, title in columns),
+        "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(columns),
     ]
     for name, p in found.items():
         interval = "n/a" if p["low"] is None else f"[{p['low']:+.3f}, {p['high']:+.3f}]"
         mean = "n/a" if p["mean"] is None else f"{p['mean']:+.3f}"
         needed = p.get("seeds_for_target") or ("n/a" if p["low"] is None else "over 1000")
         row = f"| {name} | {mean} | {interval} | {p['n']} | {p['verdict']} | {needed} |"
-        if cpus:
-            row += f" {', '.join(map(str, p.get('seeds_on_two_cpus', []))) or 'none'} |"
+        for key, _ in columns:
+            row += f" {', '.join(map(str, p.get(key, []))) or 'none'} |"
         lines.append(row)
     return "\n".join(lines) + "\n"
 

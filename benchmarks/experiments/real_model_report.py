@@ -23,8 +23,9 @@ accuracy after training, their mean and 95 % Student-t interval over seeds, and 
 appended when the study ran several rates) and in `comparison.md`. They are computed only among runs of one training
 code (`provenance.training_code`); runs of different code, or written without provenance (the studies before the
 regime studies), are refused in one line unless `allow_mixed` (`--allow-mixed-code`). Each pair lists its seeds
-whose two runs ran on different CPUs or torch CPU kernels (`seeds_on_two_cpus`, from `provenance.cpu`): the same
-seed drew different rollouts there, so that seed pairs less tightly.
+whose two runs ran on different CPUs or torch CPU kernels (`seeds_on_two_cpus`, from `provenance.cpu`), and those
+whose two runs ran with different package versions (`seeds_on_two_package_sets`, from `provenance.versions`): the
+same seed may draw different rollouts there, so that seed pairs less tightly.
 """
 
 from __future__ import annotations
@@ -147,18 +148,19 @@ def run_label(run: dict) -> str:
 
 def study_pairs(groups: dict) -> dict:
     """harness.pairs of held-out accuracy after training, per learning rate, the arms in COLORS' order, with the seeds
-    whose two runs ran on different CPUs."""
-    by_lr, cpus = defaultdict(dict), defaultdict(dict)
+    whose two runs ran on different CPUs or package versions."""
+    by_lr, cpus, versions = defaultdict(dict), defaultdict(dict), defaultdict(dict)
     for (arm, lr), runs in groups.items():
         if arm in PARITY and any((ours, lr) in groups for ours in PARITY[arm]):
             continue  # checked for identity by `parity`, not paired for a gap
         by_lr[lr][arm] = {run["seed"]: run_summary(run)["held_out_after"] for run in runs}
         cpus[lr][arm] = {run["seed"]: harness.cpu_label(run) for run in runs}
+        versions[lr][arm] = {run["seed"]: harness.versions_label(run) for run in runs}
     order = sorted({arm for arm, _ in groups}, key=lambda arm: (list(COLORS).index(arm) if arm in COLORS else 99, arm))
     out = {}
     for lr, scores in sorted(by_lr.items()):
         suffix = f" at lr{lr:g}" if len(by_lr) > 1 else ""
-        out.update({f"{name}{suffix}": p for name, p in harness.pairs(scores, order, cpus[lr]).items()})
+        out.update({f"{name}{suffix}": p for name, p in harness.pairs(scores, order, cpus[lr], versions[lr]).items()})
     return out
 
 
