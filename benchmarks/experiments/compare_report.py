@@ -337,15 +337,11 @@ def held_out_pairs(results: dict, allow_mixed: bool = False) -> dict:
     if not pairable:
         print(report_common.NO_PROVENANCE)
         return {}
-    scores, cpus, versions = defaultdict(dict), defaultdict(dict), defaultdict(dict)
+    scores, by_seed = defaultdict(dict), defaultdict(dict)
     for (model, variant), group in results.items():
         scores[model][variant] = {run["seed"]: run["held_out"] for run in group if run.get("held_out") is not None}
-        cpus[model][variant] = {run["seed"]: harness.cpu_label(run) for run in group}
-        versions[model][variant] = {run["seed"]: harness.versions_label(run) for run in group}
-    found = {
-        model: harness.pairs(by_variant, list(VARIANTS), cpus[model], versions[model])
-        for model, by_variant in scores.items()
-    }
+        by_seed[model][variant] = {run["seed"]: run for run in group}
+    found = {model: harness.pairs(by_variant, list(VARIANTS), by_seed[model]) for model, by_variant in scores.items()}
     return {model: pairs for model, pairs in found.items() if pairs}
 
 

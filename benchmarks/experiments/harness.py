@@ -284,38 +284,40 @@ def versions_label(run: dict) -> str | None:
     return ", ".join(f"{name} {version}" for name, version in found.items()) if found else None
 
 
-def pairs(scores: dict, order, cpus: dict | None = None, versions: dict | None = None) -> dict:
+#: What a pair checks, seed by seed, in its two runs' provenance: (key in the pair, the table column's words, label).
+#: Two runs of one seed with different labels may draw different rollouts, so that seed pairs less tightly (its
+#: difference is still an unbiased one; the interval carries it like any other).
+SEED_MISMATCHES = (
+    ("seeds_on_two_cpus", "CPUs", cpu_label),
+    ("seeds_on_two_package_sets", "package sets", versions_label),
+)
+
+
+def pairs(scores: dict, order, runs: dict | None = None) -> dict:
     """{"A vs B": paired(scores[A], scores[B])} for every two arms of `order` (A before B) that have scores. With
-    `cpus` (arm -> seed -> cpu_label), each pair also lists its seeds whose two runs ran on different CPUs or kernels
-    (`seeds_on_two_cpus`); with `versions` (arm -> seed -> versions_label), those whose two runs ran with different
-    package versions (`seeds_on_two_package_sets`). Such a seed's runs may draw different rollouts from the same seed,
-    so it pairs less tightly (its difference is still an unbiased one; the interval carries it like any other)."""
+    `runs` (arm -> seed -> run file), each pair also lists, per entry of SEED_MISMATCHES, its seeds whose two runs
+    ran on different CPUs or kernels (`seeds_on_two_cpus`) and with different package versions
+    (`seeds_on_two_package_sets`)."""
     arms = [arm for arm in order if arm in scores]
     found = {}
     for i, a in enumerate(arms):
         for b in arms[i + 1 :]:
             p = found[f"{a} vs {b}"] = paired(scores[a], scores[b])
-            for key, labels in (("seeds_on_two_cpus", cpus), ("seeds_on_two_package_sets", versions)):
-                if labels is not None:
-                    p[key] = [s for s in p["seeds"] if labels[a].get(s) != labels[b].get(s)]
+            for key, _, label in SEED_MISMATCHES if runs is not None else ():
+                p[key] = [s for s in p["seeds"] if label(runs[a].get(s, {})) != label(runs[b].get(s, {}))]
     return found
 
 
 def pairs_table(found: dict) -> str:
     """Markdown: one row per pair, the mean difference, its 95 % interval, n, the verdict, the seeds the pair
-    would need for a half-width of TARGET_HALF_WIDTH at its SD so far, and (where `pairs` was given the CPUs) the seeds
-    whose two runs ran on different CPUs, and on different package versions."""
+    would need for a half-width of TARGET_HALF_WIDTH at its SD so far, and (where `pairs` was given the runs) a column
+    per SEED_MISMATCHES entry: the seeds whose two runs ran on different CPUs, and with different package versions."""
     if not found:
         return ""
-    # a column where the runs' CPUs, or package versions, are known
-    columns = [
-        (key, title)
-        for key, title in (("seeds_on_two_cpus", "CPUs"), ("seeds_on_two_package_sets", "package sets"))
-        if any(key in p for p in found.values())
-    ]
+    columns = [(key, words) for key, words, _ in SEED_MISMATCHES if any(key in p for p in found.values())]
     lines = [
         f"| pair | mean difference | 95 % interval | n seeds | verdict | seeds for ±{TARGET_HALF_WIDTH} at this SD |"
-        + "".join(f" seeds run on two {title} |" for _, title in columns),
+        + "".join(f" seeds run on two {words} |" for _, words in columns),
         "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(columns),
     ]
     for name, p in found.items():

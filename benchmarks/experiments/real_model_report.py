@@ -149,18 +149,17 @@ def run_label(run: dict) -> str:
 def study_pairs(groups: dict) -> dict:
     """harness.pairs of held-out accuracy after training, per learning rate, the arms in COLORS' order, with the seeds
     whose two runs ran on different CPUs or package versions."""
-    by_lr, cpus, versions = defaultdict(dict), defaultdict(dict), defaultdict(dict)
+    by_lr, by_seed = defaultdict(dict), defaultdict(dict)
     for (arm, lr), runs in groups.items():
         if arm in PARITY and any((ours, lr) in groups for ours in PARITY[arm]):
             continue  # checked for identity by `parity`, not paired for a gap
         by_lr[lr][arm] = {run["seed"]: run_summary(run)["held_out_after"] for run in runs}
-        cpus[lr][arm] = {run["seed"]: harness.cpu_label(run) for run in runs}
-        versions[lr][arm] = {run["seed"]: harness.versions_label(run) for run in runs}
+        by_seed[lr][arm] = {run["seed"]: run for run in runs}
     order = sorted({arm for arm, _ in groups}, key=lambda arm: (list(COLORS).index(arm) if arm in COLORS else 99, arm))
     out = {}
     for lr, scores in sorted(by_lr.items()):
         suffix = f" at lr{lr:g}" if len(by_lr) > 1 else ""
-        out.update({f"{name}{suffix}": p for name, p in harness.pairs(scores, order, cpus[lr], versions[lr]).items()})
+        out.update({f"{name}{suffix}": p for name, p in harness.pairs(scores, order, by_seed[lr]).items()})
     return out
 
 
