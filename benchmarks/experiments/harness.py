@@ -279,9 +279,9 @@ def cpu_label(run: dict) -> str | None:
 
 
 def versions_label(run: dict) -> str | None:
-    """The package versions a run file says it ran with, "name version, ..." in its order; None without provenance."""
+    """The package versions a run file says it ran with, "name version, ..." by name; None without provenance."""
     found = (run.get("provenance") or {}).get("versions")
-    return ", ".join(f"{name} {version}" for name, version in found.items()) if found else None
+    return ", ".join(f"{name} {version}" for name, version in sorted(found.items())) if found else None
 
 
 #: What a pair checks, seed by seed, in its two runs' provenance: (key in the pair, the table column's words, label).
